@@ -1,0 +1,1 @@
+"""torchheal: per-step fault tolerance for PyTorch training."""
