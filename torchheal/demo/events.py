@@ -1,0 +1,56 @@
+"""Progress events that demo workers print and the launcher reads.
+
+Each event is one line on the worker's stdout: the marker ``@torchheal `` followed by a JSON
+object. Anything else a worker prints passes through untouched. Parsing is strict about the
+marker and lenient about the rest: a malformed event line is ignored rather than trusted.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+MARKER = "@torchheal "
+
+
+@dataclass(frozen=True)
+class Event:
+    """One progress report from a replica group.
+
+    Args:
+        kind: "start", "step", "quorum", "heal", "done" or "error".
+        group: replica group index (``REPLICA_GROUP_ID``).
+        time: wall-clock seconds when the worker emitted it.
+        fields: the event's other fields.
+    """
+
+    kind: str
+    group: int
+    time: float
+    fields: dict[str, Any]
+
+
+def emit(kind: str, group: int, **fields: Any) -> None:
+    """Print one event line and flush, so the launcher sees it at once."""
+    record = {"kind": kind, "group": group, "time": time.time(), **fields}
+    sys.stdout.write(MARKER + json.dumps(record, separators=(",", ":")) + "\n")
+    sys.stdout.flush()
+
+
+def parse(line: str) -> Event | None:
+    """Return the event on ``line``, or None when the line is not a well-formed event."""
+    if not line.startswith(MARKER):
+        return None
+    try:
+        record = json.loads(line[len(MARKER) :])
+        kind = record.pop("kind")
+        group = int(record.pop("group"))
+        when = float(record.pop("time"))
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None
+    if not isinstance(kind, str):
+        return None
+    return Event(kind=kind, group=group, time=when, fields=record)

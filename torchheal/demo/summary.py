@@ -1,0 +1,126 @@
+"""The closing summary of a demo run, computed from the events the groups reported."""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+
+from torchheal.launch import RunResult
+
+
+@dataclass(frozen=True)
+class Recovery:
+    """What one injected failure cost.
+
+    Args:
+        group: the killed group.
+        survivor_stall_s: from the kill to the next step any survivor committed.
+        rejoin_s: from the group's restart to its first committed step (None if it never did).
+        healed: whether the restarted group reported that it healed from a peer.
+    """
+
+    group: int
+    survivor_stall_s: float | None
+    rejoin_s: float | None
+    healed: bool
+
+
+@dataclass(frozen=True)
+class Summary:
+    """The demo's verdict.
+
+    Args:
+        steps_committed: the job's final step.
+        failures: number of injected failures.
+        recoveries: one entry per failure.
+        typical_step_s: median time between commits on a healthy group.
+        seconds_lost: survivors' stall beyond a typical step, summed over failures.
+        identical: whether every group ended with bit-identical weights.
+        digests: final weight digest per group.
+        wall_s: duration of the whole run.
+    """
+
+    steps_committed: int
+    failures: int
+    recoveries: tuple[Recovery, ...]
+    typical_step_s: float
+    seconds_lost: float
+    identical: bool
+    digests: dict[int, str]
+    wall_s: float
+
+
+def summarize(result: RunResult) -> Summary:
+    """Reduce a run's events to the numbers the demo prints."""
+    commits: dict[int, list[float]] = {}
+    heals: dict[int, list[float]] = {}
+    for e in result.events:
+        if e.kind == "step" and e.fields.get("committed"):
+            commits.setdefault(e.group, []).append(e.time)
+        if e.kind == "step" and e.fields.get("healed"):
+            heals.setdefault(e.group, []).append(e.time)
+    never_killed = [g for g, p in result.groups.items() if not p.kills]
+    gaps = [b - a for g in never_killed for a, b in zip(commits.get(g, []), commits.get(g, [])[1:])]
+    typical = statistics.median(gaps) if gaps else 0.0
+
+    recoveries = []
+    lost = 0.0
+    for g, proc in result.groups.items():
+        for kill_time in proc.kills:
+            survivor_commits = [
+                t for s in never_killed for t in commits.get(s, []) if t > kill_time
+            ]
+            stall = min(survivor_commits) - kill_time if survivor_commits else None
+            restarts = [t for t in proc.starts if t > kill_time]
+            rejoin = None
+            healed = False
+            if restarts:
+                restart = restarts[0]
+                own = [t for t in commits.get(g, []) if t > restart]
+                rejoin = own[0] - restart if own else None
+                healed = any(t > restart for t in heals.get(g, []))
+            if stall is not None:
+                lost += max(0.0, stall - typical)
+            recoveries.append(Recovery(g, stall, rejoin, healed))
+
+    digests = {e.group: str(e.fields.get("digest")) for e in result.events if e.kind == "done"}
+    steps = max(
+        (int(e.fields.get("step", 0)) for e in result.events if e.kind == "done"), default=0
+    )
+    identical = len(digests) == len(result.groups) and len(set(digests.values())) == 1
+    return Summary(
+        steps_committed=steps,
+        failures=sum(len(p.kills) for p in result.groups.values()),
+        recoveries=tuple(recoveries),
+        typical_step_s=typical,
+        seconds_lost=lost,
+        identical=identical,
+        digests=digests,
+        wall_s=result.ended - result.started,
+    )
+
+
+def render(summary: Summary) -> str:
+    """The summary as the lines the demo prints at the end."""
+    lines = [
+        "",
+        "== torchheal demo summary ==",
+        f"steps committed        {summary.steps_committed}",
+        f"failures survived      {summary.failures}",
+    ]
+    for r in summary.recoveries:
+        stall = f"{r.survivor_stall_s:.2f}s" if r.survivor_stall_s is not None else "n/a"
+        rejoin = f"{r.rejoin_s:.2f}s" if r.rejoin_s is not None else "n/a"
+        lines.append(
+            f"  group {r.group} killed: survivors committed again after {stall}; "
+            f"restarted group committed after {rejoin}{' (healed live from a peer)' if r.healed else ''}"
+        )
+    lines += [
+        f"typical step           {summary.typical_step_s * 1000:.0f} ms",
+        f"seconds lost           {summary.seconds_lost:.2f}s (survivor stall beyond a normal step)",
+        f"wall time              {summary.wall_s:.1f}s",
+        f"identical weights      {'yes, bit-identical on every group' if summary.identical else 'NO'}",
+    ]
+    for g, d in sorted(summary.digests.items()):
+        lines.append(f"  group {g}: sha256 {d[:16]}…")
+    return "\n".join(lines)
