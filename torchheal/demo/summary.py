@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import statistics
 from dataclasses import dataclass
 
@@ -60,7 +61,7 @@ def summarize(result: RunResult) -> Summary:
         if e.kind == "step" and e.fields.get("healed"):
             heals.setdefault(e.group, []).append(e.time)
     never_killed = [g for g, p in result.groups.items() if not p.kills]
-    gaps = [b - a for g in never_killed for a, b in zip(commits.get(g, []), commits.get(g, [])[1:])]
+    gaps = [b - a for g in never_killed for a, b in itertools.pairwise(commits.get(g, []))]
     typical = statistics.median(gaps) if gaps else 0.0
 
     recoveries = []
