@@ -1,0 +1,110 @@
+"""What one rank of one replica group does with an issued quorum (reference §5).
+
+Every rule that answers *which replica rank am I, who is up to date, whose TCPStore hosts the
+cross-group rendezvous, and who heals from whom* lives in :func:`compute_quorum_results`, a pure
+function of the quorum. Each manager server calls it once per waiting rank; since every group
+computes the same plan from the same quorum, senders and receivers agree without talking.
+"""
+
+from __future__ import annotations
+
+from torchheal.coordination.types import Quorum, QuorumResult
+
+__all__ = ["NotParticipatingError", "compute_quorum_results"]
+
+
+class NotParticipatingError(LookupError):
+    """The replica asking for its result is not a participant of the quorum.
+
+    Args:
+        replica_id: the replica that was looked for.
+    """
+
+    def __init__(self, replica_id: str) -> None:
+        super().__init__(f"replica {replica_id} not participating in returned quorum")
+        self.replica_id = replica_id
+
+
+def compute_quorum_results(
+    replica_id: str, group_rank: int, quorum: Quorum, init_sync: bool
+) -> QuorumResult:
+    """Compute one rank's view of a quorum: its ranks, store and recovery assignment.
+
+    Replica ranks are positions in the participants sorted by ``replica_id``. Groups behind
+    ``max_step`` heal; with ``init_sync`` and everyone at step 0, every group except this group
+    rank's primary heals from it, so all start from identical weights. Healers are spread
+    round-robin over the up-to-date groups, offset by ``group_rank`` so that different group
+    ranks of a healer pull from different sources.
+
+    Args:
+        replica_id: the asking replica group's full id.
+        group_rank: the asking rank's index inside its replica group.
+        quorum: the quorum issued by the lighthouse.
+        init_sync: whether replicas starting at step 0 must sync from the primary.
+
+    Returns:
+        The rank's :class:`QuorumResult`.
+
+    Raises:
+        NotParticipatingError: ``replica_id`` is not among the participants.
+    """
+    # Sorting here (not trusting the lighthouse) keeps every group's plan identical even if a
+    # peer lighthouse sent participants in another order.
+    participants = sorted(quorum.participants, key=lambda member: member.replica_id)
+    ids = [member.replica_id for member in participants]
+    try:
+        replica_rank = ids.index(replica_id)
+    except ValueError:
+        raise NotParticipatingError(replica_id) from None
+
+    max_step = max(member.step for member in participants)
+    up_to_date_members = [member for member in participants if member.step == max_step]
+    max_replica_rank: int | None = None
+    for index, member in enumerate(up_to_date_members):
+        if member.replica_id == replica_id:
+            max_replica_rank = index
+            break
+
+    # One primary per group rank spreads the rendezvous load over the up-to-date groups.
+    primary = up_to_date_members[group_rank % len(up_to_date_members)]
+    force_recover = init_sync and max_step == 0
+
+    dst_all: list[int] = []
+    up_to_date: list[int] = []
+    for index, member in enumerate(participants):
+        behind = member.step != max_step
+        if behind or (force_recover and member.replica_id != primary.replica_id):
+            dst_all.append(index)
+        else:
+            up_to_date.append(index)
+
+    # up_to_date always holds the primary, so the modulo below never divides by zero.
+    assign: dict[int, list[int]] = {}
+    recover_src_replica_rank: int | None = None
+    for k, dst in enumerate(dst_all):
+        src = up_to_date[(k + group_rank) % len(up_to_date)]
+        assign.setdefault(src, []).append(dst)
+        if dst == replica_rank:
+            recover_src_replica_rank = src
+
+    recover_src_manager_address = (
+        participants[recover_src_replica_rank].address
+        if recover_src_replica_rank is not None
+        else ""
+    )
+
+    return QuorumResult(
+        quorum_id=quorum.quorum_id,
+        replica_rank=replica_rank,
+        replica_world_size=len(participants),
+        recover_src_manager_address=recover_src_manager_address,
+        recover_src_replica_rank=recover_src_replica_rank,
+        recover_dst_replica_ranks=assign.get(replica_rank, []),
+        store_address=primary.store_address,
+        max_step=max_step,
+        max_replica_rank=max_replica_rank,
+        max_world_size=len(up_to_date_members),
+        heal=recover_src_replica_rank is not None,
+        commit_failures=max((member.commit_failures for member in participants), default=0),
+        replica_ids=ids,
+    )

@@ -1,0 +1,275 @@
+"""The lighthouse's quorum decision, as pure functions of its state and the time.
+
+Every rule that decides *who is in the next quorum, and under which id* lives here (reference §4):
+which replicas count as healthy, the fast path that keeps a stable membership, the
+``min_replicas``/split-brain/straggler checks, ``shrink_only`` filtering and when the quorum id
+moves. The lighthouse server holds one :class:`LighthouseState` under a lock and feeds it
+requests (:func:`join`), heartbeats (:func:`heartbeat`) and ticks (:func:`tick`); it never decides
+anything itself. Nothing here does I/O, starts threads or reads a clock: ``now`` is a monotonic
+time in float seconds supplied by the caller, ``wall`` the wall-clock stamp put on issued quorums.
+
+Reason strings match the reference byte for byte because operators and tests read them (the
+dashboard shows the reason of a fresh :func:`quorum_compute`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torchheal.coordination.types import Quorum, QuorumMember, Timestamp
+
+__all__ = [
+    "LighthouseConfig",
+    "LighthouseState",
+    "forget_stale_heartbeats",
+    "heartbeat",
+    "join",
+    "quorum_compute",
+    "requeue",
+    "tick",
+]
+
+
+@dataclass(frozen=True)
+class LighthouseConfig:
+    """Options of the quorum decision.
+
+    Args:
+        min_replicas: fewest replica groups a quorum may have outside the fast path (>= 1).
+        join_timeout_ms: how long to wait for heartbeating replicas that have not asked to join,
+            counted from the earliest healthy request of the round.
+        quorum_tick_ms: period of the server's background tick (kept here so one object carries
+            all lighthouse options; the pure core does not use it).
+        heartbeat_timeout_ms: a replica is healthy while its last heartbeat is younger than this.
+    """
+
+    min_replicas: int
+    join_timeout_ms: int = 100
+    quorum_tick_ms: int = 100
+    heartbeat_timeout_ms: int = 5000
+
+    def validate(self) -> None:
+        """Check every field; raise ``ValueError`` naming the first bad one.
+
+        Raises:
+            ValueError: ``min_replicas`` < 1 or a timeout that is not > 0.
+        """
+        value = self.min_replicas
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"min_replicas must be an integer >= 1, got {value!r}")
+        for name in ("join_timeout_ms", "quorum_tick_ms", "heartbeat_timeout_ms"):
+            value = getattr(self, name)
+            # bool is an int subclass; a flag passed by mistake is not a timeout.
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"{name} must be a number > 0, got {value!r}")
+
+
+@dataclass
+class LighthouseState:
+    """The lighthouse's whole memory; mutated only by the functions of this module.
+
+    Args:
+        participants: replica_id -> (joined_at, member) for requests waiting for a quorum.
+        heartbeats: replica_id -> monotonic time it was last seen.
+        prev_quorum: the last issued quorum, or None before the first.
+        quorum_id: id of the last issued quorum; 0 before the first, so the first is 1.
+    """
+
+    participants: dict[str, tuple[float, QuorumMember]] = field(default_factory=dict)
+    heartbeats: dict[str, float] = field(default_factory=dict)
+    prev_quorum: Quorum | None = None
+    quorum_id: int = 0
+
+
+def heartbeat(state: LighthouseState, replica_id: str, now: float) -> None:
+    """Record that ``replica_id`` is alive at ``now``.
+
+    Args:
+        state: the lighthouse state to update.
+        replica_id: the replica group's full id.
+        now: monotonic time in seconds.
+    """
+    state.heartbeats[replica_id] = now
+
+
+def join(state: LighthouseState, member: QuorumMember, now: float) -> None:
+    """Register a quorum request; it also counts as a heartbeat.
+
+    A second request from the same replica overwrites the first and resets its join time, as in
+    the reference (the newest step/commit_failures are what the replica reports now).
+
+    Args:
+        state: the lighthouse state to update.
+        member: the requester as it presents itself.
+        now: monotonic time in seconds.
+    """
+    state.heartbeats[member.replica_id] = now
+    state.participants[member.replica_id] = (now, member)
+
+
+def requeue(state: LighthouseState, member: QuorumMember, joined_at: float) -> None:
+    """Put back a requester that an issued quorum left out, without counting a heartbeat.
+
+    The server calls this for each waiting request that was not in the quorum it received
+    (reference §4 step 3: "not in quorum, retrying"); the request keeps waiting for the next one.
+
+    Args:
+        state: the lighthouse state to update.
+        member: the waiting requester.
+        joined_at: the join time to record (the server passes the current time).
+    """
+    state.participants[member.replica_id] = (joined_at, member)
+
+
+def forget_stale_heartbeats(
+    state: LighthouseState,
+    now: float,
+    older_than_s: float,
+    *,
+    config: LighthouseConfig | None = None,
+) -> list[str]:
+    """Drop heartbeat entries at least ``older_than_s`` old, so the map stays bounded.
+
+    The reference never removes heartbeats, so a long-lived lighthouse grows without bound as
+    replicas come and go. A missing heartbeat and an expired one mean the same thing to
+    :func:`quorum_compute` (not healthy), so dropping entries older than the heartbeat timeout
+    changes no decision. The caller must therefore pass ``older_than_s`` >= the heartbeat
+    timeout; give ``config`` to have that checked.
+
+    Args:
+        state: the lighthouse state to prune.
+        now: monotonic time in seconds.
+        older_than_s: minimum age, in seconds, of the entries to drop (> 0).
+        config: if given, ``older_than_s`` must be >= its heartbeat timeout.
+
+    Returns:
+        The forgotten replica ids, sorted.
+
+    Raises:
+        ValueError: ``older_than_s`` is not > 0, or is below ``config``'s heartbeat timeout.
+    """
+    if not older_than_s > 0:
+        raise ValueError(f"older_than_s must be > 0, got {older_than_s!r}")
+    if config is not None and older_than_s < config.heartbeat_timeout_ms / 1000.0:
+        raise ValueError(
+            f"older_than_s={older_than_s} is below heartbeat_timeout_ms="
+            f"{config.heartbeat_timeout_ms}: it would forget replicas that are still healthy"
+        )
+    stale = sorted(rid for rid, seen in state.heartbeats.items() if now - seen >= older_than_s)
+    for rid in stale:
+        del state.heartbeats[rid]
+    return stale
+
+
+def quorum_compute(
+    state: LighthouseState, config: LighthouseConfig, now: float
+) -> tuple[list[QuorumMember] | None, str]:
+    """Decide whether a quorum can be issued now, and who is in it (reference §4).
+
+    Does not change ``state``.
+
+    Args:
+        state: the lighthouse state.
+        config: the quorum options.
+        now: monotonic time in seconds.
+
+    Returns:
+        ``(candidates sorted by replica_id, reason)`` when a quorum is ready, else
+        ``(None, reason)``.
+    """
+    heartbeat_timeout_s = config.heartbeat_timeout_ms / 1000.0
+    healthy_replicas = {
+        rid for rid, seen in state.heartbeats.items() if now - seen < heartbeat_timeout_s
+    }
+    healthy_participants = {
+        rid: entry for rid, entry in state.participants.items() if rid in healthy_replicas
+    }
+    # Python's str order is code-point order, which equals the reference's UTF-8 byte order.
+    candidates = [healthy_participants[rid][1] for rid in sorted(healthy_participants)]
+    shrink_only = any(member.shrink_only for _, member in healthy_participants.values())
+
+    metadata = (
+        f"[{len(healthy_participants)}/{len(state.participants)} participants healthy]"
+        f"[{len(healthy_replicas)} heartbeating][shrink_only={str(shrink_only).lower()}]"
+    )
+
+    prev = state.prev_quorum
+    if prev is not None:
+        prev_ids = {member.replica_id for member in prev.participants}
+        if shrink_only:
+            candidates = [member for member in candidates if member.replica_id in prev_ids]
+        # Fast path: the whole previous membership is back, so nobody is lost and no safety
+        # check is needed; requesters that are new join it at once (growth never waits).
+        if prev_ids <= healthy_participants.keys():
+            return candidates, f"Fast quorum found! {metadata}"
+
+    if len(healthy_participants) < config.min_replicas:
+        return None, (
+            f"New quorum not ready, only have {len(healthy_participants)} participants, "
+            f"need min_replicas {config.min_replicas} {metadata}"
+        )
+
+    # Split-brain guard: a quorum needs a strict majority of the replicas that are alive.
+    if len(healthy_participants) <= len(healthy_replicas) // 2:
+        return None, (
+            f"New quorum not ready, only have {len(healthy_participants)} participants, "
+            f"need at least half of {len(healthy_replicas)} healthy workers {metadata}"
+        )
+
+    # healthy_participants is a subset of healthy_replicas, so comparing sizes is enough.
+    stragglers = len(healthy_replicas) - len(healthy_participants)
+    if stragglers > 0:
+        first_joined = min(joined for joined, _ in healthy_participants.values())
+        if now - first_joined < config.join_timeout_ms / 1000.0:
+            return None, (
+                f"Valid quorum with {len(healthy_participants)} participants, waiting for "
+                f"{stragglers} healthy but not participating stragglers due to join timeout "
+                f"{metadata}"
+            )
+
+    if not candidates:
+        # Deliberate difference: only reachable when shrink_only filtered out every healthy
+        # requester. The reference would issue an empty quorum (no one receives it) and then
+        # loop on a vacuous fast path; we wait instead, so prev_quorum is never empty.
+        return None, (
+            f"New quorum not ready, no candidates left after shrink_only filtering {metadata}"
+        )
+
+    return candidates, f"Valid quorum found {metadata}"
+
+
+def tick(
+    state: LighthouseState, config: LighthouseConfig, now: float, wall: Timestamp
+) -> tuple[Quorum | None, str]:
+    """Run one lighthouse tick: issue a quorum if one is ready.
+
+    On success the quorum id moves when the membership (the ordered replica ids) changed or any
+    member reports failed commits, ``prev_quorum`` becomes the issued quorum and
+    ``participants`` is cleared, so every member must ask again for the next round.
+
+    Args:
+        state: the lighthouse state to update.
+        config: the quorum options.
+        now: monotonic time in seconds.
+        wall: wall-clock time stamped on an issued quorum.
+
+    Returns:
+        ``(quorum, reason)`` if one was issued, else ``(None, reason)``.
+    """
+    candidates, reason = quorum_compute(state, config, now)
+    if candidates is None:
+        return None, reason
+
+    prev = state.prev_quorum
+    new_ids = [member.replica_id for member in candidates]
+    if prev is None or new_ids != [member.replica_id for member in prev.participants]:
+        state.quorum_id += 1
+    elif any(member.commit_failures > 0 for member in candidates):
+        # Same members, but someone could not commit: a fresh id makes every group rebuild its
+        # process group instead of reusing one that may be broken.
+        state.quorum_id += 1
+
+    quorum = Quorum(quorum_id=state.quorum_id, participants=tuple(candidates), created=wall)
+    state.prev_quorum = quorum
+    state.participants.clear()
+    return quorum, reason
