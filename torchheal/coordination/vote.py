@@ -1,0 +1,169 @@
+"""The per-step commit barrier inside one replica group, as plain data (reference §5 ShouldCommit).
+
+Every rank of a replica group votes once per step whether its step went well; the group commits
+only if nobody voted no. :class:`CommitVote` collects ``(group_rank, step, vote)`` and hands back a
+:class:`Decision` when the last distinct rank has voted; the manager server holds one under its
+lock and only delivers the decision to the waiting ranks.
+
+Beyond the reference (which ignores ``step``, a TODO there): votes carry the step, so a vote left
+over from an earlier round (a rank whose RPC timed out and came back) can neither complete nor
+corrupt the round of another step; it raises :class:`StaleVoteError` instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["CommitVote", "Decision", "StaleVoteError"]
+
+
+class StaleVoteError(ValueError):
+    """A vote for another step than the one being decided, or for a step already decided.
+
+    Args:
+        message: what was expected and what arrived.
+        vote_step: the step the rejected vote was for.
+        expected_step: the step of the round in progress, or None if no round is open.
+    """
+
+    def __init__(self, message: str, vote_step: int, expected_step: int | None) -> None:
+        super().__init__(message)
+        self.vote_step = vote_step
+        self.expected_step = expected_step
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The outcome of one commit round.
+
+    Args:
+        step: the step that was voted on.
+        commit: True iff every rank voted to commit.
+        failed_ranks: the group ranks that voted not to commit.
+    """
+
+    step: int
+    commit: bool
+    failed_ranks: frozenset[int]
+
+
+class CommitVote:
+    """Collect the commit votes of the ``world_size`` ranks of one replica group, step by step.
+
+    A round opens with the first vote and takes its step; it closes when all ranks
+    ``0..world_size-1`` have voted, returning the :class:`Decision` and opening the way for the
+    next round. Rules:
+
+    * A vote for a step other than the open round's raises :class:`StaleVoteError` and changes
+      nothing.
+    * With no round open, a vote for a step already settled raises :class:`StaleVoteError`: a
+      step below the last decided one, or equal to it when that round committed (the group has
+      moved on). A retry of a step whose round did not commit is a new round.
+    * A rank voting again in the same round is idempotent: it is counted once, and a "no" from it
+      sticks (once a rank reports a failure, a later "yes" cannot erase it), as the reference's
+      set-based barrier does.
+
+    Args:
+        world_size: number of ranks in the replica group (>= 1).
+
+    Raises:
+        ValueError: ``world_size`` is not an integer >= 1.
+    """
+
+    def __init__(self, world_size: int) -> None:
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
+        self._world_size = world_size
+        self._step: int | None = None
+        self._voted: set[int] = set()
+        self._failed: set[int] = set()
+        self._last: Decision | None = None
+
+    @property
+    def world_size(self) -> int:
+        """Number of ranks that must vote in each round."""
+        return self._world_size
+
+    @property
+    def step(self) -> int | None:
+        """Step of the round in progress, or None when no vote is pending."""
+        return self._step
+
+    @property
+    def voted(self) -> frozenset[int]:
+        """Group ranks that have voted in the round in progress."""
+        return frozenset(self._voted)
+
+    @property
+    def last_decision(self) -> Decision | None:
+        """The most recent decision, or None before the first."""
+        return self._last
+
+    def cast(self, group_rank: int, step: int, vote: bool) -> Decision | None:
+        """Record one rank's vote.
+
+        Args:
+            group_rank: the voting rank, in ``[0, world_size)``.
+            step: the step the rank voted on.
+            vote: True to commit, False if anything failed on this rank.
+
+        Returns:
+            The :class:`Decision` if this vote completed the round, else None.
+
+        Raises:
+            ValueError: ``group_rank`` is outside ``[0, world_size)``.
+            StaleVoteError: ``step`` is not the step being decided, or was already settled.
+        """
+        if isinstance(group_rank, bool) or not isinstance(group_rank, int):
+            raise ValueError(f"group_rank must be an integer, got {group_rank!r}")
+        if not 0 <= group_rank < self._world_size:
+            raise ValueError(
+                f"group_rank {group_rank} is outside [0, {self._world_size}) "
+                f"for a replica group of world_size {self._world_size}"
+            )
+        if self._step is None:
+            self._check_not_settled(group_rank, step)
+            self._step = step
+        elif step != self._step:
+            raise StaleVoteError(
+                f"group_rank {group_rank} voted for step {step} while step {self._step} "
+                "is being decided",
+                vote_step=step,
+                expected_step=self._step,
+            )
+
+        self._voted.add(group_rank)
+        if not vote:
+            self._failed.add(group_rank)
+        if len(self._voted) < self._world_size:
+            return None
+
+        decision = Decision(
+            step=step, commit=not self._failed, failed_ranks=frozenset(self._failed)
+        )
+        self._last = decision
+        self._clear_round()
+        return decision
+
+    def reset(self) -> None:
+        """Abort the round in progress (its votes are forgotten); settled steps stay settled."""
+        self._clear_round()
+
+    def _check_not_settled(self, group_rank: int, step: int) -> None:
+        last = self._last
+        if last is None:
+            return
+        if step < last.step or (step == last.step and last.commit):
+            outcome = "committed" if last.commit else "did not commit"
+            raise StaleVoteError(
+                f"group_rank {group_rank} voted for step {step}, but step {last.step} was "
+                f"already decided ({outcome}); expected a vote for step "
+                f"{last.step + 1 if last.commit else last.step} or later",
+                vote_step=step,
+                expected_step=None,
+            )
+
+    def _clear_round(self) -> None:
+        self._step = None
+        self._voted.clear()
+        self._failed.clear()
