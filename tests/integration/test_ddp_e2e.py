@@ -1,0 +1,114 @@
+"""End-to-end fault-tolerant DDP: real lighthouse, real manager servers, real processes.
+
+Replica groups are separate processes; failures are SIGKILLs; a killed group is restarted and
+must heal live and end with exactly the weights of the groups that never failed.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.integration.harness import GroupPlan, JobSpec, run_job
+from tests.integration.workers import train_ddp, train_plain_ddp
+
+pytestmark = pytest.mark.slow
+
+
+def assert_groups_identical(states: dict, groups: list[int], ranks: int = 1) -> None:
+    for rank in range(ranks):
+        ref = states[(groups[0], rank)]["model"]
+        for g in groups[1:]:
+            other = states[(g, rank)]["model"]
+            for key in ref:
+                torch.testing.assert_close(
+                    other[key], ref[key], rtol=0, atol=0, msg=f"group {g} rank {rank} {key}"
+                )
+
+
+def test_healthy_two_groups_end_identical(tmp_path):
+    spec = JobSpec(steps=4)
+    result = run_job(train_ddp, spec, [GroupPlan(0), GroupPlan(1)], tmp_path)
+    assert_groups_identical(result.states, [0, 1])
+    assert result.failures == {0: 0, 1: 0}
+    for key in [(0, 0), (1, 0)]:
+        assert result.states[key]["step"] == 4
+        assert result.states[key]["failed_steps"] == []
+
+
+@pytest.mark.parametrize("use_async_quorum", [True, False], ids=["async", "sync"])
+def test_killed_group_restarts_heals_and_ends_identical(tmp_path, use_async_quorum):
+    spec = JobSpec(steps=5, use_async_quorum=use_async_quorum)
+    result = run_job(train_ddp, spec, [GroupPlan(0), GroupPlan(1, kill_at_step=2)], tmp_path)
+    assert result.failures == {0: 0, 1: 1}
+    assert_groups_identical(result.states, [0, 1])
+    assert result.states[(0, 0)]["step"] == result.states[(1, 0)]["step"] == 5
+
+
+def test_group_of_two_ranks_both_die_and_heal(tmp_path):
+    spec = JobSpec(steps=4)
+    result = run_job(
+        train_ddp,
+        spec,
+        [GroupPlan(0, world_size=2), GroupPlan(1, world_size=2, kill_at_step=2)],
+        tmp_path,
+    )
+    assert result.failures == {0: 0, 1: 1}
+    assert_groups_identical(result.states, [0, 1], ranks=2)
+
+
+def test_recovery_over_pg_transport(tmp_path):
+    spec = JobSpec(steps=4, transport="pg")
+    result = run_job(train_ddp, spec, [GroupPlan(0), GroupPlan(1, kill_at_step=2)], tmp_path)
+    assert result.failures == {0: 0, 1: 1}
+    assert_groups_identical(result.states, [0, 1])
+
+
+def test_skip_init_sync_with_equal_seeds(tmp_path):
+    spec = JobSpec(steps=4, init_sync=False, same_seed=True)
+    result = run_job(train_ddp, spec, [GroupPlan(0), GroupPlan(1)], tmp_path)
+    assert_groups_identical(result.states, [0, 1])
+
+
+def test_injected_allreduce_error_skips_exactly_that_step_on_the_group(tmp_path):
+    spec = JobSpec(steps=4)
+    result = run_job(
+        train_ddp, spec, [GroupPlan(0), GroupPlan(1, fail_allreduce_at_step=2)], tmp_path
+    )
+    assert result.failures == {0: 0, 1: 0}
+    assert result.states[(1, 0)]["failed_steps"] == [2]
+    # The failing group skipped step 2 and was behind, so it healed from group 0 and caught up.
+    assert_groups_identical(result.states, [0, 1])
+
+
+def test_matches_plain_torch_ddp_without_failures(tmp_path):
+    steps = 5
+    ft = run_job(
+        train_ddp,
+        JobSpec(steps=steps, init_sync=False, same_seed=True),
+        [GroupPlan(0), GroupPlan(1)],
+        tmp_path,
+    )
+
+    ctx = mp.get_context("spawn")
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    procs = [
+        ctx.Process(
+            target=train_plain_ddp,
+            args=(r, 2, store.port, steps, str(tmp_path / f"plain{r}.pt")),
+            daemon=True,
+        )
+        for r in range(2)
+    ]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+        assert p.exitcode == 0, f"plain DDP rank exited with {p.exitcode}"
+    plain = torch.load(tmp_path / "plain0.pt", weights_only=True)["model"]
+    for key, value in plain.items():
+        torch.testing.assert_close(ft.states[(0, 0)]["model"][key], value, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(ft.states[(1, 0)]["model"][key], value, rtol=1e-5, atol=1e-6)

@@ -1,0 +1,139 @@
+"""Per-rank entry points for the end-to-end tests (run in spawned processes by ``harness.py``).
+
+Each rank trains a small MLP with Adam through torchheal's DDP wrapper on data that depends on
+(group, rank, step), so the cross-group average is real, and writes its final state to a file.
+Failures are real: a planned kill is a SIGKILL of the rank's own process.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from datetime import timedelta
+from typing import Any
+
+import torch
+from torch import nn
+
+from tests.integration.harness import GroupPlan, JobSpec
+
+IN, HIDDEN, OUT = 8, 16, 4
+
+
+def make_model(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(IN, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, OUT))
+
+
+def batch(group: int, rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The batch that rank ``rank`` of group ``group`` trains on at ``step``."""
+    gen = torch.Generator().manual_seed(100_003 * group + 1_009 * rank + step)
+    return torch.randn(16, IN, generator=gen), torch.randn(16, OUT, generator=gen)
+
+
+def train_ddp(
+    spec: JobSpec,
+    plan: GroupPlan,
+    group_rank: int,
+    store_port: int,
+    incarnation: int,
+    out_path: str,
+) -> None:
+    """One rank of one replica group: fault-tolerant DDP training to ``spec.steps``."""
+    from torchheal import DistributedDataParallel, Manager, Optimizer, ProcessGroupGloo
+    from torchheal.checkpointing import HTTPTransport
+    from torchheal.checkpointing.pg_transport import PGTransport
+    from torchheal.manager import WorldSizeMode
+    from torchheal.process_group import FakeProcessGroupWrapper
+
+    logging.basicConfig(
+        level=logging.INFO, format=f"g{plan.group}r{group_rank}i{incarnation} %(name)s %(message)s"
+    )
+    timeout = timedelta(seconds=spec.timeout_s)
+    model = make_model(0 if spec.same_seed else 1 + plan.group * 10 + incarnation)
+    inner = torch.optim.Adam(model.parameters(), lr=0.01)
+
+    def state_dict() -> dict[str, Any]:
+        return {"model": model.state_dict(), "optim": inner.state_dict()}
+
+    def load_state_dict(sd: dict[str, Any]) -> None:
+        model.load_state_dict(sd["model"])
+        inner.load_state_dict(sd["optim"])
+
+    pg = FakeProcessGroupWrapper(ProcessGroupGloo(timeout=timeout))
+    transport = (
+        PGTransport(pg, timeout=timeout, device=torch.device("cpu"))
+        if spec.transport == "pg"
+        else HTTPTransport(timeout=timeout, num_chunks=0)
+    )
+    manager = Manager(
+        pg=pg,
+        load_state_dict=load_state_dict,
+        state_dict=state_dict,
+        min_replica_size=spec.min_replica_size,
+        use_async_quorum=spec.use_async_quorum,
+        timeout=timeout,
+        quorum_timeout=timedelta(seconds=spec.quorum_timeout_s),
+        connect_timeout=timedelta(seconds=10),
+        rank=group_rank,
+        world_size=plan.world_size,
+        world_size_mode=WorldSizeMode[spec.world_size_mode],
+        store_addr="127.0.0.1",
+        store_port=store_port,
+        lighthouse_addr=spec.lighthouse_addr,
+        replica_id=f"g{plan.group}",
+        checkpoint_transport=transport,
+        init_sync=spec.init_sync,
+        max_retries=spec.max_retries,
+    )
+    ddp = DistributedDataParallel(manager, model)
+    optimizer = Optimizer(manager, inner)
+    commits = 0
+    failed_steps: list[int] = []
+    while manager.current_step() < spec.steps:
+        step = manager.current_step()
+        if plan.kill_at_step == step:
+            os.kill(os.getpid(), signal.SIGKILL)
+        optimizer.zero_grad()
+        if plan.fail_allreduce_at_step == step:
+            pg.report_future_error(RuntimeError("injected allreduce failure"))
+        x, y = batch(plan.group, group_rank, step)
+        loss = nn.functional.mse_loss(ddp(x), y)
+        loss.backward()
+        optimizer.step()
+        if manager.current_step() > step:
+            commits += 1
+        else:
+            failed_steps.append(step)
+    torch.save(
+        {
+            "model": {k: v.clone() for k, v in model.state_dict().items()},
+            "step": manager.current_step(),
+            "batches_committed": manager.batches_committed(),
+            "commits": commits,
+            "failed_steps": failed_steps,
+        },
+        out_path,
+    )
+    manager.shutdown()
+
+
+def train_plain_ddp(rank: int, world_size: int, store_port: int, steps: int, out_path: str) -> None:
+    """The same training with stock torch DDP: rank r sees group r's batches."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", store_port, is_master=False, wait_for_workers=False)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+    try:
+        model = make_model(0)
+        ddp = nn.parallel.DistributedDataParallel(model)
+        optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+        for step in range(steps):
+            optimizer.zero_grad()
+            x, y = batch(rank, 0, step)
+            nn.functional.mse_loss(ddp(x), y).backward()
+            optimizer.step()
+        torch.save({"model": {k: v.clone() for k, v in model.state_dict().items()}}, out_path)
+    finally:
+        dist.destroy_process_group()
