@@ -1,0 +1,80 @@
+"""The checkpoint transport interface used by the Manager to heal a replica live.
+
+A healthy replica ``send_checkpoint``s its state when a peer is behind; the healing peer
+``recv_checkpoint``s it, using the string its source published via ``metadata()`` (for HTTP,
+the URL of the source's server). Implementations: ``HTTPTransport`` and ``PGTransport``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from datetime import timedelta
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be sent or received: the step must fail, nothing is loaded.
+
+    Raised for integrity failures (size or checksum mismatch, truncated stream), malformed or
+    hostile descriptions, refused requests, and transport failures.
+    """
+
+
+class CheckpointTimeoutError(CheckpointError, TimeoutError):
+    """A checkpoint transfer did not complete within its timeout."""
+
+
+class CheckpointTransport(ABC, Generic[T]):
+    """Moves a replica's state to healing peers; generic over the state type ``T``."""
+
+    @abstractmethod
+    def metadata(self) -> str:
+        """Returns the string a healing peer needs to reach this transport.
+
+        Published through the manager server to replicas that must recover from this one.
+        """
+
+    @abstractmethod
+    def send_checkpoint(
+        self, dst_ranks: list[int], step: int, state_dict: T, timeout: timedelta
+    ) -> None:
+        """Makes ``state_dict`` for ``step`` available to (or sends it to) ``dst_ranks``.
+
+        Called only when some replica is behind. May return before the transfer finishes;
+        the state must not be mutated until ``disallow_checkpoint`` returns.
+
+        Args:
+            dst_ranks: replica ranks that will receive the checkpoint.
+            step: the step the state belongs to.
+            state_dict: the state to send.
+            timeout: bound on the transfer's waits.
+        """
+
+    def disallow_checkpoint(self) -> None:
+        """Stops serving the checkpoint; after it returns the state may be mutated."""
+
+    @abstractmethod
+    def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta) -> T:
+        """Receives the checkpoint for ``step`` from the replica at ``src_rank``.
+
+        Args:
+            src_rank: replica rank of the source.
+            metadata: the source's ``metadata()`` string.
+            step: the step expected; any other step is an error.
+            timeout: bound on the transfer's waits.
+
+        Returns:
+            The received state.
+
+        Raises:
+            CheckpointError: the transfer failed, timed out or did not verify.
+        """
+
+    def shutdown(self, wait: bool = True) -> None:
+        """Releases the transport's resources.
+
+        Args:
+            wait: wait for background threads to finish.
+        """
