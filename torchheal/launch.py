@@ -68,7 +68,10 @@ class RunResult:
 
 
 class Launcher:
-    """Runs ``replicas`` copies of ``command`` as replica groups until all report done.
+    """Runs ``replicas`` copies of ``command`` as replica groups until every one exits cleanly.
+
+    A group whose process exits with a non-zero code or a signal is restarted after
+    ``restart_delay_s``; one that exits with 0 is done.
 
     Args:
         command: argv of one replica group's process.
@@ -200,7 +203,9 @@ class Launcher:
                     assert g.proc is not None
                     code = g.proc.wait(timeout=30)
                     g.exit_codes.append(code)
-                    if not g.done:
+                    if code == 0:
+                        g.done = True  # finished its work; a clean exit is never restarted
+                    elif not g.done:
                         restart_at[group] = time.time() + self._restart_delay_s
                     continue
                 event = parse(line)
