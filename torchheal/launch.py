@@ -228,9 +228,16 @@ class Launcher:
                         self._kill(victim, f"reached step {self._plan.at_step}")
         finally:
             for g in self._groups.values():
-                if g.proc is not None and g.proc.poll() is None:
-                    g.proc.kill()
-                    g.proc.wait(timeout=30)
+                if g.proc is None or g.proc.poll() is not None:
+                    continue
+                if g.done and not timed_out:
+                    try:  # it reported done and is shutting down: give it a moment
+                        g.proc.wait(timeout=10)
+                        continue
+                    except subprocess.TimeoutExpired:
+                        pass
+                g.proc.kill()
+                g.proc.wait(timeout=30)
         return RunResult(
             events=self._events,
             groups=self._groups,
