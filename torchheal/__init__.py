@@ -1,1 +1,48 @@
-"""torchheal: per-step fault tolerance for PyTorch training."""
+"""torchheal: per-step fault tolerance for PyTorch training.
+
+The top-level names match the reference (``torchft``) so switching is a change of import.
+They are resolved lazily (PEP 562): importing a light submodule such as
+``torchheal.coordination.quorum`` does not pull in torch, gRPC servers or process groups.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__all__ = [
+    "DistributedDataParallel",
+    "DistributedSampler",
+    "Manager",
+    "Optimizer",
+    "ProcessGroupBabyGloo",
+    "ProcessGroupBabyNCCL",
+    "ProcessGroupGloo",
+    "ProcessGroupNCCL",
+]
+
+# public name -> (module, attribute)
+_EXPORTS: dict[str, tuple[str, str]] = {
+    "DistributedDataParallel": ("torchheal.ddp", "DistributedDataParallel"),
+    "DistributedSampler": ("torchheal.data", "DistributedSampler"),
+    "Manager": ("torchheal.manager", "Manager"),
+    "Optimizer": ("torchheal.optim", "OptimizerWrapper"),
+    "ProcessGroupBabyGloo": ("torchheal.process_group", "ProcessGroupBabyGloo"),
+    "ProcessGroupBabyNCCL": ("torchheal.process_group", "ProcessGroupBabyNCCL"),
+    "ProcessGroupGloo": ("torchheal.process_group", "ProcessGroupGloo"),
+    "ProcessGroupNCCL": ("torchheal.process_group", "ProcessGroupNCCL"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    try:
+        module, attribute = _EXPORTS[name]
+    except KeyError:
+        raise AttributeError(f"module 'torchheal' has no attribute {name!r}") from None
+    value = getattr(importlib.import_module(module), attribute)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -1,0 +1,240 @@
+"""One validated configuration for the Manager, read once from the environment.
+
+The reference reads its environment overrides in several places and then forgets to use the
+adjusted values in some of them (the checkpoint transport, the state-dict lock and the RPC
+clients get the raw constructor arguments). Here the environment is parsed once into
+:class:`EnvConfig`, merged with the constructor arguments into :class:`ManagerTimeouts`, and
+that single object is what every component receives.
+
+Every variable has a ``TORCHHEAL_*`` name and the reference's ``TORCHFT_*`` name as a fallback;
+the torchheal name wins when both are set. Malformed values raise :class:`ValueError` naming the
+variable, so a typo in a launcher script fails at start-up instead of silently using a default.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+
+# The reference's names, kept as the public constants of ``torchheal.manager``.
+MANAGER_PORT_ENV: str = "TORCHFT_MANAGER_PORT"
+TIMEOUT_SEC_ENV: str = "TORCHFT_TIMEOUT_SEC"
+QUORUM_TIMEOUT_SEC_ENV: str = "TORCHFT_QUORUM_TIMEOUT_SEC"
+CONNECT_TIMEOUT_SEC_ENV: str = "TORCHFT_CONNECT_TIMEOUT_SEC"
+QUORUM_RETRIES_ENV: str = "TORCHFT_QUORUM_RETRIES"
+LIGHTHOUSE_ENV: str = "TORCHFT_LIGHTHOUSE"
+
+# torchheal name -> reference fallback name, in lookup order.
+_ENV_NAMES: dict[str, tuple[str, str]] = {
+    "lighthouse": ("TORCHHEAL_LIGHTHOUSE", LIGHTHOUSE_ENV),
+    "manager_port": ("TORCHHEAL_MANAGER_PORT", MANAGER_PORT_ENV),
+    "timeout_sec": ("TORCHHEAL_TIMEOUT_SEC", TIMEOUT_SEC_ENV),
+    "quorum_timeout_sec": ("TORCHHEAL_QUORUM_TIMEOUT_SEC", QUORUM_TIMEOUT_SEC_ENV),
+    "connect_timeout_sec": ("TORCHHEAL_CONNECT_TIMEOUT_SEC", CONNECT_TIMEOUT_SEC_ENV),
+    "quorum_retries": ("TORCHHEAL_QUORUM_RETRIES", QUORUM_RETRIES_ENV),
+}
+
+#: The lighthouse's default heartbeat expiry (reference ``heartbeat_timeout_ms=5000``). The
+#: Manager cannot ask the lighthouse for its setting, so the budget check assumes the default.
+DEFAULT_LIGHTHOUSE_HEARTBEAT_TIMEOUT = timedelta(milliseconds=5000)
+
+
+class TimeoutBudgetWarning(UserWarning):
+    """Timeouts are ordered so that a peer failure would kill this replica instead of healing it."""
+
+
+def _lookup(environ: Mapping[str, str], field: str) -> tuple[str, str] | None:
+    """Returns ``(variable name, raw value)`` for ``field``, torchheal name first."""
+    for name in _ENV_NAMES[field]:
+        value = environ.get(name)
+        if value is not None and value.strip() != "":
+            return name, value.strip()
+    return None
+
+
+def _parse_int(name: str, value: str, minimum: int) -> int:
+    try:
+        parsed = int(value)
+    except ValueError:
+        raise ValueError(f"{name}={value!r} is not an integer") from None
+    if parsed < minimum:
+        raise ValueError(f"{name}={value!r} must be >= {minimum}")
+    return parsed
+
+
+@dataclass(frozen=True)
+class EnvConfig:
+    """The Manager's environment overrides; ``None`` means the variable is not set.
+
+    Attributes:
+        lighthouse: lighthouse address (``TORCHHEAL_LIGHTHOUSE`` / ``TORCHFT_LIGHTHOUSE``).
+        manager_port: ManagerServer port (``*_MANAGER_PORT``), 0 means ephemeral.
+        timeout_sec: whole seconds overriding ``Manager(timeout=...)`` (``*_TIMEOUT_SEC``).
+        quorum_timeout_sec: whole seconds overriding ``quorum_timeout`` (``*_QUORUM_TIMEOUT_SEC``).
+        connect_timeout_sec: whole seconds overriding ``connect_timeout`` (``*_CONNECT_TIMEOUT_SEC``).
+        quorum_retries: overrides ``quorum_retries`` (``*_QUORUM_RETRIES``).
+    """
+
+    lighthouse: str | None = None
+    manager_port: int | None = None
+    timeout_sec: int | None = None
+    quorum_timeout_sec: int | None = None
+    connect_timeout_sec: int | None = None
+    quorum_retries: int | None = None
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> EnvConfig:
+        """Reads and validates the overrides.
+
+        Args:
+            environ: the environment to read; ``os.environ`` when None.
+
+        Raises:
+            ValueError: a variable is set to something that is not a valid value; the message
+                names the variable.
+        """
+        env = os.environ if environ is None else environ
+        values: dict[str, object] = {}
+        found = _lookup(env, "lighthouse")
+        if found is not None:
+            values["lighthouse"] = found[1]
+        found = _lookup(env, "manager_port")
+        if found is not None:
+            port = _parse_int(*found, minimum=0)
+            if port > 65535:
+                raise ValueError(f"{found[0]}={found[1]!r} is not a valid port")
+            values["manager_port"] = port
+        for field in ("timeout_sec", "quorum_timeout_sec", "connect_timeout_sec"):
+            found = _lookup(env, field)
+            if found is not None:
+                # Zero would make every operation fail at once; that is never intended.
+                values[field] = _parse_int(*found, minimum=1)
+        found = _lookup(env, "quorum_retries")
+        if found is not None:
+            values["quorum_retries"] = _parse_int(*found, minimum=0)
+        return cls(**values)  # type: ignore[arg-type]
+
+
+def get_timeout(env_value: str | None, default: timedelta) -> timedelta:
+    """Returns the timeout given by an environment value, or ``default``.
+
+    Args:
+        env_value: the raw variable value (integer seconds) or None when unset.
+        default: the timeout to use when the variable is unset.
+
+    Raises:
+        ValueError: ``env_value`` is not an integer.
+    """
+    if env_value is None or env_value.strip() == "":
+        return default
+    try:
+        return timedelta(seconds=int(env_value))
+    except ValueError:
+        raise ValueError(f"timeout {env_value!r} is not an integer number of seconds") from None
+
+
+@dataclass(frozen=True)
+class ManagerTimeouts:
+    """The effective timeouts every Manager component uses (environment applied once).
+
+    Attributes:
+        timeout: collectives, should_commit, checkpoint transfer, state-dict lock, wrap_future.
+        quorum_timeout: how long a quorum request may wait for the lighthouse.
+        connect_timeout: establishing RPC connections (ManagerServer, ManagerClient).
+        quorum_retries: lighthouse quorum retries inside the ManagerServer.
+    """
+
+    timeout: timedelta
+    quorum_timeout: timedelta
+    connect_timeout: timedelta
+    quorum_retries: int
+
+    @classmethod
+    def resolve(
+        cls,
+        env: EnvConfig,
+        timeout: timedelta,
+        quorum_timeout: timedelta,
+        connect_timeout: timedelta,
+        quorum_retries: int,
+    ) -> ManagerTimeouts:
+        """Applies the environment overrides (environment wins, as in the reference).
+
+        Args:
+            env: the parsed environment.
+            timeout: the constructor's ``timeout``.
+            quorum_timeout: the constructor's ``quorum_timeout``.
+            connect_timeout: the constructor's ``connect_timeout``.
+            quorum_retries: the constructor's ``quorum_retries``.
+
+        Raises:
+            ValueError: a resulting timeout is not positive or retries are negative.
+        """
+
+        def pick(sec: int | None, default: timedelta) -> timedelta:
+            return default if sec is None else timedelta(seconds=sec)
+
+        resolved = cls(
+            timeout=pick(env.timeout_sec, timeout),
+            quorum_timeout=pick(env.quorum_timeout_sec, quorum_timeout),
+            connect_timeout=pick(env.connect_timeout_sec, connect_timeout),
+            quorum_retries=(
+                int(quorum_retries) if env.quorum_retries is None else env.quorum_retries
+            ),
+        )
+        resolved.validate()
+        return resolved
+
+    def validate(self) -> None:
+        """Raises ValueError naming the first field that is out of range."""
+        for name in ("timeout", "quorum_timeout", "connect_timeout"):
+            value = getattr(self, name)
+            if not isinstance(value, timedelta):
+                raise ValueError(f"{name} must be a datetime.timedelta, got {value!r}")
+            if value <= timedelta(0):
+                raise ValueError(f"{name} must be positive, got {value}")
+        if self.quorum_retries < 0:
+            raise ValueError(f"quorum_retries must be >= 0, got {self.quorum_retries}")
+
+
+def timeout_budget_problems(
+    timeouts: ManagerTimeouts,
+    heartbeat_interval: timedelta,
+    lighthouse_heartbeat_timeout: timedelta = DEFAULT_LIGHTHOUSE_HEARTBEAT_TIMEOUT,
+) -> list[str]:
+    """Lists the orderings of timeouts under which a failure kills a replica instead of healing.
+
+    A quorum error is fatal to the training loop (it is raised, not swallowed), so the quorum
+    timeout must outlast everything that can legitimately delay the next quorum after a peer
+    dies: the survivors' own collectives timing out (``timeout``) and the lighthouse noticing
+    the dead peer's silence (its heartbeat expiry).
+
+    Args:
+        timeouts: the effective timeouts.
+        heartbeat_interval: how often this replica group heartbeats the lighthouse.
+        lighthouse_heartbeat_timeout: the lighthouse's heartbeat expiry (default 5 s).
+
+    Returns:
+        one human-readable sentence per problem; empty when the budget is sound.
+    """
+    problems = []
+    if timeouts.quorum_timeout < timeouts.timeout:
+        problems.append(
+            f"quorum_timeout ({timeouts.quorum_timeout}) < timeout ({timeouts.timeout}): a "
+            "survivor can reach the next quorum while its peers still wait out a failed "
+            "collective, and its quorum request would time out"
+        )
+    if timeouts.quorum_timeout <= lighthouse_heartbeat_timeout:
+        problems.append(
+            f"quorum_timeout ({timeouts.quorum_timeout}) <= the lighthouse heartbeat expiry "
+            f"({lighthouse_heartbeat_timeout}): after a peer dies the lighthouse waits for its "
+            "heartbeat to expire before issuing a quorum, so survivors would time out"
+        )
+    if heartbeat_interval >= lighthouse_heartbeat_timeout:
+        problems.append(
+            f"heartbeat_interval ({heartbeat_interval}) >= the lighthouse heartbeat expiry "
+            f"({lighthouse_heartbeat_timeout}): this replica group would look dead while alive"
+        )
+    return problems

@@ -1,0 +1,105 @@
+"""Fault-tolerant data parallelism across replica groups.
+
+:class:`DistributedDataParallel` is PyTorch's own DDP (bucketing, overlap of communication with
+backward) whose gradient communication goes through ``Manager.allreduce`` via a comm hook.
+:class:`PureDistributedDataParallel` is a minimal per-parameter variant without bucketing.
+
+Both average the gradients over the *participating* replicas before the optimizer steps, and
+neither lets a failed collective crash the backward pass: the manager records the error and the
+step is not committed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.autograd import Variable
+from torch.nn import parallel
+
+from torchheal.process_group import ProcessGroupDummy
+
+
+def _completed(value: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    fut.set_result(value)
+    return fut
+
+
+class DistributedDataParallel(parallel.DistributedDataParallel):
+    """PyTorch DDP whose gradient buckets are reduced across replica groups by the Manager.
+
+    DDP runs over a :class:`ProcessGroupDummy` so its start-up broadcast is a no-op: replicas are
+    brought in sync by the Manager (``init_sync`` and healing), not by DDP.
+    ``find_unused_parameters=True`` keeps DDP from rebuilding its buckets after the first step,
+    which would make a recovering replica's buckets differ from its peers'.
+
+    Args:
+        manager: the Manager of this rank.
+        module: the model.
+        **kwargs: passed to ``torch.nn.parallel.DistributedDataParallel`` (except
+            ``process_group`` and ``find_unused_parameters``, which are fixed).
+    """
+
+    def __init__(self, manager: Any, module: nn.Module, **kwargs: Any) -> None:
+        for fixed in ("process_group", "find_unused_parameters"):
+            if fixed in kwargs:
+                raise ValueError(f"torchheal DistributedDataParallel sets {fixed} itself")
+        super().__init__(
+            module,
+            process_group=ProcessGroupDummy(0, 1),
+            find_unused_parameters=True,
+            **kwargs,
+        )
+        self.register_comm_hook(manager, self._comm_hook)
+
+    @staticmethod
+    def _comm_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        buffer = bucket.buffer()
+        work = state.allreduce(buffer)
+        # A failed reduction returns False and is already reported: the step will not commit,
+        # so the (garbage) bucket is handed back only so that backward completes.
+        work.wait()
+        return _completed(buffer)
+
+
+class PureDistributedDataParallel(nn.Module):
+    """Per-parameter fault-tolerant data parallelism (no bucketing; simple, slower).
+
+    Each gradient is allreduced as soon as it is accumulated; a callback at the end of the
+    backward pass waits for all of them, so every gradient is averaged over the participating
+    replicas before the optimizer can step. (The reference never waits, so its gradients are
+    summed, not averaged.)
+
+    Args:
+        manager: the Manager of this rank.
+        module: the model.
+    """
+
+    def __init__(self, manager: Any, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+        self._manager = manager
+        self._works: list[dist.Work] = []
+        for param in module.parameters():
+            if param.requires_grad:
+                param.register_post_accumulate_grad_hook(self._on_grad)
+
+    def _on_grad(self, param: torch.Tensor) -> None:
+        if param.grad is None:
+            return
+        if not self._works:
+            # First gradient of this backward pass: wait for all of them when it ends.
+            Variable._execution_engine.queue_callback(self._wait_all)
+        self._works.append(self._manager.allreduce(param.grad))
+
+    def _wait_all(self) -> None:
+        works, self._works = self._works, []
+        for work in works:
+            work.wait()  # errors are reported to the manager, never raised
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Runs the wrapped module."""
+        return self.module(*args, **kwargs)

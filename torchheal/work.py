@@ -1,0 +1,223 @@
+"""Fault-tolerant work objects returned by ``Manager.allreduce``.
+
+A :class:`_ManagedWork` wraps the process group's ``Work`` and a lazy chain of callbacks. The
+chain is only built ("materialised") when someone waits: DDP's comm hook and the gradient
+normalisation must run in the order the user attached them and on the thread/stream that waits,
+not on whatever thread happens to complete the collective.
+
+Failures never escape into the training loop: the first derived future goes through
+``manager.wrap_future`` (timeout + error swallowed into ``report_error``), and
+:meth:`_ManagedWork.wait` reports any later error and returns ``False``.
+
+Differences from the reference's first version (the published wheel has the same fixes): each
+callback binds its own chain node (a closure over the loop variable ran the wrong callback when
+futures completed late on another thread), and ``wait(timeout)`` passes the timeout through.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from contextlib import nullcontext
+from datetime import timedelta
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+logger: logging.Logger = logging.getLogger(__name__)
+
+
+class _ErrorSink(Protocol):
+    """The part of the Manager a managed work needs (duck-typed: no import of manager.py)."""
+
+    def wrap_future(
+        self, fut: torch.futures.Future[Any], default: Any, timeout: timedelta | None = None
+    ) -> torch.futures.Future[Any]: ...
+
+    def report_error(self, e: Exception) -> None: ...
+
+
+def _completed_future(value: Any) -> torch.futures.Future[Any]:
+    fut: torch.futures.Future[Any] = torch.futures.Future()
+    fut.set_result(value)
+    return fut
+
+
+def _current_stream() -> torch.cuda.Stream | None:
+    # Streams only matter on CUDA; the CPU path stays plain.
+    return torch.cuda.current_stream() if torch.cuda.is_available() else None
+
+
+class _ManagedFuture(torch.futures.Future):
+    """One node of a managed work's lazy callback chain.
+
+    Only ``then`` and ``wait`` are supported: the value of a node exists only once the chain is
+    materialised by a wait, so the rest of the Future API raises ``NotImplementedError``.
+    """
+
+    def __init__(
+        self, work: _ManagedWork, callback: Callable[[torch.futures.Future[Any]], Any] | None
+    ) -> None:
+        super().__init__()
+        self._work = work
+        self._callback = callback
+        self._next: _ManagedFuture | None = None
+        # The real future of this node, set when the chain is materialised.
+        self._future: torch.futures.Future[Any] | None = None
+
+    def then(self, callback: Callable[[torch.futures.Future[Any]], Any]) -> _ManagedFuture:  # type: ignore[override]
+        """Records ``callback`` to run after this node; returns the new tail node.
+
+        Args:
+            callback: called with a completed future holding this node's value.
+        """
+        return self._work._append(self, callback)
+
+    def wait(self) -> Any:
+        """Materialises the chain (if needed) and waits for this node's value."""
+        self._work._materialize()
+        assert self._future is not None
+        return self._future.wait()
+
+    def value(self) -> Any:
+        raise NotImplementedError("_ManagedFuture.value: call wait() instead")
+
+    def done(self) -> bool:
+        raise NotImplementedError("_ManagedFuture.done is not supported")
+
+    def add_done_callback(self, callback: Callable[..., None]) -> None:
+        raise NotImplementedError("_ManagedFuture.add_done_callback: use then()")
+
+    def set_result(self, result: Any) -> None:
+        raise NotImplementedError("_ManagedFuture.set_result is not supported")
+
+    def set_exception(self, result: BaseException) -> None:
+        raise NotImplementedError("_ManagedFuture.set_exception is not supported")
+
+
+class _ManagedWork(dist.Work):
+    """A process-group work whose errors are reported to the manager instead of raised.
+
+    Args:
+        manager: receives errors (``report_error``) and wraps the first derived future
+            (``wrap_future``) with the manager's timeout.
+        work: the process group's work.
+        default_result: the value the chain resolves to when the collective fails (normally
+            the tensor being reduced, untouched or partially reduced: garbage the step discards).
+    """
+
+    def __init__(self, manager: _ErrorSink, work: dist.Work, default_result: Any) -> None:
+        super().__init__()
+        self._manager = manager
+        self._work = work
+        self._default_result = default_result
+        self._stream = _current_stream()
+        self._lock = threading.Lock()
+        self._head = _ManagedFuture(self, None)
+        self._tail = self._head
+        self._materialized = False
+        self._waited = False
+
+    # -- chain construction -------------------------------------------------------------
+
+    def _append(
+        self, node: _ManagedFuture, callback: Callable[[torch.futures.Future[Any]], Any]
+    ) -> _ManagedFuture:
+        with self._lock:
+            if node is not self._tail:
+                raise ValueError("then() may only be called on the tail of a managed work chain")
+            new = _ManagedFuture(self, callback)
+            node._next = new
+            self._tail = new
+            if self._materialized:
+                # Already waited once: extend the real chain right away.
+                assert node._future is not None
+                new._future = self._derive(node._future, new, first=node is self._head)
+            return new
+
+    def _run_node(self, node: _ManagedFuture) -> Callable[[torch.futures.Future[Any]], Any]:
+        # A factory so each continuation is bound to its own node (see module docstring).
+        stream = self._stream
+        callback = node._callback
+        assert callback is not None
+
+        def step(prev: torch.futures.Future[Any]) -> Any:
+            value = prev.value()  # re-raises the previous node's error
+            with torch.cuda.stream(stream) if stream is not None else nullcontext():
+                return callback(_completed_future(value))
+
+        return step
+
+    def _derive(
+        self, prev: torch.futures.Future[Any], node: _ManagedFuture, first: bool
+    ) -> torch.futures.Future[Any]:
+        fut = prev.then(self._run_node(node))
+        if first:
+            # The first continuation (normalisation) swallows errors and times out.
+            fut = self._manager.wrap_future(fut, self._default_result)
+        return fut
+
+    def _materialize(self) -> None:
+        with self._lock:
+            if self._materialized:
+                return
+            fut = self._work.get_future()
+            self._head._future = fut
+            node, first = self._head._next, True
+            while node is not None:
+                fut = self._derive(fut, node, first)
+                node._future = fut
+                node, first = node._next, False
+            self._materialized = True
+
+    # -- Work API ----------------------------------------------------------------------
+
+    def get_future(self) -> _ManagedFuture:  # type: ignore[override]
+        """Returns the tail of the lazy callback chain (attach callbacks with ``then``)."""
+        return self._tail
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        """Waits for the collective and runs the callback chain on this thread.
+
+        Args:
+            timeout: passed to the underlying work's ``wait`` when given.
+
+        Returns:
+            True on success; False when anything failed (the error is reported to the manager).
+        """
+        self._waited = True
+        try:
+            if self._stream is not None and torch.cuda.current_stream() != self._stream:
+                raise RuntimeError("_ManagedWork.wait must run on the stream that created it")
+            if timeout is not None:
+                self._work.wait(timeout)
+            else:
+                self._work.wait()
+            self._materialize()
+            assert self._tail._future is not None
+            self._tail._future.wait()
+            return True
+        except Exception as e:
+            logger.exception("managed work failed; the step will not commit: %s", e)
+            self._manager.report_error(e)
+            return False
+
+    def block_current_stream(self) -> None:
+        """Makes the current stream wait for the collective without blocking the CPU."""
+        self._work.block_current_stream()
+        self._materialize()
+
+    def synchronize(self) -> None:
+        """Like ``block_current_stream`` on CUDA; on CPU only materialises the chain."""
+        if torch.cuda.is_available():
+            self.block_current_stream()
+        else:
+            self._materialize()
+
+    def is_completed(self) -> bool:
+        """True once the chain is materialised and its tail has a value."""
+        with self._lock:
+            fut = self._tail._future if self._materialized else None
+        return fut is not None and fut.done()
