@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -464,3 +466,25 @@ def decode_bytes(data: bytes | memoryview, template: Any = None) -> Any:
 
     read_segments(readinto, buffers, desc.segments)
     return rebuild(desc, buffers, used)
+
+
+def verify_buffers(buffers: Sequence[torch.Tensor], segments: Sequence[Segment]) -> None:
+    """Checks every block of received CPU buffers against its CRC (threads for big states).
+
+    Args:
+        buffers: the received buffers (CPU), one per storage.
+        segments: every segment of the description.
+
+    Raises:
+        CheckpointError: a block differs from what was sent.
+    """
+    views = [byte_view(b) for b in buffers]
+    total = sum(s.end - s.start for s in segments)
+    workers = min(8, os.cpu_count() or 1)
+    if total < (64 << 20) or workers == 1:
+        for seg in segments:
+            verify_segment(views[seg.storage], seg)
+        return
+    with ThreadPoolExecutor(workers, thread_name_prefix="torchheal-crc") as pool:
+        for f in [pool.submit(verify_segment, views[s.storage], s) for s in segments]:
+            f.result()

@@ -55,6 +55,7 @@ from torchheal.checkpointing.deserialization import (
     parse_header,
     read_segments,
     rebuild,
+    verify_buffers,
     verify_segment,
 )
 from torchheal.checkpointing.transport import CheckpointError
@@ -76,6 +77,7 @@ __all__ = [
     "rebuild",
     "split_chunks",
     "stage",
+    "verify_buffers",
     "verify_segment",
 ]
 

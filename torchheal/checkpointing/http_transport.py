@@ -1,0 +1,362 @@
+"""HTTP checkpoint transport: a healthy replica serves its staged state, healers pull it.
+
+Server: a stdlib ``ThreadingHTTPServer`` on all interfaces (IPv6 dual-stack when available),
+ephemeral port, serving ``GET /checkpoint/{step}/{key}`` under the reader side of an
+``RWLock``; the transport starts *disallowed* (writer lock held, step -1) so nothing is served
+until ``send_checkpoint`` stages a step, and ``disallow_checkpoint`` takes the writer lock
+back before the trainer mutates the state. Keys: ``full`` (header, description and all data),
+``metadata`` (header and description), ``{i}`` (chunk ``i`` of ``n``; ``n`` from the ``?n=``
+query, else the server's ``num_chunks``). Bodies are the pickle-free format of
+``serialization``: raw storage bytes written straight from the tensors' memory.
+
+Client: reads the description, validates it, preallocates every storage and ``readinto``\\ s
+the bytes directly into them (``num_chunks`` parallel connections when > 0), checking each
+block's CRC before anything is returned.
+
+Access control: with a token (argument, else ``TORCHHEAL_CHECKPOINT_TOKEN``) every request
+must carry ``Authorization: Bearer <token>``: missing -> 401, wrong -> 403, nothing served.
+"""
+
+from __future__ import annotations
+
+import hmac
+import http.client
+import logging
+import os
+import socket
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from socketserver import TCPServer
+from typing import Any, TypeVar
+from urllib.parse import parse_qs, urlsplit
+
+from torchheal.checkpointing.rwlock import RWLock
+from torchheal.checkpointing.serialization import (
+    DEFAULT_BLOCK_BYTES,
+    HEADER,
+    StagedCheckpoint,
+    allocate_buffers,
+    parse_description,
+    parse_header,
+    read_segments,
+    rebuild,
+    split_chunks,
+    stage,
+)
+from torchheal.checkpointing.transport import (
+    CheckpointError,
+    CheckpointTimeoutError,
+    CheckpointTransport,
+)
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+TOKEN_ENV = "TORCHHEAL_CHECKPOINT_TOKEN"
+_MAX_CHUNKS = 1024
+
+
+def _seconds(timeout: timedelta | float) -> float:
+    return timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+
+
+class _Server(ThreadingHTTPServer):
+    """Threading HTTP server bound dual-stack; its handler reaches the transport through it."""
+
+    daemon_threads = True
+    request_queue_size = 1024
+
+    def __init__(self, transport: HTTPTransport) -> None:
+        self.transport = transport
+        self.address_family = socket.AF_INET6 if socket.has_ipv6 else socket.AF_INET
+        host = "::" if self.address_family == socket.AF_INET6 else "0.0.0.0"
+        super().__init__((host, 0), _Handler)
+
+    def server_bind(self) -> None:
+        if self.address_family == socket.AF_INET6:
+            # Dual-stack: IPv4 peers connect through mapped addresses.
+            self.socket.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        # TCPServer's bind, not HTTPServer's: that one does a (slow) reverse DNS lookup.
+        TCPServer.server_bind(self)
+        self.server_name, self.server_port = "", self.server_address[1]
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        logger.warning("checkpoint server: error serving %s", client_address, exc_info=True)
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: _Server
+
+    def setup(self) -> None:
+        self.timeout = self.server.transport._timeout  # per-connection socket timeout
+        super().setup()
+
+    def log_message(self, format: str, *args: Any) -> None:
+        logger.debug("checkpoint server: " + format, *args)
+
+    def _error(self, code: int, message: str, headers: dict[str, str] | None = None) -> None:
+        body = message.encode()
+        self.send_response(code)
+        for k, v in (headers or {}).items():
+            self.send_header(k, v)
+        self.send_header("Content-Type", "text/plain; charset=utf-8")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self) -> None:
+        transport = self.server.transport
+        token = transport._token
+        if token is not None:
+            auth = self.headers.get("Authorization")
+            if auth is None:
+                self._error(401, "checkpoint token required", {"WWW-Authenticate": "Bearer"})
+                return
+            if not hmac.compare_digest(auth.encode(), f"Bearer {token}".encode()):
+                self._error(403, "invalid checkpoint token")
+                return
+        url = urlsplit(self.path)
+        parts = url.path.split("/")
+        if len(parts) != 4 or parts[1] != "checkpoint":
+            self._error(
+                400, f"invalid url format, expected /checkpoint/step/key but got {url.path}"
+            )
+            return
+        try:
+            step = int(parts[2])
+        except ValueError:
+            self._error(
+                400, f"invalid url format, expected /checkpoint/step/key but got {url.path}"
+            )
+            return
+        try:
+            transport._lock.r_acquire()
+        except TimeoutError as e:
+            self._error(503, f"checkpoint for step={step} not available: {e}")
+            return
+        try:
+            self._serve(transport, step, parts[3], url.query)
+        except (ConnectionError, TimeoutError, OSError) as e:
+            # The peer went away or stalled mid-transfer: its receive fails, the server lives on.
+            logger.info("checkpoint server: transfer to %s aborted: %s", self.client_address, e)
+            self.close_connection = True
+        finally:
+            transport._lock.r_release()
+
+    def _serve(self, transport: HTTPTransport, step: int, key: str, query: str) -> None:
+        served = transport._step
+        staged = transport._staged
+        if step != served or staged is None:
+            self._error(400, f"invalid checkpoint requested, serving {served} but got step={step}")
+            return
+        if key == "full":
+            head: list[bytes] = [staged.header, staged.description]
+            segments = list(staged.segments)
+        elif key == "metadata":
+            head, segments = [staged.header, staged.description], []
+        else:
+            try:
+                n = int(parse_qs(query).get("n", [str(transport._num_chunks)])[0])
+                index = int(key)
+            except ValueError:
+                self._error(400, f"invalid checkpoint key {key!r}")
+                return
+            if not 0 < n <= _MAX_CHUNKS or not 0 <= index < n:
+                self._error(400, f"invalid checkpoint chunk {key} of {n}")
+                return
+            head, segments = [], split_chunks(staged.segments, n)[index]
+        length = sum(len(h) for h in head) + sum(s.end - s.start for s in segments)
+        self.send_response(200)
+        self.send_header("Content-Type", "application/octet-stream")
+        self.send_header("Content-Length", str(length))
+        self.end_headers()
+        for h in head:
+            self.wfile.write(h)
+        staged.write_segments(self.wfile.write, segments)
+
+
+class HTTPTransport(CheckpointTransport[T]):
+    """Serves checkpoints over HTTP from this replica and fetches them from peers.
+
+    Args:
+        timeout: bound on every lock wait and socket operation (``timedelta`` or seconds).
+        num_chunks: 0 fetches one stream; ``n > 0`` fetches ``n`` byte-balanced chunks over
+            parallel connections.
+        token: shared secret required on every request (both directions); defaults to the
+            ``TORCHHEAL_CHECKPOINT_TOKEN`` environment variable; ``None``/empty disables it.
+        hostname: name published in ``metadata()``; defaults to ``socket.gethostname()``.
+    """
+
+    def __init__(
+        self,
+        timeout: timedelta | float,
+        num_chunks: int,
+        token: str | None = None,
+        *,
+        hostname: str | None = None,
+        block_bytes: int = DEFAULT_BLOCK_BYTES,
+    ) -> None:
+        if not 0 <= num_chunks <= _MAX_CHUNKS:
+            raise ValueError(f"num_chunks must be in [0, {_MAX_CHUNKS}], got {num_chunks}")
+        self._timeout = _seconds(timeout)
+        self._num_chunks = num_chunks
+        self._token = token if token is not None else (os.environ.get(TOKEN_ENV) or None)
+        self._block_bytes = block_bytes
+        self._hostname = hostname or socket.gethostname()
+        self._state_lock = threading.Lock()  # orders allow/disallow against each other
+        self._lock = RWLock(timeout=self._timeout)
+        self._lock.w_acquire()  # start disallowed: the initial state is never served
+        self._step = -1
+        self._staged: StagedCheckpoint | None = None
+        self._server = _Server(self)
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, name="torchheal-ckpt-http", daemon=True
+        )
+        self._thread.start()
+
+    def address(self) -> str:
+        """The URL prefix peers fetch from: ``http://{host}:{port}/checkpoint/``."""
+        host = self._hostname
+        if ":" in host:
+            host = f"[{host}]"
+        return f"http://{host}:{self._server.server_port}/checkpoint/"
+
+    def metadata(self) -> str:
+        """Same as ``address()``."""
+        return self.address()
+
+    def allow_checkpoint(self, step: int) -> None:
+        """Starts serving the staged state as ``step`` (idempotent).
+
+        Args:
+            step: the step to serve.
+        """
+        with self._state_lock:
+            self._step = step
+            if self._lock.w_locked():
+                self._lock.w_release()
+
+    def disallow_checkpoint(self) -> None:
+        """Stops serving; waits (up to the timeout) for in-flight downloads (idempotent)."""
+        with self._state_lock:
+            if not self._lock.w_locked():
+                self._lock.w_acquire()
+
+    def send_checkpoint(
+        self, dst_ranks: list[int], step: int, state_dict: T, timeout: timedelta | None = None
+    ) -> None:
+        """Stages ``state_dict`` (CPU copy of accelerator tensors, checksums) and serves it.
+
+        Args:
+            dst_ranks: ignored; any healer holding the token may fetch.
+            step: the step served.
+            state_dict: the state; CPU tensors are served by reference until disallowed.
+            timeout: unused; the constructor's timeout bounds the server.
+        """
+        self.disallow_checkpoint()
+        self._staged = None
+        self._staged = stage(state_dict, step, block_bytes=self._block_bytes)
+        self.allow_checkpoint(step)
+
+    def recv_checkpoint(
+        self, src_rank: int, metadata: str, step: int, timeout: timedelta | float | None = None
+    ) -> T:
+        """Fetches and verifies the checkpoint of ``step`` from the server at ``metadata``.
+
+        Args:
+            src_rank: ignored (the URL identifies the source).
+            metadata: the source's ``metadata()`` URL.
+            step: the expected step.
+            timeout: socket timeout; defaults to the constructor's.
+
+        Raises:
+            CheckpointTimeoutError: a connect or read timed out.
+            CheckpointError: refused, wrong step, truncated, corrupted or malformed.
+        """
+        seconds = self._timeout if timeout is None else _seconds(timeout)
+        url = urlsplit(metadata)
+        if url.scheme != "http" or not url.hostname or url.port is None:
+            raise CheckpointError(f"invalid checkpoint address {metadata!r}")
+        base = f"{url.path.rstrip('/')}/{step}"
+        client = _Client(url.hostname, url.port, seconds, self._token)
+        try:
+            return self._fetch(client, base, step)
+        except TimeoutError as e:
+            raise CheckpointTimeoutError(f"checkpoint fetch from {metadata} timed out: {e}") from e
+        except OSError as e:
+            raise CheckpointError(f"checkpoint fetch from {metadata} failed: {e}") from e
+
+    def _fetch(self, client: _Client, base: str, step: int) -> T:
+        key = "full" if self._num_chunks == 0 else "metadata"
+        with client.get(f"{base}/{key}") as resp:
+            length, crc = parse_header(_read_exact(resp, HEADER.size))
+            desc = parse_description(_read_exact(resp, length), crc)
+            if desc.step != step:
+                raise CheckpointError(f"received checkpoint for step {desc.step}, wanted {step}")
+            data = desc.data_bytes if self._num_chunks == 0 else 0
+            if resp.length is not None and resp.length != data:
+                raise CheckpointError(
+                    f"checkpoint stream length mismatch: {resp.length} data bytes, "
+                    f"description says {data}"
+                )
+            buffers, used = allocate_buffers(desc)
+            if self._num_chunks == 0:
+                read_segments(resp.readinto, buffers, desc.segments)
+        if self._num_chunks:
+            chunks = split_chunks(desc.segments, self._num_chunks)
+
+            def fetch(i: int) -> None:
+                with client.get(f"{base}/{i}?n={self._num_chunks}") as resp:
+                    want = sum(s.end - s.start for s in chunks[i])
+                    if resp.length != want:
+                        raise CheckpointError(
+                            f"checkpoint chunk {i} is {resp.length} bytes, expected {want}"
+                        )
+                    read_segments(resp.readinto, buffers, chunks[i])
+
+            with ThreadPoolExecutor(self._num_chunks, thread_name_prefix="torchheal-fetch") as pool:
+                for f in [pool.submit(fetch, i) for i in range(self._num_chunks)]:
+                    f.result()
+        return rebuild(desc, buffers, used)
+
+    def shutdown(self, wait: bool = True) -> None:
+        """Stops the server.
+
+        Args:
+            wait: block until the serving thread has exited.
+        """
+        if wait:
+            self._server.shutdown()
+            self._server.server_close()
+            self._thread.join()
+        else:
+            threading.Thread(target=self._server.shutdown, daemon=True).start()
+
+
+class _Client:
+    """One GET per connection, with the token and a socket timeout."""
+
+    def __init__(self, host: str, port: int, timeout: float, token: str | None) -> None:
+        self._host, self._port, self._timeout, self._token = host, port, timeout, token
+
+    def get(self, path: str) -> http.client.HTTPResponse:
+        conn = http.client.HTTPConnection(self._host, self._port, timeout=self._timeout)
+        headers = {"Authorization": f"Bearer {self._token}"} if self._token else {}
+        conn.request("GET", path, headers=headers)
+        resp = conn.getresponse()
+        if resp.status != 200:
+            message = resp.read(4096).decode(errors="replace")
+            resp.close()
+            conn.close()
+            raise CheckpointError(f"checkpoint server answered {resp.status} for {path}: {message}")
+        return resp
+
+
+def _read_exact(resp: http.client.HTTPResponse, n: int) -> bytes:
+    data = resp.read(n)
+    if len(data) != n:
+        raise CheckpointError(f"truncated checkpoint stream: got {len(data)} of {n} bytes")
+    return data
