@@ -1,0 +1,229 @@
+"""Conversion between protobuf messages of the wire and the plain value types of ``types.py``.
+
+The pure cores never see protobuf; servers and clients call these functions at the edge.
+Conventions: ``QuorumMember.data`` is a JSON object on the wire (string field 7) and a ``dict``
+in Python, with ``""`` <-> ``None``; proto3 ``optional`` fields map to ``None`` when unset.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from google.protobuf import timestamp_pb2
+
+from torchheal._wire import torchft_pb2 as pb
+from torchheal.coordination.types import Quorum, QuorumMember, QuorumResult, Timestamp
+
+__all__ = [
+    "data_from_wire",
+    "data_to_wire",
+    "member_from_pb",
+    "member_to_pb",
+    "quorum_from_pb",
+    "quorum_result_from_pb",
+    "quorum_result_to_pb",
+    "quorum_to_pb",
+    "timestamp_from_pb",
+    "timestamp_to_pb",
+]
+
+
+def data_to_wire(data: dict[str, Any] | None) -> str:
+    """Encode a member's ``data`` for the wire.
+
+    Args:
+        data: a JSON-serialisable dict, or None.
+
+    Returns:
+        ``""`` for None, else the JSON text.
+
+    Raises:
+        TypeError: ``data`` is not a dict or not JSON-serialisable.
+    """
+    if data is None:
+        return ""
+    if not isinstance(data, dict):
+        raise TypeError(f"data must be a dict or None, got {type(data).__name__}")
+    return json.dumps(data)
+
+
+def data_from_wire(text: str) -> dict[str, Any] | None:
+    """Decode a member's ``data`` from the wire.
+
+    Args:
+        text: the string field; ``""`` means unset.
+
+    Returns:
+        None for ``""``, else the decoded JSON object.
+
+    Raises:
+        ValueError: ``text`` is not JSON or not a JSON object.
+    """
+    if text == "":
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"QuorumMember.data is not valid JSON: {e}") from e
+    if not isinstance(value, dict):
+        raise ValueError(f"QuorumMember.data must be a JSON object, got {type(value).__name__}")
+    return value
+
+
+def timestamp_to_pb(ts: Timestamp) -> timestamp_pb2.Timestamp:
+    """Convert a :class:`Timestamp` to ``google.protobuf.Timestamp``.
+
+    Args:
+        ts: the value.
+    """
+    return timestamp_pb2.Timestamp(seconds=ts.seconds, nanos=ts.nanos)
+
+
+def timestamp_from_pb(msg: timestamp_pb2.Timestamp) -> Timestamp:
+    """Convert ``google.protobuf.Timestamp`` to a :class:`Timestamp`.
+
+    Args:
+        msg: the protobuf message.
+    """
+    return Timestamp(seconds=msg.seconds, nanos=msg.nanos)
+
+
+def member_to_pb(member: QuorumMember) -> pb.QuorumMember:
+    """Convert a :class:`QuorumMember` to its protobuf message.
+
+    Args:
+        member: the value.
+
+    Raises:
+        TypeError: ``member.data`` cannot be encoded as JSON.
+    """
+    return pb.QuorumMember(
+        replica_id=member.replica_id,
+        address=member.address,
+        store_address=member.store_address,
+        step=member.step,
+        world_size=member.world_size,
+        shrink_only=member.shrink_only,
+        data=data_to_wire(member.data),
+        commit_failures=member.commit_failures,
+    )
+
+
+def member_from_pb(msg: pb.QuorumMember, *, strict_data: bool = True) -> QuorumMember:
+    """Convert a protobuf ``QuorumMember`` to the value type.
+
+    Args:
+        msg: the protobuf message.
+        strict_data: if False, a ``data`` string that is not a JSON object becomes None instead
+            of an error (the lighthouse treats ``data`` as opaque and echoes the raw message).
+
+    Raises:
+        ValueError: ``data`` is not a JSON object and ``strict_data`` is True.
+    """
+    try:
+        data = data_from_wire(msg.data)
+    except ValueError:
+        if strict_data:
+            raise
+        data = None
+    return QuorumMember(
+        replica_id=msg.replica_id,
+        address=msg.address,
+        store_address=msg.store_address,
+        step=msg.step,
+        world_size=msg.world_size,
+        shrink_only=msg.shrink_only,
+        data=data,
+        commit_failures=msg.commit_failures,
+    )
+
+
+def quorum_to_pb(
+    quorum: Quorum, raw_members: dict[str, pb.QuorumMember] | None = None
+) -> pb.Quorum:
+    """Convert a :class:`Quorum` to its protobuf message.
+
+    Args:
+        quorum: the value.
+        raw_members: replica_id -> the protobuf member exactly as that replica sent it; used in
+            place of a fresh conversion so that fields unknown to us (sent by newer peers) are
+            echoed back untouched.
+    """
+    raw_members = raw_members or {}
+    msg = pb.Quorum(quorum_id=quorum.quorum_id, created=timestamp_to_pb(quorum.created))
+    for member in quorum.participants:
+        raw = raw_members.get(member.replica_id)
+        msg.participants.append(raw if raw is not None else member_to_pb(member))
+    return msg
+
+
+def quorum_from_pb(msg: pb.Quorum, *, strict_data: bool = True) -> Quorum:
+    """Convert a protobuf ``Quorum`` to the value type.
+
+    Args:
+        msg: the protobuf message.
+        strict_data: if False, a member whose ``data`` is not a JSON object gets ``data=None``
+            instead of failing the whole conversion (clients and managers use this: another
+            group's opaque data must not make a quorum unusable).
+
+    Raises:
+        ValueError: a member's ``data`` is not a JSON object and ``strict_data`` is True.
+    """
+    return Quorum(
+        quorum_id=msg.quorum_id,
+        participants=tuple(member_from_pb(m, strict_data=strict_data) for m in msg.participants),
+        created=timestamp_from_pb(msg.created),
+    )
+
+
+def quorum_result_to_pb(result: QuorumResult) -> pb.ManagerQuorumResponse:
+    """Convert a :class:`QuorumResult` to ``ManagerQuorumResponse``.
+
+    ``replica_ids`` has no field in the reference protocol of record (the newer wheel's field
+    number is unknown), so it does not travel.
+
+    Args:
+        result: the value.
+    """
+    msg = pb.ManagerQuorumResponse(
+        quorum_id=result.quorum_id,
+        recover_src_manager_address=result.recover_src_manager_address,
+        recover_dst_replica_ranks=list(result.recover_dst_replica_ranks),
+        store_address=result.store_address,
+        max_step=result.max_step,
+        max_world_size=result.max_world_size,
+        replica_rank=result.replica_rank,
+        replica_world_size=result.replica_world_size,
+        heal=result.heal,
+        commit_failures=result.commit_failures,
+    )
+    if result.recover_src_replica_rank is not None:
+        msg.recover_src_replica_rank = result.recover_src_replica_rank
+    if result.max_replica_rank is not None:
+        msg.max_replica_rank = result.max_replica_rank
+    return msg
+
+
+def quorum_result_from_pb(msg: pb.ManagerQuorumResponse) -> QuorumResult:
+    """Convert ``ManagerQuorumResponse`` to a :class:`QuorumResult`.
+
+    Args:
+        msg: the protobuf message.
+    """
+    return QuorumResult(
+        quorum_id=msg.quorum_id,
+        replica_rank=msg.replica_rank,
+        replica_world_size=msg.replica_world_size,
+        recover_src_manager_address=msg.recover_src_manager_address,
+        recover_src_replica_rank=(
+            msg.recover_src_replica_rank if msg.HasField("recover_src_replica_rank") else None
+        ),
+        recover_dst_replica_ranks=list(msg.recover_dst_replica_ranks),
+        store_address=msg.store_address,
+        max_step=msg.max_step,
+        max_replica_rank=msg.max_replica_rank if msg.HasField("max_replica_rank") else None,
+        max_world_size=msg.max_world_size,
+        heal=msg.heal,
+        commit_failures=msg.commit_failures,
+    )

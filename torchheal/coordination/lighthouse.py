@@ -1,0 +1,297 @@
+"""The lighthouse server: gRPC around the pure quorum decision of ``quorum.py``.
+
+One lighthouse per job collects heartbeats and quorum requests from the replica groups and
+issues quorums (reference §4). This module only moves bytes and time: it feeds requests,
+heartbeats and ticks into one :class:`~torchheal.coordination.quorum.LighthouseState` held
+under a lock, and delivers each issued quorum to the requests waiting for it. Every rule about
+*who* is in a quorum lives in ``quorum.py``.
+
+Wire detail: the lighthouse keeps each requester's protobuf ``QuorumMember`` exactly as it
+arrived and puts that message in the quorum it sends back, so fields unknown to us (added by a
+newer peer) are echoed untouched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import threading
+import time
+from typing import Any
+
+import grpc
+import grpc.aio
+
+from torchheal._wire import methods
+from torchheal._wire import torchft_pb2 as pb
+from torchheal.coordination import convert
+from torchheal.coordination.grpc_util import (
+    AioServerThread,
+    StatusError,
+    format_target,
+    unary_handler,
+)
+from torchheal.coordination.quorum import (
+    LighthouseConfig,
+    LighthouseState,
+    forget_stale_heartbeats,
+    heartbeat,
+    join,
+    quorum_compute,
+    requeue,
+    tick,
+)
+from torchheal.coordination.types import Quorum, QuorumMember, Timestamp
+
+__all__ = ["LighthouseServer"]
+
+logger: logging.Logger = logging.getLogger(__name__)
+
+# Python API defaults (reference §2.4); the CLI has its own (join timeout 60 s).
+DEFAULT_JOIN_TIMEOUT_MS = 100
+DEFAULT_QUORUM_TICK_MS = 100
+DEFAULT_HEARTBEAT_TIMEOUT_MS = 5000
+
+# Heartbeats older than this are dropped so the map stays bounded (the reference keeps them
+# forever). At least a minute, so a status view still shows recently departed replicas.
+MIN_HEARTBEAT_RETENTION_S = 60.0
+PRUNE_INTERVAL_S = 1.0
+
+
+class LighthouseServer:
+    """The job's lighthouse: decides which replica groups form each step's quorum.
+
+    Starts serving in the constructor, on a background thread with its own event loop.
+
+    Args:
+        bind: address to listen on, e.g. ``"[::]:29510"``; port 0 picks a free port.
+        min_replicas: fewest replica groups a new quorum may have (>= 1).
+        join_timeout_ms: how long to wait for heartbeating replicas that have not asked to
+            join before issuing a quorum without them (None: 100).
+        quorum_tick_ms: how often to re-evaluate waiting requests (None: 100).
+        heartbeat_timeout_ms: a replica whose last heartbeat is older than this is considered
+            gone (None: 5000).
+
+    Raises:
+        ValueError: an option is out of range or ``bind`` is malformed.
+        RuntimeError: the address could not be bound.
+    """
+
+    def __init__(
+        self,
+        bind: str,
+        min_replicas: int,
+        join_timeout_ms: int | None = None,
+        quorum_tick_ms: int | None = None,
+        heartbeat_timeout_ms: int | None = None,
+    ) -> None:
+        self._config = LighthouseConfig(
+            min_replicas=min_replicas,
+            join_timeout_ms=DEFAULT_JOIN_TIMEOUT_MS if join_timeout_ms is None else join_timeout_ms,
+            quorum_tick_ms=DEFAULT_QUORUM_TICK_MS if quorum_tick_ms is None else quorum_tick_ms,
+            heartbeat_timeout_ms=(
+                DEFAULT_HEARTBEAT_TIMEOUT_MS
+                if heartbeat_timeout_ms is None
+                else heartbeat_timeout_ms
+            ),
+        )
+        self._config.validate()
+        self._lock = threading.Lock()
+        self._state = LighthouseState()
+        # replica_id -> the requester's message as received, for participants of the round.
+        self._raw: dict[str, pb.QuorumMember] = {}
+        # One queue per waiting Quorum call; only touched on the server loop.
+        self._subscribers: set[asyncio.Queue[tuple[Quorum, pb.Quorum]]] = set()
+        self._last_reason: str | None = None
+        self._last_prune = 0.0
+        self._created_at = time.monotonic()
+        self._server = AioServerThread(
+            "torchheal-lighthouse",
+            bind,
+            {
+                methods.LIGHTHOUSE_SERVICE: {
+                    "Quorum": unary_handler(methods.LIGHTHOUSE_QUORUM, self._quorum),
+                    "Heartbeat": unary_handler(methods.LIGHTHOUSE_HEARTBEAT, self._heartbeat),
+                }
+            },
+        )
+        self._server.submit(self._start_ticking()).result()
+        logger.info(
+            "Lighthouse listening on %s (bound %s) with min_replicas=%d join_timeout_ms=%s "
+            "quorum_tick_ms=%s heartbeat_timeout_ms=%s",
+            self.address(),
+            bind,
+            self._config.min_replicas,
+            self._config.join_timeout_ms,
+            self._config.quorum_tick_ms,
+            self._config.heartbeat_timeout_ms,
+        )
+
+    # ---------------------------------------------------------------------------------------
+    # Public API
+
+    def address(self) -> str:
+        """The URL replicas use to reach this lighthouse, ``http://{hostname}:{port}``."""
+        return f"http://{format_target(socket.gethostname(), self._server.port)}"
+
+    def port(self) -> int:
+        """The TCP port the lighthouse listens on."""
+        return self._server.port
+
+    def shutdown(self) -> None:
+        """Stop serving; waiting quorum requests are cancelled. Idempotent, thread-safe."""
+        self._server.shutdown()
+
+    def status(self) -> dict[str, Any]:
+        """A read-only snapshot of the lighthouse, for status views and dashboards.
+
+        Returns:
+            A JSON-able dict: ``quorum_id``; ``reason`` (what a quorum computed now would say);
+            ``prev_quorum`` (None, or its ``quorum_id``, ``age_s``, ``max_step`` and
+            ``participants`` as dicts); ``waiting`` (replica ids with a pending request);
+            ``heartbeats`` (replica id -> seconds since last seen); ``config``.
+        """
+        now = time.monotonic()
+        with self._lock:
+            _, reason = quorum_compute(self._state, self._config, now)
+            prev = self._state.prev_quorum
+            heartbeats = {rid: now - seen for rid, seen in self._state.heartbeats.items()}
+            waiting = sorted(self._state.participants)
+            quorum_id = self._state.quorum_id
+        prev_view = None
+        if prev is not None:
+            prev_view = {
+                "quorum_id": prev.quorum_id,
+                "age_s": max(0.0, time.time() - prev.created.to_float()),
+                "max_step": max((m.step for m in prev.participants), default=-1),
+                "participants": [_member_view(m) for m in prev.participants],
+            }
+        return {
+            "quorum_id": quorum_id,
+            "reason": reason,
+            "prev_quorum": prev_view,
+            "waiting": waiting,
+            "heartbeats": dict(sorted(heartbeats.items())),
+            "config": {
+                "min_replicas": self._config.min_replicas,
+                "join_timeout_ms": self._config.join_timeout_ms,
+                "quorum_tick_ms": self._config.quorum_tick_ms,
+                "heartbeat_timeout_ms": self._config.heartbeat_timeout_ms,
+            },
+        }
+
+    # ---------------------------------------------------------------------------------------
+    # Ticks
+
+    async def _start_ticking(self) -> None:
+        self._server.spawn(self._tick_loop())
+
+    async def _tick_loop(self) -> None:
+        period = self._config.quorum_tick_ms / 1000.0
+        while True:
+            await asyncio.sleep(period)
+            self._tick()
+
+    def _tick(self) -> None:
+        """Run one decision and deliver an issued quorum. Called on the server loop only."""
+        now = time.monotonic()
+        with self._lock:
+            quorum, reason = tick(self._state, self._config, now, Timestamp.from_float(time.time()))
+            if reason != self._last_reason:
+                # Ticks run every 100 ms; repeating an unchanged reason would flood the log.
+                logger.info("Quorum status: %s", reason)
+                self._last_reason = reason
+            if now - self._last_prune >= PRUNE_INTERVAL_S:
+                self._last_prune = now
+                retention = max(
+                    MIN_HEARTBEAT_RETENTION_S, self._config.heartbeat_timeout_ms / 1000.0
+                )
+                forgotten = forget_stale_heartbeats(self._state, now, retention)
+                if forgotten:
+                    logger.info("Forgot heartbeats of departed replicas: %s", forgotten)
+            if quorum is None:
+                return
+            raw = self._raw
+            # Participants were cleared by tick(); their messages go with the issued quorum.
+            self._raw = {}
+            subscribers = list(self._subscribers)
+        message = convert.quorum_to_pb(quorum, raw)
+        logger.info(
+            "Issued quorum %d with %d participants: %s",
+            quorum.quorum_id,
+            len(quorum.participants),
+            [m.replica_id for m in quorum.participants],
+        )
+        for queue in subscribers:
+            queue.put_nowait((quorum, message))
+
+    # ---------------------------------------------------------------------------------------
+    # RPCs
+
+    async def _heartbeat(
+        self, request: pb.LighthouseHeartbeatRequest, context: grpc.aio.ServicerContext
+    ) -> pb.LighthouseHeartbeatResponse:
+        if not request.replica_id:
+            raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, "missing replica_id")
+        with self._lock:
+            heartbeat(self._state, request.replica_id, time.monotonic())
+        return pb.LighthouseHeartbeatResponse()
+
+    async def _quorum(
+        self, request: pb.LighthouseQuorumRequest, context: grpc.aio.ServicerContext
+    ) -> pb.LighthouseQuorumResponse:
+        if not request.HasField("requester"):
+            raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, "missing requester")
+        raw = request.requester
+        member = _validated_member(raw)
+        queue: asyncio.Queue[tuple[Quorum, pb.Quorum]] = asyncio.Queue()
+        with self._lock:
+            join(self._state, member, time.monotonic())
+            self._raw[member.replica_id] = raw
+            # Subscribe before ticking so the quorum this request completes reaches it.
+            self._subscribers.add(queue)
+        try:
+            self._tick()
+            while True:
+                quorum, message = await queue.get()
+                if any(m.replica_id == member.replica_id for m in quorum.participants):
+                    return pb.LighthouseQuorumResponse(quorum=message)
+                logger.info(
+                    "Replica %s not in quorum %d, retrying", member.replica_id, quorum.quorum_id
+                )
+                with self._lock:
+                    requeue(self._state, member, time.monotonic())
+                    self._raw[member.replica_id] = raw
+        finally:
+            with self._lock:
+                self._subscribers.discard(queue)
+
+
+def _validated_member(raw: pb.QuorumMember) -> QuorumMember:
+    """Check a requester for values no honest replica sends; convert it to the value type."""
+    if not raw.replica_id:
+        raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, "missing requester.replica_id")
+    if raw.step < 0:
+        raise StatusError(
+            grpc.StatusCode.INVALID_ARGUMENT, f"requester.step must be >= 0, got {raw.step}"
+        )
+    if raw.commit_failures < 0:
+        raise StatusError(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"requester.commit_failures must be >= 0, got {raw.commit_failures}",
+        )
+    # The lighthouse never reads ``data``: it is opaque here and echoed as received.
+    return convert.member_from_pb(raw, strict_data=False)
+
+
+def _member_view(member: QuorumMember) -> dict[str, Any]:
+    return {
+        "replica_id": member.replica_id,
+        "address": member.address,
+        "store_address": member.store_address,
+        "step": member.step,
+        "world_size": member.world_size,
+        "shrink_only": member.shrink_only,
+        "commit_failures": member.commit_failures,
+    }
