@@ -1,0 +1,244 @@
+"""Timeouts on futures, CUDA streams and blocks of code.
+
+Everything here is driven by one lazily started daemon thread, the *timeout manager*. It keeps
+a heap of deadlines under a condition variable and runs the callback of each deadline that was
+not cancelled before it expired. We chose a heap + condition thread over an asyncio loop: the
+only job is "call this at time T unless cancelled", which needs no event loop, no cross-thread
+``call_soon_threadsafe`` dance, and has one obvious place where callbacks run.
+
+Callbacks run on the manager thread, so they must be short (setting a future, aborting a
+process group). A callback that raises is logged and never stops the thread.
+
+Public helpers:
+
+* :func:`future_timeout` - a new future with the original outcome, or ``TimeoutError``.
+* :func:`future_wait` - block on a future for at most ``timeout``.
+* :func:`context_timeout` - call ``callback`` if a ``with`` block is still running after ``timeout``.
+* :func:`stream_timeout` - call ``callback`` if work queued on the current accelerator stream has
+  not finished ``timeout`` after the call.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Generator
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any, Protocol, TypeVar
+
+import torch
+from torch.futures import Future
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+def _seconds(timeout: timedelta | float) -> float:
+    """Converts a ``timedelta`` or a number of seconds to float seconds."""
+    if isinstance(timeout, timedelta):
+        return timeout.total_seconds()
+    return float(timeout)
+
+
+class TimerHandle:
+    """A scheduled callback; :meth:`cancel` stops it from running if it has not run yet."""
+
+    __slots__ = ("_callback", "cancelled", "deadline")
+
+    def __init__(self, deadline: float, callback: Callable[[], None]) -> None:
+        self.deadline = deadline
+        self._callback: Callable[[], None] | None = callback
+        self.cancelled = False
+
+    def cancel(self) -> None:
+        """Prevents the callback from running (no effect once it ran)."""
+        self.cancelled = True
+        # Drop the reference so a cancelled timer does not keep a process group alive.
+        self._callback = None
+
+
+class _TimeoutManager:
+    """One daemon thread running callbacks at deadlines (a heap under a condition)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._heap: list[tuple[float, int, TimerHandle]] = []
+        self._seq = itertools.count()
+        self._thread: threading.Thread | None = None
+        # Events recorded by stream_timeout are destroyed on a caller's thread, never on the
+        # manager thread: destroying a CUDA event can block behind a hung stream.
+        self._del_queue: deque[Any] = deque()
+
+    def schedule(self, timeout: timedelta | float, callback: Callable[[], None]) -> TimerHandle:
+        """Runs ``callback`` on the manager thread after ``timeout`` unless cancelled.
+
+        Args:
+            timeout: delay before the callback runs.
+            callback: function of no arguments.
+        """
+        handle = TimerHandle(time.monotonic() + _seconds(timeout), callback)
+        with self._cond:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(
+                    target=self._run, name="torchheal-TimeoutManager", daemon=True
+                )
+                self._thread.start()
+            heapq.heappush(self._heap, (handle.deadline, next(self._seq), handle))
+            self._cond.notify()
+        return handle
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while True:
+                    # Pop cancelled timers eagerly so they do not pin memory until their deadline.
+                    while self._heap and self._heap[0][2].cancelled:
+                        heapq.heappop(self._heap)
+                    if not self._heap:
+                        self._cond.wait()
+                        continue
+                    delay = self._heap[0][0] - time.monotonic()
+                    if delay <= 0:
+                        _, _, handle = heapq.heappop(self._heap)
+                        break
+                    self._cond.wait(delay)
+            callback = handle._callback
+            handle.cancel()
+            if callback is None:
+                continue
+            try:
+                callback()
+            except Exception:
+                logger.exception("timeout callback failed")
+
+    def pending(self) -> int:
+        """Number of scheduled, not cancelled timers (for tests and diagnostics)."""
+        with self._cond:
+            return sum(1 for _, _, h in self._heap if not h.cancelled)
+
+    def drain_deletions(self) -> None:
+        """Drops events whose timers finished (runs on the caller's thread)."""
+        while self._del_queue:
+            try:
+                self._del_queue.popleft()
+            except IndexError:
+                return
+
+
+_TIMEOUT_MANAGER = _TimeoutManager()
+
+
+def future_timeout(fut: Future[T], timeout: timedelta | float) -> Future[T]:
+    """Returns a future with ``fut``'s outcome, or ``TimeoutError`` if it takes too long.
+
+    Args:
+        fut: the future to watch.
+        timeout: how long to wait before failing the returned future with
+            ``TimeoutError("future did not complete within {timeout}")``.
+    """
+    out: Future[T] = Future()
+    lock = threading.Lock()
+    done = False
+
+    def _claim() -> bool:
+        nonlocal done
+        with lock:
+            if done:
+                return False
+            done = True
+            return True
+
+    def _on_timeout() -> None:
+        if _claim():
+            out.set_exception(TimeoutError(f"future did not complete within {timeout}"))
+
+    handle = _TIMEOUT_MANAGER.schedule(timeout, _on_timeout)
+
+    def _on_done(f: Future[T]) -> None:
+        handle.cancel()
+        if not _claim():
+            return
+        try:
+            out.set_result(f.value())
+        except Exception as e:
+            out.set_exception(e)
+
+    fut.add_done_callback(_on_done)
+    return out
+
+
+def future_wait(fut: Future[T], timeout: timedelta | float) -> T:
+    """Blocks until ``fut`` completes and returns its value (or raises its exception).
+
+    Args:
+        fut: the future to wait on.
+        timeout: the longest time to block; ``TimeoutError`` after that.
+    """
+    if fut.done():
+        return fut.wait()
+    event = threading.Event()
+    fut.add_done_callback(lambda _: event.set())
+    if not event.wait(_seconds(timeout)):
+        raise TimeoutError(f"future did not complete within {timeout}")
+    return fut.wait()
+
+
+@contextmanager
+def context_timeout(callback: Callable[[], None], timeout: timedelta | float) -> Generator[None]:
+    """Calls ``callback`` (on the timeout thread) if the block is still running after ``timeout``.
+
+    Args:
+        callback: what to do on expiry, typically aborting a communicator so the block unblocks.
+        timeout: how long the block may run.
+    """
+    handle = _TIMEOUT_MANAGER.schedule(timeout, callback)
+    try:
+        yield
+    finally:
+        handle.cancel()
+
+
+class _Queryable(Protocol):
+    def query(self) -> bool: ...
+
+
+def stream_timeout(
+    callback: Callable[[], None],
+    timeout: timedelta | float,
+    event: _Queryable | None = None,
+) -> TimerHandle:
+    """Calls ``callback`` if the current accelerator stream's queued work is not done in time.
+
+    An event is recorded on the current stream now; after ``timeout`` the manager thread queries
+    it and calls ``callback`` if it has not completed. Without an accelerator there is nothing
+    asynchronous to watch and nothing is scheduled unless ``event`` is given.
+
+    Args:
+        callback: what to do when the stream is late (typically ``pg.abort``).
+        timeout: how long the stream may take.
+        event: an already recorded event to watch instead of recording one (anything with
+            ``query() -> bool``).
+    """
+    _TIMEOUT_MANAGER.drain_deletions()
+    if event is None:
+        if torch.cuda.is_available():
+            event = torch.cuda.Event()
+            event.record()
+        else:
+            return TimerHandle(0.0, lambda: None)
+    watched = event
+
+    def _check() -> None:
+        try:
+            if not watched.query():
+                callback()
+        finally:
+            _TIMEOUT_MANAGER._del_queue.append(watched)
+
+    return _TIMEOUT_MANAGER.schedule(timeout, _check)

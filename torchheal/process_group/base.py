@@ -1,0 +1,277 @@
+"""The reconfigurable process group interface every torchheal process group implements.
+
+A :class:`ProcessGroup` is a ``torch.distributed.ProcessGroup`` (so stock DDP, DeviceMesh and
+functional collectives accept it) that can be rebuilt in place with :meth:`ProcessGroup.configure`
+whenever the set of replica groups changes. The base class only defines the surface; the
+collectives raise ``NotImplementedError``.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import (
+    AllgatherOptions,
+    AllreduceCoalescedOptions,
+    AllreduceOptions,
+    AllToAllOptions,
+    BarrierOptions,
+    BroadcastOptions,
+    ReduceOp,
+    ReduceScatterOptions,
+)
+
+
+class ProcessGroup(dist.ProcessGroup):
+    """Base class of the reconfigurable process groups.
+
+    The C++ base is built with rank 0 and size 1; subclasses report the configured size through
+    :meth:`size`. All collectives return a ``torch.distributed.Work`` whose ``wait()`` or future
+    surfaces errors.
+    """
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(0, 1)
+        self._group_name: str | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def configure(self, store_addr: str, replica_id: str, rank: int, world_size: int) -> None:
+        """Rebuilds the group on a fresh store prefix, blocking until it is usable.
+
+        Every call must use a store prefix never used before by this group (the Manager uses
+        ``{store_address}/torchft/{quorum_id}/{group_rank}``).
+
+        Args:
+            store_addr: ``"host:port/prefix"`` of the rendezvous TCPStore.
+            replica_id: this replica group's id (for logs and error records).
+            rank: this process's rank in the new group.
+            world_size: the number of members of the new group.
+
+        Raises:
+            RuntimeError or TimeoutError: if the group could not be formed within its timeout.
+        """
+        raise NotImplementedError("not implemented")
+
+    def abort(self) -> None:
+        """Aborts in-flight operations so blocked callers fail fast (no-op in the base)."""
+
+    def shutdown(self) -> None:
+        """Releases the group's resources (no-op in the base)."""
+
+    def errored(self) -> Exception | None:
+        """The sticky error of the current configuration, or ``None``."""
+        return None
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        """Sets the timeout of subsequent operations.
+
+        Args:
+            timeout: the new timeout.
+        """
+        raise NotImplementedError("not implemented")
+
+    def getBackendName(self) -> str:
+        """Name of the backend (``torchft-*`` for compatibility with the reference)."""
+        raise NotImplementedError("not implemented")
+
+    def size(self) -> int:
+        """World size of the current configuration."""
+        raise NotImplementedError("not implemented")
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+    # -- collectives -----------------------------------------------------------------------
+
+    def allgather(
+        self,
+        output_tensors: list[list[torch.Tensor]],
+        input_tensor: list[torch.Tensor],
+        opts: AllgatherOptions,
+    ) -> dist.Work:
+        """Gathers ``input_tensor`` from every rank into ``output_tensors``.
+
+        Args:
+            output_tensors: one list of ``size()`` tensors per input tensor.
+            input_tensor: the local tensors.
+            opts: gather options.
+        """
+        raise NotImplementedError("not implemented")
+
+    def allgather_into_tensor_coalesced(
+        self,
+        output_tensors: list[torch.Tensor],
+        input_tensors: list[torch.Tensor],
+        opts: AllgatherOptions,
+    ) -> dist.Work:
+        """Gathers each input into the matching flat output (``size()`` times larger).
+
+        Args:
+            output_tensors: flat outputs.
+            input_tensors: local inputs.
+            opts: gather options.
+        """
+        raise NotImplementedError("not implemented")
+
+    def allreduce(
+        self, tensors: list[torch.Tensor], opts: AllreduceOptions | ReduceOp
+    ) -> dist.Work:
+        """Reduces ``tensors`` in place across ranks.
+
+        Args:
+            tensors: tensors reduced in place.
+            opts: options or just the reduce op.
+        """
+        raise NotImplementedError("not implemented")
+
+    def allreduce_coalesced(
+        self, tensors: list[torch.Tensor], opts: AllreduceCoalescedOptions
+    ) -> dist.Work:
+        """Reduces several tensors in place as one operation.
+
+        Args:
+            tensors: tensors reduced in place.
+            opts: coalesced reduce options.
+        """
+        raise NotImplementedError("not implemented")
+
+    def alltoall_base(
+        self,
+        output_buffer: torch.Tensor,
+        input_buffer: torch.Tensor,
+        output_split_sizes: list[int],
+        input_split_sizes: list[int],
+        opts: AllToAllOptions,
+    ) -> dist.Work:
+        """Scatters slices of ``input_buffer`` to every rank and gathers theirs.
+
+        Args:
+            output_buffer: receives the slices.
+            input_buffer: holds the slices to send.
+            output_split_sizes: slice sizes received (empty = equal).
+            input_split_sizes: slice sizes sent (empty = equal).
+            opts: all-to-all options.
+        """
+        raise NotImplementedError("not implemented")
+
+    def barrier(self, opts: BarrierOptions) -> dist.Work:
+        """Waits until every rank reaches the barrier.
+
+        Args:
+            opts: barrier options.
+        """
+        raise NotImplementedError("not implemented")
+
+    def broadcast(self, tensor_list: list[torch.Tensor], opts: BroadcastOptions) -> dist.Work:
+        """Copies the root's tensors to every rank.
+
+        Args:
+            tensor_list: tensors sent (root) or overwritten (others).
+            opts: options naming the root rank.
+        """
+        raise NotImplementedError("not implemented")
+
+    def broadcast_one(self, tensor: torch.Tensor, root: int) -> dist.Work:
+        """Broadcasts one tensor from ``root``.
+
+        Args:
+            tensor: the tensor sent or overwritten.
+            root: the rank that sends.
+        """
+        opts = BroadcastOptions()
+        opts.rootRank = root
+        return self.broadcast([tensor], opts)
+
+    def recv(self, tensors: list[torch.Tensor], src_rank: int, tag: int) -> dist.Work:
+        """Receives ``tensors`` from ``src_rank``.
+
+        Args:
+            tensors: overwritten with the received data.
+            src_rank: the sender.
+            tag: message tag matching the sender's.
+        """
+        raise NotImplementedError("not implemented")
+
+    def reduce_scatter(
+        self,
+        output_tensors: list[torch.Tensor],
+        input_tensors: list[list[torch.Tensor]],
+        opts: ReduceScatterOptions,
+    ) -> dist.Work:
+        """Reduces the inputs across ranks and leaves slice ``rank`` on each rank.
+
+        Args:
+            output_tensors: per-rank results.
+            input_tensors: one list of ``size()`` tensors per output.
+            opts: reduce-scatter options.
+        """
+        raise NotImplementedError("not implemented")
+
+    def reduce_scatter_tensor_coalesced(
+        self,
+        output_tensors: list[torch.Tensor],
+        input_tensors: list[torch.Tensor],
+        opts: ReduceScatterOptions,
+    ) -> dist.Work:
+        """Reduce-scatter of flat inputs (``size()`` times larger than outputs).
+
+        Args:
+            output_tensors: per-rank results.
+            input_tensors: flat inputs.
+            opts: reduce-scatter options.
+        """
+        raise NotImplementedError("not implemented")
+
+    def send(self, tensors: list[torch.Tensor], dst_rank: int, tag: int) -> dist.Work:
+        """Sends ``tensors`` to ``dst_rank``.
+
+        Args:
+            tensors: the data.
+            dst_rank: the receiver.
+            tag: message tag.
+        """
+        raise NotImplementedError("not implemented")
+
+    # -- registration with torch.distributed -----------------------------------------------
+
+    def register(self, name: str) -> dist.ProcessGroup:
+        """Registers this group with ``torch.distributed`` so it can be resolved by name.
+
+        Creates a custom backend ``"{getBackendName()}:{name}"`` whose factory returns ``self``
+        and a world-size-1 group over this process's global rank, so DeviceMesh and functional
+        collectives (``_resolve_process_group(pg.group_name)``) find it. Needs a default process
+        group.
+
+        Args:
+            name: unique suffix of the backend name.
+        """
+        backend_name = f"{self.getBackendName()}:{name}"
+
+        def _factory(*args: Any, **kwargs: Any) -> ProcessGroup:
+            return self
+
+        devices = ["cpu", "xpu"] if torch.xpu.is_available() else ["cpu", "cuda"]
+        dist.Backend.register_backend(backend_name, _factory, devices=devices)
+        group = dist.new_group(
+            ranks=[dist.get_rank()], backend=backend_name, group_desc=backend_name
+        )
+        if group is not self:
+            raise RuntimeError(f"register({name!r}) did not return this process group")
+        self._group_name = dist.distributed_c10d._world.pg_names[self]
+        return group
+
+    def unregister(self) -> None:
+        """Undoes :meth:`register` (destroys the façade group)."""
+        dist.destroy_process_group(self)
+        self._group_name = None
+
+    @property
+    def group_name(self) -> str:
+        """The name ``register`` gave this group in ``torch.distributed``."""
+        if self._group_name is None:
+            raise ValueError("ProcessGroup name not set (call register() first)")
+        return self._group_name

@@ -1,0 +1,61 @@
+"""Reconfigurable Gloo process group (CPU, and CUDA tensors through Gloo where built)."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import ProcessGroupGloo as _C10dGloo
+
+from torchheal.process_group.wrappers import ProcessGroupWrapper
+
+
+def create_gloo_pg(
+    store: dist.Store, rank: int, world_size: int, timeout: timedelta
+) -> dist.ProcessGroup:
+    """Builds a c10d process group backed by a fresh Gloo backend.
+
+    Blocks until every peer has connected; a missing peer makes the Gloo constructor raise
+    ``RuntimeError`` after ``timeout``.
+
+    Args:
+        store: the (prefixed) rendezvous store.
+        rank: this process's rank.
+        world_size: number of members.
+        timeout: connect timeout and default operation timeout.
+    """
+    pg = dist.ProcessGroup(store, rank, world_size)
+    pg._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+    backend = _C10dGloo(store, rank, world_size, timeout)
+    backend._set_sequence_number_for_group()
+    pg._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
+    if torch.cuda.is_available():
+        pg._register_backend(torch.device("cuda"), dist.ProcessGroup.BackendType.GLOO, backend)
+    return pg
+
+
+class ProcessGroupGloo(ProcessGroupWrapper):
+    """A Gloo process group rebuilt from scratch on every ``configure``.
+
+    Args:
+        timeout: rendezvous timeout and timeout of every operation.
+    """
+
+    def __init__(self, timeout: timedelta = timedelta(seconds=60)) -> None:
+        super().__init__(timeout=timeout)
+
+    def _create_pg(self, store: dist.Store, rank: int, world_size: int) -> dist.ProcessGroup:
+        return create_gloo_pg(store, rank, world_size, self._timeout)
+
+    def getBackendName(self) -> str:
+        """``"torchft-gloo"``."""
+        return "torchft-gloo"
+
+    def reduce_scatter(self, output_tensors, input_tensors, opts) -> dist.Work:
+        """Not supported by Gloo: raises ``RuntimeError``."""
+        raise RuntimeError("ProcessGroupGloo does not support reduce_scatter.")
+
+    def reduce_scatter_tensor_coalesced(self, output_tensors, input_tensors, opts) -> dist.Work:
+        """Not supported by Gloo: raises ``RuntimeError``."""
+        raise RuntimeError("ProcessGroupGloo does not support reduce_scatter_tensor_coalesced.")

@@ -1,0 +1,166 @@
+"""Reconfigurable NCCL process group that aborts its communicator instead of hanging.
+
+NCCL collectives can block forever when a peer dies. Every call runs under a
+:func:`~torchheal.futures.context_timeout` that aborts the communicator; with NCCL >= 2.25 (abort
+support) works are wrapped so that ``wait()`` and futures also watch the CUDA stream with
+:func:`~torchheal.futures.stream_timeout`, and the ops' own timeouts are reset so NCCL's watchdog
+never crashes the process. After an abort :meth:`ProcessGroupNCCL.errored` reports ``"aborted"``
+until the next ``configure``.
+
+Importing and constructing this module's classes works on CPU-only machines; ``configure``
+raises a clear ``RuntimeError`` there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.futures import Future
+
+from torchheal.futures import context_timeout, stream_timeout
+from torchheal.process_group.wrappers import ProcessGroupWrapper
+
+logger = logging.getLogger(__name__)
+
+
+def _nccl_supports_abort() -> bool:
+    """Whether NCCL can abort a non-blocking communicator safely (NCCL >= 2.25)."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        version = torch.cuda.nccl.version()
+    except Exception:
+        return False
+    return tuple(version[:2]) >= (2, 25)
+
+
+class _WorkAcceleratorTimeout(dist.Work):
+    """Aborts the group when the work, or the stream it was queued on, is late.
+
+    Args:
+        pg: the owning group (aborted on timeout, told about errors).
+        work: the NCCL work.
+        timeout: how long the work and its stream may take.
+    """
+
+    def __init__(self, pg: ProcessGroupNCCL, work: dist.Work, timeout: timedelta) -> None:
+        super().__init__()
+        self._pg = pg
+        self._work = work
+        self._timeout = timeout
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        """Waits for the work to be queued/complete, then watches the stream.
+
+        Args:
+            timeout: if given, also synchronizes the device within this time.
+        """
+        limit = timeout if timeout is not None else self._timeout
+        try:
+            with context_timeout(self._pg.abort, limit):
+                self._work.wait()
+            stream_timeout(self._pg.abort, limit)
+            if timeout is not None:
+                with context_timeout(self._pg.abort, limit):
+                    torch.cuda.current_stream().synchronize()
+        except Exception as e:
+            self._pg._record_error(e)
+            raise
+        return True
+
+    def get_future(self) -> Future[Any]:
+        """The work's future; on completion the stream is watched as in :meth:`wait`."""
+        pg, limit = self._pg, self._timeout
+
+        def _watch(fut: Future[Any]) -> Any:
+            try:
+                value = fut.value()
+            except Exception as e:
+                pg._record_error(e)
+                raise
+            stream_timeout(pg.abort, limit)
+            return value
+
+        return self._work.get_future().then(_watch)
+
+
+class ProcessGroupNCCL(ProcessGroupWrapper):
+    """An NCCL process group with a non-blocking communicator, rebuilt on every ``configure``.
+
+    Args:
+        timeout: rendezvous timeout and timeout of every operation.
+    """
+
+    def __init__(self, timeout: timedelta = timedelta(seconds=60)) -> None:
+        super().__init__(timeout=timeout)
+        self._use_abort = _nccl_supports_abort()
+        if torch.cuda.is_available() and "TORCH_NCCL_NONBLOCKING_TIMEOUT" not in os.environ:
+            # Non-blocking communicators otherwise wait NCCL's own (long) default on init.
+            seconds = max(1, int(timeout.total_seconds()))
+            logger.warning("TORCH_NCCL_NONBLOCKING_TIMEOUT unset; setting it to %d", seconds)
+            os.environ["TORCH_NCCL_NONBLOCKING_TIMEOUT"] = str(seconds)
+
+    def configure(self, store_addr: str, replica_id: str, rank: int, world_size: int) -> None:
+        """See :meth:`ProcessGroup.configure`; raises ``RuntimeError`` at once without CUDA."""
+        if not torch.cuda.is_available():
+            raise RuntimeError("ProcessGroupNCCL.configure needs a CUDA device; none is available")
+        super().configure(store_addr, replica_id, rank, world_size)
+
+    def _create_pg(self, store: dist.Store, rank: int, world_size: int) -> dist.ProcessGroup:
+        from torch.distributed.distributed_c10d import ProcessGroupNCCL as _C10dNCCL
+
+        opts = _C10dNCCL.Options()
+        opts.config.blocking = False
+        opts.global_ranks_in_group = list(range(world_size))
+        opts._timeout = self._timeout
+        pg = dist.ProcessGroup(store, rank, world_size)
+        pg._set_default_backend(dist.ProcessGroup.BackendType.NCCL)
+        backend = _C10dNCCL(store, rank, world_size, opts)
+        backend._set_sequence_number_for_group()
+        device = torch.device("cuda", torch.cuda.current_device())
+        backend.eager_connect_single_device(device)
+        pg._register_backend(torch.device("cuda"), dist.ProcessGroup.BackendType.NCCL, backend)
+        return pg
+
+    def abort(self, errored: bool = True) -> None:
+        """Aborts the communicator; :meth:`errored` reports ``"aborted"`` afterwards.
+
+        Args:
+            errored: whether this abort is due to a failure.
+        """
+        self._errored = RuntimeError("aborted")
+        super().abort(errored=errored)
+
+    def errored(self) -> Exception | None:
+        """Synchronizes the current stream, then returns the sticky error."""
+        if torch.cuda.is_available():
+            torch.cuda.current_stream().synchronize()
+        return self._errored
+
+    def getBackendName(self) -> str:
+        """``"torchft-nccl"``."""
+        return "torchft-nccl"
+
+    def _run_context(self) -> contextlib.AbstractContextManager[None]:
+        return context_timeout(self.abort, self._timeout)
+
+    def _opts_hook(self, opts: Any) -> Any:
+        if self._use_abort and hasattr(opts, "timeout"):
+            # NCCL's watchdog kills the process on an op timeout; we abort instead.
+            opts.timeout = type(opts)().timeout
+        return opts
+
+    def _wrap_work(self, work: dist.Work, opts: object) -> dist.Work:
+        if not self._use_abort:
+            return super()._wrap_work(work, opts)
+        timeout = self._timeout
+        op_timeout = getattr(opts, "timeout", None)
+        if isinstance(op_timeout, timedelta) and op_timeout > timedelta(0):
+            timeout = op_timeout
+        return _WorkAcceleratorTimeout(self, work, timeout)

@@ -1,0 +1,85 @@
+"""Small ``torch.distributed.Work`` implementations shared by the process groups and the Manager.
+
+* :class:`_DummyWork` - already complete with a given result.
+* :class:`_ErrorRecordingWork` - delegates to an inner work and reports any failure of ``wait()``
+  or of its future to a callback (how wrappers keep their sticky ``errored()`` state).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+from torch.futures import Future
+
+
+class _DummyWork(dist.Work):
+    """A work that is already done.
+
+    Args:
+        result: the value the future resolves to.
+    """
+
+    def __init__(self, result: object) -> None:
+        super().__init__()
+        self.result_ = result
+        self.future_: Future[object] = Future()
+        self.future_.set_result(result)
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        """Returns ``True`` at once."""
+        return True
+
+    def get_future(self) -> Future[object]:
+        """A completed future holding ``result``."""
+        return self.future_
+
+
+class _ErrorRecordingWork(dist.Work):
+    """Wraps a work so failures are reported to ``on_error`` before they reach the caller.
+
+    Args:
+        work: the underlying work.
+        on_error: called with the exception when ``wait()`` or the future fails.
+    """
+
+    def __init__(self, work: dist.Work, on_error: Callable[[Exception], None]) -> None:
+        super().__init__()
+        self._work = work
+        self._on_error = on_error
+        self._fut: Future[Any] | None = None
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        """Waits on the inner work; a failure is reported, then re-raised.
+
+        Args:
+            timeout: passed to the inner work's ``wait``.
+        """
+        try:
+            if timeout is None:
+                return self._work.wait()
+            return self._work.wait(timeout)
+        except Exception as e:
+            self._on_error(e)
+            raise
+
+    def get_future(self) -> Future[Any]:
+        """The inner future chained through the error reporter (same value or exception)."""
+        if self._fut is None:
+            on_error = self._on_error
+
+            def _check(fut: Future[Any]) -> Any:
+                try:
+                    return fut.value()
+                except Exception as e:
+                    on_error(e)
+                    raise
+
+            self._fut = self._work.get_future().then(_check)
+        return self._fut
+
+    def is_completed(self) -> bool:
+        """Whether the inner work finished."""
+        return self._work.is_completed()
