@@ -1,0 +1,81 @@
+"""The ``torchheal`` command: a thin dispatcher to one module per subcommand.
+
+    torchheal lighthouse --min_replicas 2      # run the job's lighthouse
+    torchheal launch --replicas 3 -- python train.py
+
+Adding a subcommand: write ``torchheal/cli_<name>.py`` with ``build_parser(parser) -> parser``
+(adds the subcommand's arguments to the given parser) and ``run(args) -> int`` (the exit code),
+then add one line to :data:`COMMANDS`. Only the module of the chosen subcommand is imported, so
+``torchheal --help`` and ``torchheal lighthouse`` never pay for torch or process groups.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from importlib import metadata
+
+__all__ = ["COMMANDS", "main"]
+
+# name -> (module, one-line help). Planned: "demo" (torchheal.cli_demo), "status"
+# (torchheal.cli_status); their owners add them here.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "lighthouse": (
+        "torchheal.cli_lighthouse",
+        "run the job's lighthouse, the server that decides which replica groups train each step",
+    ),
+    "launch": (
+        "torchheal.cli_launch",
+        "run N replica groups of a training command locally, optionally killing some",
+    ),
+}
+
+
+def _version() -> str:
+    try:
+        return metadata.version("torchheal")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def _chosen_command(argv: list[str]) -> str | None:
+    for arg in argv:
+        if not arg.startswith("-"):
+            return arg if arg in COMMANDS else None
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``torchheal`` console script.
+
+    Args:
+        argv: arguments without the program name (default: ``sys.argv[1:]``).
+
+    Returns:
+        The process exit code.
+    """
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = argparse.ArgumentParser(
+        prog="torchheal",
+        description="Per-step fault tolerance for PyTorch training.",
+        epilog="Run 'torchheal COMMAND --help' for the options of a command.",
+    )
+    parser.add_argument("-V", "--version", action="version", version=f"torchheal {_version()}")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    chosen = _chosen_command(argv)
+    module = None
+    for name, (module_name, help_text) in COMMANDS.items():
+        sub = subparsers.add_parser(name, help=help_text, description=help_text)
+        if name == chosen:
+            module = importlib.import_module(module_name)
+            module.build_parser(sub)
+    args = parser.parse_args(argv)
+    if module is None:
+        parser.print_help(sys.stderr)
+        return 2
+    return int(module.run(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
