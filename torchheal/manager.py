@@ -56,7 +56,9 @@ from torchheal.config import (
     get_timeout,
     timeout_budget_problems,
 )
-from torchheal.coordination import ManagerClient, ManagerServer, QuorumResult
+from torchheal.coordination.client import ManagerClient
+from torchheal.coordination.manager_server import ManagerServer
+from torchheal.coordination.types import QuorumResult
 from torchheal.futures import future_timeout
 from torchheal.manager_rules import (
     WorldSizeMode,
@@ -537,7 +539,10 @@ class Manager:
         src_client = ManagerClient(
             quorum.recover_src_manager_address, connect_timeout=self._connect_timeout
         )
-        metadata = src_client._checkpoint_metadata(self._group_rank, timeout=self._timeout)
+        try:
+            metadata = src_client._checkpoint_metadata(self._group_rank, timeout=self._timeout)
+        finally:
+            src_client.close()
         pending = self._checkpoint_transport.recv_checkpoint(
             src_rank=src_rank, metadata=metadata, step=quorum.max_step, timeout=self._timeout
         )
@@ -818,6 +823,7 @@ class Manager:
             wait: wait for background work to finish.
         """
         self._checkpoint_transport.shutdown(wait=wait)
+        self._client.close()
         if self._manager is not None:
             self._manager.shutdown()
         self._executor.shutdown(wait=wait)
