@@ -109,5 +109,3 @@ class ProcessGroupDummy(ProcessGroup):
         for out, inp in zip(output_tensors, input_tensors, strict=True):
             out.copy_(inp.reshape(out.shape))
         return self._work(output_tensors)
-
-
