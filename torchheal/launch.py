@@ -238,6 +238,14 @@ class Launcher:
                         pass
                 g.proc.kill()
                 g.proc.wait(timeout=30)
+            for g in self._groups.values():
+                # Record the exit of processes that ended after the loop stopped reading.
+                if (
+                    g.proc is not None
+                    and len(g.exit_codes) < len(g.starts)
+                    and g.proc.returncode is not None
+                ):
+                    g.exit_codes.append(g.proc.returncode)
         return RunResult(
             events=self._events,
             groups=self._groups,

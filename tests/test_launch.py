@@ -1,0 +1,106 @@
+"""The local launcher: real child processes, a real SIGKILL, a real restart."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+
+import pytest
+
+from torchheal.cli_launch import parse_duration
+from torchheal.demo.events import parse
+from torchheal.demo.summary import summarize
+from torchheal.launch import KillPlan, Launcher
+
+CHILD = textwrap.dedent(
+    """
+    import os, sys, time
+    from torchheal.demo.events import emit
+    group = int(os.environ["REPLICA_GROUP_ID"])
+    assert os.environ["TORCHHEAL_LIGHTHOUSE"] == "http://lighthouse.invalid:1"
+    assert os.environ["NUM_REPLICA_GROUPS"] == "2"
+    marker = os.path.join(sys.argv[1], f"started-{group}")
+    first = not os.path.exists(marker)
+    open(marker, "a").close()
+    print("plain output line", flush=True)
+    if first and group == 1:
+        emit("step", group, step=5, committed=True)
+        time.sleep(120)  # the launcher must kill us; the test fails on its deadline otherwise
+    if group == 1:  # only the victim reports steps, so only its progress can trigger the kill
+        emit("step", group, step=6, committed=True)
+    emit("done", group, step=6, digest="abc")
+    """
+)
+
+
+def test_kill_at_step_kills_the_victim_and_restarts_it(tmp_path):
+    events, output, kills = [], [], []
+    launcher = Launcher(
+        [sys.executable, "-c", CHILD, str(tmp_path)],
+        replicas=2,
+        lighthouse_addr="http://lighthouse.invalid:1",
+        kill_plan=KillPlan(at_step=5, victims=(1,), max_kills=1),
+        restart_delay_s=0.1,
+        deadline_s=60,
+        on_event=events.append,
+        on_output=lambda g, line: output.append((g, line)),
+        on_kill=lambda g, reason: kills.append(g),
+    )
+    result = launcher.run()
+    assert not result.timed_out
+    assert kills == [1]
+    assert len(result.groups[1].starts) == 2 and len(result.groups[0].starts) == 1
+    assert result.groups[1].exit_codes == [-9, 0]
+    assert result.groups[0].exit_codes == [0]
+    assert (0, "plain output line") in output and (1, "plain output line") in output
+    assert sorted(e.group for e in events if e.kind == "done") == [0, 1]
+
+    summary = summarize(result)
+    assert summary.failures == 1
+    assert summary.identical
+    assert summary.steps_committed == 6
+    assert summary.recoveries[0].group == 1 and summary.recoveries[0].rejoin_s is not None
+
+
+def test_deadline_ends_every_child(tmp_path):
+    launcher = Launcher(
+        [sys.executable, "-c", "import time; time.sleep(120)"],
+        replicas=2,
+        lighthouse_addr="http://x:1",
+        deadline_s=1.0,
+    )
+    result = launcher.run()
+    assert result.timed_out
+    for g in result.groups.values():
+        assert g.proc is not None and g.proc.poll() is not None
+
+
+def test_event_parsing_ignores_malformed_lines():
+    assert parse("hello") is None
+    assert parse("@torchheal not json") is None
+    assert parse('@torchheal {"kind": "step"}') is None  # no group or time
+    assert parse('@torchheal {"kind": 3, "group": 0, "time": 1}') is None
+    e = parse('@torchheal {"kind": "step", "group": "1", "time": 2.5, "step": 3}')
+    assert e is not None and e.group == 1 and e.time == 2.5 and e.fields == {"step": 3}
+
+
+def test_launcher_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="replicas"):
+        Launcher(["x"], replicas=0, lighthouse_addr="http://x:1")
+    with pytest.raises(ValueError, match="command"):
+        Launcher([], replicas=1, lighthouse_addr="http://x:1")
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"), [("30s", 30.0), ("1.5m", 90.0), ("500ms", 0.5), ("2", 2.0), ("1h", 3600.0)]
+)
+def test_parse_duration(text, seconds):
+    assert parse_duration(text) == seconds
+
+
+@pytest.mark.parametrize("text", ["", "abc", "-1s", "0s", "5 parsecs"])
+def test_parse_duration_rejects(text):
+    import argparse
+
+    with pytest.raises(argparse.ArgumentTypeError):
+        parse_duration(text)
