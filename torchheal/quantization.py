@@ -29,6 +29,7 @@ from torch.distributed import ReduceOp
 
 __all__ = [
     "SUPPORTED_DTYPES",
+    "dequantize_chunk",
     "dequantize_rows",
     "fused_dequantize_from_fp8",
     "fused_quantize_into_fp8",
