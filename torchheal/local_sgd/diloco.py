@@ -137,9 +137,11 @@ class _StreamingDiLoCoFragment:
 
     def save_parameters(self) -> None:
         """Store the fragment's current weights as its global weights."""
+        # Blocking on purpose: the backup may be read on the host (sent to a healing peer)
+        # right after, and a device-to-host copy into pinned memory would still be in flight.
         with torch.no_grad():
             for name, p in self._model.named_parameters():
-                self.original_parameters[name].copy_(local_view(p), non_blocking=True)
+                self.original_parameters[name].copy_(local_view(p))
 
     def restore_parameters(self) -> None:
         """Reset the fragment's weights to its global weights."""
