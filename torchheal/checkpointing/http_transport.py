@@ -212,8 +212,12 @@ class HTTPTransport(CheckpointTransport[T]):
         self._step = -1
         self._staged: StagedCheckpoint | None = None
         self._server = _Server(self)
+        # A short poll interval keeps shutdown() quick; the idle cost is negligible.
         self._thread = threading.Thread(
-            target=self._server.serve_forever, name="torchheal-ckpt-http", daemon=True
+            target=self._server.serve_forever,
+            kwargs={"poll_interval": 0.05},
+            name="torchheal-ckpt-http",
+            daemon=True,
         )
         self._thread.start()
 

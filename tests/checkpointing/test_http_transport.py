@@ -1,0 +1,185 @@
+"""HTTPTransport over loopback: round trips, lock states, errors, tokens, hostile peers."""
+
+import http.client
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+
+import pytest
+import torch
+
+from tests.checkpointing.test_serialization import assert_same, sample_state
+from torchheal.checkpointing import CheckpointError, CheckpointTimeoutError, HTTPTransport
+from torchheal.checkpointing.serialization import encode_bytes
+
+TIMEOUT = timedelta(seconds=10)
+
+
+@pytest.fixture
+def make() -> Iterator[Callable[..., HTTPTransport]]:
+    made: list[HTTPTransport] = []
+
+    def factory(num_chunks: int = 0, timeout: timedelta = TIMEOUT, **kw: object) -> HTTPTransport:
+        t: HTTPTransport = HTTPTransport(timeout, num_chunks, hostname="localhost", **kw)
+        made.append(t)
+        return t
+
+    yield factory
+    for t in made:
+        t.shutdown()
+
+
+@pytest.mark.parametrize("num_chunks", [0, 3])
+def test_round_trip(make: Callable[..., HTTPTransport], num_chunks: int) -> None:
+    src, dst = make(num_chunks, block_bytes=4096), make(num_chunks)
+    state = sample_state()
+    state["big"] = torch.randn(20000)  # several blocks, split across chunks
+    src.send_checkpoint([1], 5, state, TIMEOUT)
+    assert src.metadata() == src.address()
+    assert src.metadata().startswith("http://localhost:") and src.metadata().endswith(
+        "/checkpoint/"
+    )
+    out = dst.recv_checkpoint(0, src.metadata(), 5, TIMEOUT)
+    assert_same(state, out)
+    # Served again to a second healer while allowed.
+    assert_same(state, dst.recv_checkpoint(0, src.metadata(), 5, TIMEOUT))
+
+
+def test_starts_disallowed_and_allow_disallow_idempotent(
+    make: Callable[..., HTTPTransport],
+) -> None:
+    t = make(timeout=timedelta(seconds=0.2))
+    assert t._step == -1 and t._lock.w_locked()
+    t.disallow_checkpoint()
+    t.disallow_checkpoint()
+    assert t._lock.w_locked()
+    t.send_checkpoint([1], 3, {"x": torch.ones(2)}, TIMEOUT)
+    t.allow_checkpoint(3)
+    assert not t._lock.w_locked() and t._step == 3
+    t.disallow_checkpoint()
+    t.disallow_checkpoint()
+    assert t._lock.w_locked()
+    # Disallowed: a request waits at most the lock timeout, then fails (never forever).
+    started = time.monotonic()
+    with pytest.raises(CheckpointError, match="503"):
+        make().recv_checkpoint(0, t.metadata(), 3, TIMEOUT)
+    assert time.monotonic() - started < 5
+
+
+def test_step_mismatch_400(make: Callable[..., HTTPTransport]) -> None:
+    src = make()
+    src.send_checkpoint([1], 2345, {"x": torch.ones(1)}, TIMEOUT)
+    with pytest.raises(CheckpointError, match=r"400.*serving 2345 but got step=1234"):
+        make().recv_checkpoint(0, src.metadata(), 1234, TIMEOUT)
+
+
+def test_bad_url_400(make: Callable[..., HTTPTransport]) -> None:
+    src = make()
+    src.allow_checkpoint(1)
+    port = src._server.server_port
+    for path in ("/foo/1/full", "/checkpoint/1", "/checkpoint/x/full"):
+        conn = http.client.HTTPConnection("localhost", port, timeout=5)
+        conn.request("GET", path)
+        resp = conn.getresponse()
+        assert resp.status == 400
+        assert b"invalid url format, expected /checkpoint/step/key but got" in resp.read()
+        conn.close()
+
+
+def test_timeout_on_silent_server(make: Callable[..., HTTPTransport]) -> None:
+    with socket.socket() as silent:  # accepts connections (backlog), never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(1)
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}/checkpoint/"
+        started = time.monotonic()
+        with pytest.raises(CheckpointTimeoutError, match="timed out"):
+            make().recv_checkpoint(0, url, 1, timedelta(seconds=0.2))
+        assert time.monotonic() - started < 5
+    with pytest.raises(CheckpointError):
+        make().recv_checkpoint(0, url, 1, timedelta(seconds=0))
+
+
+def test_token_required_and_checked(
+    make: Callable[..., HTTPTransport], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    src = make(token="s3cret")
+    src.send_checkpoint([1], 1, {"x": torch.arange(3)}, TIMEOUT)
+    with pytest.raises(CheckpointError, match="401"):
+        make().recv_checkpoint(0, src.metadata(), 1, TIMEOUT)
+    with pytest.raises(CheckpointError, match="403"):
+        make(token="wrong").recv_checkpoint(0, src.metadata(), 1, TIMEOUT)
+    out = make(token="s3cret").recv_checkpoint(0, src.metadata(), 1, TIMEOUT)
+    assert torch.equal(out["x"], torch.arange(3))
+    monkeypatch.setenv("TORCHHEAL_CHECKPOINT_TOKEN", "s3cret")
+    assert torch.equal(make(3).recv_checkpoint(0, src.metadata(), 1, TIMEOUT)["x"], torch.arange(3))
+
+
+def _canned_server(response: bytes) -> tuple[str, threading.Thread, socket.socket]:
+    """A one-shot raw server that answers any request with ``response`` and hangs up."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(1)
+
+    def serve() -> None:
+        conn, _ = sock.accept()
+        with conn:
+            conn.recv(65536)
+            conn.sendall(response)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    return f"http://127.0.0.1:{sock.getsockname()[1]}/checkpoint/", thread, sock
+
+
+def _http_ok(body: bytes, length: int | None = None) -> bytes:
+    n = len(body) if length is None else length
+    return b"HTTP/1.0 200 OK\r\nContent-Length: %d\r\n\r\n" % n + body
+
+
+@pytest.mark.parametrize(
+    ("damage", "expected"), [("flip", "checksum mismatch"), ("truncate", "truncated")]
+)
+def test_corrupted_or_truncated_transfer_detected(
+    make: Callable[..., HTTPTransport], damage: str, expected: str
+) -> None:
+    body = bytearray(encode_bytes({"w": torch.randn(4000)}, 1, block_bytes=4096))
+    if damage == "flip":
+        body[-10] ^= 0x40
+        response = _http_ok(bytes(body))
+    else:
+        response = _http_ok(bytes(body[:-500]), length=len(body))  # promises more than it sends
+    url, thread, sock = _canned_server(response)
+    with sock, pytest.raises(CheckpointError, match=expected):
+        make().recv_checkpoint(0, url, 1, TIMEOUT)
+    thread.join(5)
+
+
+def test_peer_disconnecting_mid_transfer_does_not_kill_server(
+    make: Callable[..., HTTPTransport],
+) -> None:
+    src = make()
+    state = {"w": torch.randn(4 << 20)}  # 16 MB: larger than socket buffers
+    src.send_checkpoint([1], 1, state, TIMEOUT)
+    port = src._server.server_port
+    for _ in range(2):
+        with socket.create_connection(("localhost", port), timeout=5) as rude:
+            rude.sendall(b"GET /checkpoint/1/full HTTP/1.0\r\n\r\n")
+            assert rude.recv(1024).startswith(b"HTTP/1.0 200")
+            rude.setsockopt(
+                socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00"
+            )
+    out = make().recv_checkpoint(0, src.metadata(), 1, TIMEOUT)
+    assert torch.equal(out["w"], state["w"])
+    src.disallow_checkpoint()  # no reader hold was leaked by the aborted transfers
+    assert src._lock.w_locked()
+
+
+def test_unsendable_state_is_refused_and_stays_disallowed(
+    make: Callable[..., HTTPTransport],
+) -> None:
+    src = make()
+    with pytest.raises(CheckpointError, match="object"):
+        src.send_checkpoint([1], 1, {"bad": object()}, TIMEOUT)
+    assert src._lock.w_locked()
