@@ -34,12 +34,18 @@ class Replica:
     store: TCPStore
     weight: torch.Tensor
     loads: list[int] = field(default_factory=list)  # thread idents of load_state_dict calls
+    reads: set[int] = field(default_factory=set)  # thread idents of state_dict calls
+    fail_loads: int = 0  # how many next loads raise
 
     def load(self, state: dict[str, torch.Tensor]) -> None:
         self.loads.append(threading.get_ident())
+        if self.fail_loads > 0:
+            self.fail_loads -= 1
+            raise RuntimeError("load_state_dict failed")
         self.weight.copy_(state["weight"])
 
     def state(self) -> dict[str, torch.Tensor]:
+        self.reads.add(threading.get_ident())
         return {"weight": self.weight}
 
 
