@@ -9,7 +9,7 @@ neither lets a failed collective crash the backward pass: the manager records th
 step is not committed.
 """
 
-from __future__ import annotations
+# No "from __future__ import annotations": DDP inspects the comm hook's real annotations.
 
 from typing import Any
 

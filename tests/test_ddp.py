@@ -1,0 +1,89 @@
+"""Fault-tolerant DDP wrappers over real Managers (two replica groups on threads)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from tests.manager.cluster import TIMEOUT, Replica, lighthouse, replica, run_parallel
+from torchheal import DistributedDataParallel
+from torchheal.ddp import PureDistributedDataParallel
+from torchheal.process_group.gloo import ProcessGroupGloo
+from torchheal.process_group.wrappers import FakeProcessGroupWrapper
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)  # identical weights in every replica (init_sync=False)
+    return nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
+
+
+def _inputs(seed: int) -> torch.Tensor:
+    return torch.randn(5, 4, generator=torch.Generator().manual_seed(seed))
+
+
+def _local_grads(seed: int) -> list[torch.Tensor]:
+    model = _model()
+    model(_inputs(seed)).sum().backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def _train_step(r: Replica, wrap: Any, seed: int) -> tuple[list[torch.Tensor], bool]:
+    module = wrap(r.manager, _model())
+    r.manager.start_quorum()
+    module(_inputs(seed)).sum().backward()
+    grads = [p.grad.clone() for p in module.parameters()]
+    return grads, r.manager.should_commit()
+
+
+@pytest.mark.parametrize("wrap", [DistributedDataParallel, PureDistributedDataParallel])
+def test_gradients_are_averaged_across_replicas(wrap: Any) -> None:
+    expected = [(g0 + g1) / 2 for g0, g1 in zip(_local_grads(1), _local_grads(2), strict=True)]
+    with (
+        lighthouse(min_replicas=2) as lh,
+        replica(lh, "a", init_sync=False) as a,
+        replica(lh, "b", init_sync=False) as b,
+    ):
+        (grads_a, ok_a), (grads_b, ok_b) = run_parallel(
+            lambda: _train_step(a, wrap, 1), lambda: _train_step(b, wrap, 2)
+        )
+    assert ok_a and ok_b
+    for ga, gb, e in zip(grads_a, grads_b, expected, strict=True):
+        torch.testing.assert_close(ga, e)
+        torch.testing.assert_close(gb, e)
+
+
+@pytest.mark.parametrize("wrap", [DistributedDataParallel, PureDistributedDataParallel])
+def test_failed_reduction_still_completes_backward(wrap: Any) -> None:
+    pg = FakeProcessGroupWrapper(ProcessGroupGloo(timeout=TIMEOUT))
+    with lighthouse() as lh, replica(lh, "a", pg=pg) as r:
+        module = wrap(r.manager, _model())
+        r.manager.start_quorum()
+        r.manager.wait_quorum()
+        pg.report_future_error(RuntimeError("injected reduction failure"))
+        module(_inputs(1)).sum().backward()
+        assert all(p.grad is not None for p in module.parameters())
+        assert "injected reduction failure" in str(r.manager.errored())
+        assert r.manager.should_commit() is False
+
+
+@pytest.mark.parametrize("wrap", [DistributedDataParallel, PureDistributedDataParallel])
+def test_errored_manager_still_completes_backward(wrap: Any) -> None:
+    with lighthouse() as lh, replica(lh, "a") as r:
+        module = wrap(r.manager, _model())
+        r.manager.start_quorum()
+        r.manager.report_error(RuntimeError("earlier failure"))
+        module(_inputs(1)).sum().backward()
+        for got, local in zip((p.grad for p in module.parameters()), _local_grads(1), strict=True):
+            torch.testing.assert_close(got, local)  # untouched local gradient
+        assert r.manager.should_commit() is False
+
+
+def test_ddp_rejects_fixed_arguments() -> None:
+    with lighthouse() as lh, replica(lh, "a") as r:
+        with pytest.raises(ValueError, match="find_unused_parameters"):
+            DistributedDataParallel(r.manager, _model(), find_unused_parameters=False)
