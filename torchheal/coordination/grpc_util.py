@@ -14,7 +14,6 @@ import concurrent.futures
 import logging
 import re
 import threading
-import time
 from collections.abc import Awaitable, Callable, Coroutine
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -556,8 +555,3 @@ class AioServerThread:
                 await self._cleanup()
         finally:
             self._loop.call_soon(self._loop.stop)
-
-
-def monotonic() -> float:
-    """The clock the servers feed to the pure cores (seconds, monotonic)."""
-    return time.monotonic()
