@@ -246,7 +246,7 @@ def check_plan(cluster: Cluster, args: list[str]) -> None:
         "dst": ",".join(map(str, result.recover_dst_replica_ranks)) or "-",
         "max_step": str(result.max_step),
         "max_rank": rank_or_dash(result.max_replica_rank),
-        "store": next(i for i in ids if f"{i}:29600" == result.store_address),
+        "store": {f"{i}:29600": i for i in ids}.get(result.store_address, result.store_address),
         "quorum_id": str(result.quorum_id),
         "commit_failures": str(result.commit_failures),
     }
