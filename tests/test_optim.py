@@ -69,7 +69,7 @@ def test_delegation() -> None:
     assert opt.state is inner.state and len(opt.state) == 3
 
     saved = opt.state_dict()
-    fresh = torch.optim.Adam(list(model.parameters()) , lr=0.1)
+    fresh = torch.optim.Adam(list(model.parameters()), lr=0.1)
     fresh.add_param_group({"params": [extra]})
     wrapped = OptimizerWrapper(manager, fresh)
     wrapped.load_state_dict(saved)
