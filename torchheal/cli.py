@@ -18,9 +18,12 @@ from importlib import metadata
 
 __all__ = ["COMMANDS", "main"]
 
-# name -> (module, one-line help). Planned: "demo" (torchheal.cli_demo), "status"
-# (torchheal.cli_status); their owners add them here.
+# name -> (module, one-line help).
 COMMANDS: dict[str, tuple[str, str]] = {
+    "demo": (
+        "torchheal.cli_demo",
+        "watch fault tolerance work: 3 local replica groups, one killed mid-run and healed live",
+    ),
     "lighthouse": (
         "torchheal.cli_lighthouse",
         "run the job's lighthouse, the server that decides which replica groups train each step",

@@ -7,7 +7,6 @@ peer's memory, and every group ends with bit-identical weights.
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -145,49 +144,3 @@ def run_demo(
     if result.timed_out:
         out(f"demo did not finish within {config.deadline_s:.0f}s")
     return result, summary
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``torchheal demo``; exit code 0 when training survived and weights agree."""
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="torchheal demo", description=__doc__.split("\n\n")[0])
-    d = DemoConfig()
-    parser.add_argument(
-        "--replicas",
-        type=int,
-        default=d.replicas,
-        help="replica groups to run (default %(default)s)",
-    )
-    parser.add_argument(
-        "--steps",
-        type=int,
-        default=d.steps,
-        help="train until this step commits (default %(default)s)",
-    )
-    parser.add_argument(
-        "--kill-at-step",
-        type=int,
-        default=d.kill_at_step,
-        help="SIGKILL group 1 at this step (default %(default)s)",
-    )
-    parser.add_argument(
-        "--step-delay",
-        type=float,
-        default=d.step_delay_s,
-        help="simulated compute per step in seconds (default %(default)s)",
-    )
-    args = parser.parse_args(argv)
-    config = DemoConfig(
-        replicas=args.replicas,
-        steps=args.steps,
-        kill_at_step=args.kill_at_step,
-        step_delay_s=args.step_delay,
-    )
-    result, summary = run_demo(config)
-    ok = not result.timed_out and summary.identical and summary.failures >= 1
-    return 0 if ok else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())
