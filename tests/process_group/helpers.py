@@ -93,9 +93,9 @@ def collective_matrix(pg: Any, rank: int, world: int, gloo: bool) -> None:
 
     if not gloo:
         out = torch.zeros(world)
-        pg.alltoall_base(
-            out, torch.full((world,), float(rank)), [], [], AllToAllOptions()
-        ).wait(WAIT)
+        pg.alltoall_base(out, torch.full((world,), float(rank)), [], [], AllToAllOptions()).wait(
+            WAIT
+        )
         assert out.tolist() == [float(r) for r in range(world)]
 
 

@@ -97,7 +97,7 @@ def test_reconfigure_replaces_child_and_closes_old(
 def test_configure_timeout() -> None:
     _store, addr = new_store()
     pg = ProcessGroupBabyGloo(timeout=timedelta(milliseconds=10))
-    with pytest.raises(TimeoutError, match="timed out after 0.01 seconds"):
+    with pytest.raises(TimeoutError, match=r"timed out after 0\.01 seconds"):
         pg.configure(f"{addr}/never", "rep0", 0, 2)
     # The half-started child was killed, not leaked.
     assert pg._p is None

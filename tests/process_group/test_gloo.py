@@ -42,7 +42,7 @@ def test_configure_missing_peer_fails_within_timeout() -> None:
     _store, addr = new_store()
     pg = ProcessGroupGloo(timeout=timedelta(milliseconds=300))
     start = time.monotonic()
-    with pytest.raises(RuntimeError, match="(?i)timeout|timed out"):
+    with pytest.raises(RuntimeError, match=r"(?i)timeout|timed out"):
         pg.configure(f"{addr}/lonely", "rep0", 0, 2)
     assert time.monotonic() - start < 10
 

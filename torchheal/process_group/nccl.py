@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch.futures import Future
 
 from torchheal.futures import context_timeout, stream_timeout
+from torchheal.process_group.work import _chain
 from torchheal.process_group.wrappers import ProcessGroupWrapper
 
 logger = logging.getLogger(__name__)
@@ -87,7 +88,7 @@ class _WorkAcceleratorTimeout(dist.Work):
             stream_timeout(pg.abort, limit)
             return value
 
-        return self._work.get_future().then(_watch)
+        return _chain(self._work.get_future(), _watch)
 
 
 class ProcessGroupNCCL(ProcessGroupWrapper):

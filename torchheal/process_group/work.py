@@ -15,6 +15,30 @@ import torch.distributed as dist
 from torch.futures import Future
 
 
+def _chain(fut: Future[Any], fn: Callable[[Future[Any]], Any]) -> Future[Any]:
+    """Like ``fut.then(fn)`` but an exception raised by ``fn`` reaches the new future as is.
+
+    ``Future.then`` wraps callback exceptions in a generic ``RuntimeError``; callers here need
+    the original type and message (for example ``TimeoutError`` or an injected test error).
+
+    Args:
+        fut: the source future.
+        fn: maps the completed source future to the new future's value (or raises).
+    """
+    out: Future[Any] = Future()
+
+    def _done(f: Future[Any]) -> None:
+        try:
+            value = fn(f)
+        except Exception as e:
+            out.set_exception(e)
+            return
+        out.set_result(value)
+
+    fut.add_done_callback(_done)
+    return out
+
+
 class _DummyWork(dist.Work):
     """A work that is already done.
 
@@ -77,7 +101,7 @@ class _ErrorRecordingWork(dist.Work):
                     on_error(e)
                     raise
 
-            self._fut = self._work.get_future().then(_check)
+            self._fut = _chain(self._work.get_future(), _check)
         return self._fut
 
     def is_completed(self) -> bool:

@@ -20,7 +20,7 @@ from torch.futures import Future
 
 from torchheal.process_group.base import ProcessGroup
 from torchheal.process_group.store import create_store_client
-from torchheal.process_group.work import _DummyWork, _ErrorRecordingWork
+from torchheal.process_group.work import _chain, _DummyWork, _ErrorRecordingWork
 
 logger = logging.getLogger(__name__)
 # Structured failure records, named as the reference's so existing log pipelines match them.
@@ -256,7 +256,7 @@ class _ErrorSwallowingWork(dist.Work):
                 self._pg.report_error(e)
                 return self._default_result
 
-        return self._work.get_future().then(_swallow)
+        return _chain(self._work.get_future(), _swallow)
 
 
 class ErrorSwallowingProcessGroupWrapper(ProcessGroupWrapper):
@@ -319,7 +319,7 @@ class _InjectedErrorWork(dist.Work):
         def _fail(fut: Future[object]) -> object:
             raise error
 
-        return self._work.get_future().then(_fail)
+        return _chain(self._work.get_future(), _fail)
 
 
 class FakeProcessGroupWrapper(ProcessGroupWrapper):
