@@ -1,0 +1,106 @@
+"""torchheal.futures: future_timeout, future_wait, context_timeout and stream_timeout."""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+
+import pytest
+from torch.futures import Future
+
+from torchheal.futures import (
+    _TIMEOUT_MANAGER,
+    context_timeout,
+    future_timeout,
+    future_wait,
+    stream_timeout,
+)
+
+
+def test_future_wait_returns_value_and_raises() -> None:
+    fut: Future[int] = Future()
+    threading.Timer(0.01, lambda: fut.set_result(7)).start()
+    assert future_wait(fut, timedelta(seconds=10)) == 7
+    bad: Future[int] = Future()
+    bad.set_exception(ValueError("nope"))
+    with pytest.raises(ValueError, match="nope"):
+        future_wait(bad, timedelta(seconds=1))
+
+
+def test_future_wait_timeout() -> None:
+    with pytest.raises(TimeoutError, match="future did not complete within"):
+        future_wait(Future(), timedelta(milliseconds=10))
+
+
+def test_future_timeout_passes_result_and_exception() -> None:
+    fut: Future[int] = Future()
+    out = future_timeout(fut, timedelta(seconds=10))
+    fut.set_result(3)
+    assert out.wait() == 3
+    fut2: Future[int] = Future()
+    out2 = future_timeout(fut2, timedelta(seconds=10))
+    fut2.set_exception(KeyError("k"))
+    with pytest.raises(KeyError):
+        out2.wait()
+
+
+def test_future_timeout_expires() -> None:
+    fut: Future[int] = Future()
+    out = future_timeout(fut, timedelta(milliseconds=10))
+    with pytest.raises(TimeoutError, match=r"future did not complete within 0:00:00\.01"):
+        out.wait()
+    fut.set_result(1)  # a late result is ignored, not an error
+    assert out.done()
+
+
+def test_context_timeout_fires_and_cancels() -> None:
+    fired = threading.Event()
+    with context_timeout(fired.set, timedelta(milliseconds=10)):
+        assert fired.wait(10)
+    called: list[int] = []
+    with context_timeout(lambda: called.append(1), timedelta(milliseconds=10)):
+        pass
+    # A later timer firing proves the manager passed the cancelled deadline without running it.
+    sentinel = threading.Event()
+    with context_timeout(sentinel.set, timedelta(milliseconds=50)):
+        assert sentinel.wait(10)
+    assert called == []
+
+
+class _Event:
+    """A recorded-event stand-in whose completion the test controls."""
+
+    def __init__(self, complete: bool) -> None:
+        self.complete = complete
+        self.queried = threading.Event()
+
+    def query(self) -> bool:
+        self.queried.set()
+        return self.complete
+
+
+def test_stream_timeout_calls_back_only_when_late() -> None:
+    late = threading.Event()
+    event = _Event(complete=False)
+    stream_timeout(late.set, timedelta(milliseconds=10), event=event)
+    assert late.wait(10)
+    ok_called = threading.Event()
+    done = _Event(complete=True)
+    stream_timeout(ok_called.set, timedelta(milliseconds=10), event=done)
+    assert done.queried.wait(10)
+    assert not ok_called.is_set()
+    # Watched events are released on a caller's thread, on the next stream_timeout call.
+    assert len(_TIMEOUT_MANAGER._del_queue) >= 1
+    stream_timeout(lambda: None, timedelta(seconds=30), event=_Event(True)).cancel()
+    assert len(_TIMEOUT_MANAGER._del_queue) == 0
+
+
+def test_failing_callback_does_not_stop_manager() -> None:
+    def _boom() -> None:
+        raise RuntimeError("callback failure")
+
+    with context_timeout(_boom, timedelta(milliseconds=1)):
+        pass
+    fired = threading.Event()
+    with context_timeout(_boom, 0.001), context_timeout(fired.set, 0.005):
+        assert fired.wait(10)
