@@ -10,6 +10,7 @@ from torch.futures import Future
 
 from torchheal.futures import (
     _TIMEOUT_MANAGER,
+    _TimeoutManager,
     context_timeout,
     future_timeout,
     future_wait,
@@ -104,3 +105,25 @@ def test_failing_callback_does_not_stop_manager() -> None:
     fired = threading.Event()
     with context_timeout(_boom, 0.001), context_timeout(fired.set, 0.005):
         assert fired.wait(10)
+
+
+def test_watchdog_reports_stuck_callback() -> None:
+    stuck = threading.Event()
+    release = threading.Event()
+    manager = _TimeoutManager(watchdog_timeout=0.1, on_stuck=stuck.set)
+    manager.schedule(0.001, lambda: release.wait(30))
+    try:
+        assert stuck.wait(10), "a callback blocked past the watchdog timeout must be reported"
+    finally:
+        release.set()
+
+
+def test_watchdog_quiet_for_short_callbacks() -> None:
+    stuck = threading.Event()
+    manager = _TimeoutManager(watchdog_timeout=0.2, on_stuck=stuck.set)
+    done = threading.Event()
+    for _ in range(5):
+        manager.schedule(0.001, lambda: None)
+    manager.schedule(0.5, done.set)
+    assert done.wait(10)
+    assert not stuck.is_set()

@@ -7,7 +7,12 @@ only job is "call this at time T unless cancelled", which needs no event loop, n
 ``call_soon_threadsafe`` dance, and has one obvious place where callbacks run.
 
 Callbacks run on the manager thread, so they must be short (setting a future, aborting a
-process group). A callback that raises is logged and never stops the thread.
+process group). A callback that raises is logged and never stops the thread. A callback that
+never returns would silently disable every timeout in the process, so a watchdog thread checks
+that no callback runs longer than ``TORCHHEAL_WATCHDOG_TIMEOUT_SEC`` (fallback
+``TORCHFT_WATCHDOG_TIMEOUT_SEC``, default 30 s); if one does it logs "TimeoutManager is stuck.
+Exiting." and ends the process with exit code 1 (the reference meant to, but its ``sys.exit``
+from a thread only ended the watchdog), so the replica restarts and heals instead of hanging.
 
 Public helpers:
 
@@ -23,6 +28,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -63,14 +69,45 @@ class TimerHandle:
         self._callback = None
 
 
-class _TimeoutManager:
-    """One daemon thread running callbacks at deadlines (a heap under a condition)."""
+def _watchdog_timeout_from_env() -> float:
+    for name in ("TORCHHEAL_WATCHDOG_TIMEOUT_SEC", "TORCHFT_WATCHDOG_TIMEOUT_SEC"):
+        value = os.environ.get(name)
+        if value:
+            try:
+                return float(value)
+            except ValueError:
+                raise ValueError(f"{name}={value!r} is not a number of seconds") from None
+    return 30.0
 
-    def __init__(self) -> None:
+
+def _exit_stuck() -> None:
+    logger.critical("TimeoutManager is stuck. Exiting.")
+    os._exit(1)
+
+
+class _TimeoutManager:
+    """One daemon thread running callbacks at deadlines (a heap under a condition).
+
+    Args:
+        watchdog_timeout: longest time one callback may run before ``on_stuck`` is called;
+            read from the environment when ``None``.
+        on_stuck: what to do when a callback is stuck (default: log and exit the process).
+    """
+
+    def __init__(
+        self,
+        watchdog_timeout: float | None = None,
+        on_stuck: Callable[[], None] = _exit_stuck,
+    ) -> None:
         self._cond = threading.Condition()
         self._heap: list[tuple[float, int, TimerHandle]] = []
         self._seq = itertools.count()
         self._thread: threading.Thread | None = None
+        self._watchdog: threading.Thread | None = None
+        self._watchdog_timeout = watchdog_timeout
+        self._on_stuck = on_stuck
+        # monotonic start time of the callback now running on the manager thread, if any
+        self._running_since: float | None = None
         # Events recorded by stream_timeout are destroyed on a caller's thread, never on the
         # manager thread: destroying a CUDA event can block behind a hung stream.
         self._del_queue: deque[Any] = deque()
@@ -89,6 +126,13 @@ class _TimeoutManager:
                     target=self._run, name="torchheal-TimeoutManager", daemon=True
                 )
                 self._thread.start()
+            if self._watchdog is None:
+                if self._watchdog_timeout is None:
+                    self._watchdog_timeout = _watchdog_timeout_from_env()
+                self._watchdog = threading.Thread(
+                    target=self._watch, name="torchheal-TimeoutWatchdog", daemon=True
+                )
+                self._watchdog.start()
             heapq.heappush(self._heap, (handle.deadline, next(self._seq), handle))
             self._cond.notify()
         return handle
@@ -112,10 +156,25 @@ class _TimeoutManager:
             handle.cancel()
             if callback is None:
                 continue
+            self._running_since = time.monotonic()
             try:
                 callback()
             except Exception:
                 logger.exception("timeout callback failed")
+            finally:
+                self._running_since = None
+
+    def _watch(self) -> None:
+        assert self._watchdog_timeout is not None
+        limit = self._watchdog_timeout
+        tick = threading.Event()
+        while True:
+            # Event.wait as an interruptible sleep; nothing ever sets it.
+            tick.wait(limit / 4)
+            since = self._running_since
+            if since is not None and time.monotonic() - since > limit:
+                self._on_stuck()
+                return
 
     def pending(self) -> int:
         """Number of scheduled, not cancelled timers (for tests and diagnostics)."""
