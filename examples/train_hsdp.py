@@ -1,0 +1,175 @@
+"""Fault-tolerant HSDP (FSDP2) with torchheal: the script a user copies.
+
+Each replica group is an ordinary FSDP2 job sharding the model over its own ranks
+(``dp_shard``); the replica groups together form the ``dp_replicate`` dimension, whose gradient
+all-reduce goes through the torchheal Manager. Start a lighthouse, then one torchrun job per
+replica group:
+
+    torchheal lighthouse --min_replicas 1 --quorum_tick_ms 100 --join_timeout_ms 10000
+
+    REPLICA_GROUP_ID=0 NUM_REPLICA_GROUPS=2 TORCHFT_LIGHTHOUSE=http://localhost:29510 \\
+        torchrun --master_port=29600 --nnodes=1 --nproc_per_node=2 -- examples/train_hsdp.py
+
+    REPLICA_GROUP_ID=1 NUM_REPLICA_GROUPS=2 TORCHFT_LIGHTHOUSE=http://localhost:29510 \\
+        torchrun --master_port=29601 --nnodes=1 --nproc_per_node=2 -- examples/train_hsdp.py
+
+Kill either job (kill -9) and start it again: the other keeps training and the restarted one
+heals from it live, shard by shard (group rank ``r`` receives group rank ``r``'s shards). Runs
+on CPU with Gloo by default and on CUDA with NCCL when a GPU is present. Data is synthetic.
+Environment: ``STEPS`` (default 1000), ``HSDP_DIM`` (model width, default 256).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+from torchheal import Manager
+from torchheal.device_mesh import ft_init_device_mesh
+from torchheal.process_group import ProcessGroupGloo, ProcessGroupNCCL
+
+logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+
+
+def _local(value: Any) -> Any:
+    # DTensors travel as their local shard: a healing rank receives the same group rank's
+    # shard from its peer, so no resharding is needed.
+    if isinstance(value, DTensor):
+        return value.to_local()
+    if isinstance(value, dict):
+        return {k: _local(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_local(v) for v in value)
+    return value
+
+
+def local_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """This rank's shards of the model and optimizer state (views, cheap every step).
+
+    Args:
+        model: the ``fully_shard``-ed model.
+        optimizer: its optimizer.
+    """
+    return {"model": _local(model.state_dict()), "optim": _local(optimizer.state_dict())}
+
+
+def load_local_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+) -> None:
+    """Loads shards made by :func:`local_state` on the same group rank of a healthy replica.
+
+    Optimizer state is rebuilt as DTensors laid out like their parameters, so a freshly
+    started optimizer (no state yet) can load it.
+
+    Args:
+        model: the ``fully_shard``-ed model.
+        optimizer: its optimizer.
+        state: the received state.
+    """
+    with torch.no_grad():
+        for name, value in model.state_dict().items():
+            value.to_local().copy_(_local(state["model"][name]))
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    rebuilt: dict[int, dict[str, Any]] = {}
+    for index, entries in state["optim"]["state"].items():
+        param = params[int(index)]
+        rebuilt[int(index)] = {}
+        for key, value in entries.items():
+            value = _local(value)
+            if isinstance(value, torch.Tensor) and value.shape == param.to_local().shape:
+                value = DTensor.from_local(
+                    value,
+                    param.device_mesh,
+                    param.placements,
+                    shape=param.shape,
+                    stride=param.stride(),
+                )
+            rebuilt[int(index)][key] = value
+    optimizer.load_state_dict({"state": rebuilt, "param_groups": state["optim"]["param_groups"]})
+
+
+def main() -> None:
+    replica_group = int(os.environ.get("REPLICA_GROUP_ID", "0"))
+    num_replica_groups = int(os.environ.get("NUM_REPLICA_GROUPS", "2"))
+    steps = int(os.environ.get("STEPS", "1000"))
+    dim = int(os.environ.get("HSDP_DIM", "256"))
+    use_cuda = torch.cuda.is_available()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if use_cuda else None
+    if device is not None:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if use_cuda else "gloo")
+    group_rank, group_size = dist.get_rank(), dist.get_world_size()
+
+    torch.manual_seed(0)  # identical initial weights in every replica group
+    model = nn.Sequential(
+        nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim), nn.GELU(), nn.Linear(dim, 1)
+    )
+    if device is not None:
+        model = model.to(device)
+    optimizer: torch.optim.Optimizer | None = None
+
+    def state_dict() -> dict[str, Any]:
+        assert optimizer is not None
+        return local_state(model, optimizer)
+
+    def load_state_dict(state: dict[str, Any]) -> None:
+        assert optimizer is not None
+        load_local_state(model, optimizer, state)
+
+    timeout = timedelta(seconds=30)
+    pg = ProcessGroupNCCL(timeout=timeout) if use_cuda else ProcessGroupGloo(timeout=timeout)
+    manager = Manager(
+        pg=pg,
+        load_state_dict=load_state_dict,
+        state_dict=state_dict,
+        min_replica_size=1,
+        timeout=timeout,
+        replica_id=f"train_hsdp_{replica_group}",
+    )
+    mesh = ft_init_device_mesh(
+        device_type="cuda" if use_cuda else "cpu",
+        mesh_shape=(num_replica_groups, group_size),
+        mesh_dim_names=("dp_replicate", "dp_shard"),
+        replicate_dim=0,
+        manager=manager,
+    )
+    hsdp_mesh = mesh["dp_replicate", "dp_shard"]
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=hsdp_mesh)
+    fully_shard(model, mesh=hsdp_mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    generator = torch.Generator().manual_seed(1000 * replica_group + group_rank)
+    while manager.current_step() < steps:
+        x = torch.randn(32, dim, generator=generator)
+        y = x.sum(dim=1, keepdim=True).sin()
+        if device is not None:
+            x, y = x.to(device), y.to(device)
+        optimizer.zero_grad()
+        manager.start_quorum()
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()  # FSDP2: reduce-scatter in the group, all-reduce through the manager
+        if manager.should_commit():
+            optimizer.step()
+        if manager.current_step() % 100 == 0 and group_rank == 0:
+            logging.info(
+                "step %d loss %.4f participants %d",
+                manager.current_step(),
+                loss.item(),
+                manager.num_participants(),
+            )
+    manager.shutdown()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
