@@ -129,3 +129,16 @@ def test_with_resiliency_sigkilled_peer() -> None:
         if victim.is_alive():
             victim.kill()
         victim.join(10)
+
+
+def test_under_stock_ddp() -> None:
+    """Stock DDP over a configured group (world 1: C++ callers such as DDP's reducer read the
+    size fixed when the Python object was built, see ProcessGroup's docstring)."""
+    _store, addr = new_store()
+    pg = ProcessGroupGloo(timeout=timedelta(seconds=10))
+    pg.configure(f"{addr}/ddp", "rep0", 0, 1)
+    model = torch.nn.Linear(2, 1, bias=False)
+    ddp = torch.nn.parallel.DistributedDataParallel(model, process_group=pg)
+    ddp(torch.full((1, 2), 3.0)).sum().backward()
+    assert model.weight.grad.tolist() == [[3.0, 3.0]]
+    pg.shutdown()

@@ -31,6 +31,10 @@ class ProcessGroup(dist.ProcessGroup):
     The C++ base is built with rank 0 and size 1; subclasses report the configured size through
     :meth:`size`. All collectives return a ``torch.distributed.Work`` whose ``wait()`` or future
     surfaces errors.
+
+    Limitation: C++ code that reads the size directly (for example stock DDP's parameter check,
+    which sizes allgather outputs with it) sees 1, so stock DDP works over these groups only
+    as a world of 1; torchheal's DDP goes through the Manager instead.
     """
 
     def __init__(self, *args: object, **kwargs: object) -> None:
