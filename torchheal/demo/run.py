@@ -38,7 +38,9 @@ class DemoConfig:
     step_delay_s: float = 0.05
     restart_delay_s: float = 1.0
     heartbeat_timeout_ms: int = 2000
-    join_timeout_ms: int = 200
+    # Longer than a step: a straggler rule shorter than a step lets quorums flip-flop between
+    # subsets of the groups, as in the reference (see docs/operations.md).
+    join_timeout_ms: int = 1000
     deadline_s: float = 300.0
 
     def validate(self) -> None:

@@ -15,7 +15,7 @@ class Recovery:
 
     Args:
         group: the killed group.
-        survivor_stall_s: from the kill to the next step any survivor committed.
+        survivor_stall_s: from the kill to the first step a survivor committed in a new quorum.
         rejoin_s: from the group's restart to its first committed step (None if it never did).
         healed: whether the restarted group reported that it healed from a peer.
     """
@@ -51,13 +51,31 @@ class Summary:
     wall_s: float
 
 
+def _survivor_stall(kill_time: float, survivors: list[list[tuple[float, object]]]) -> float | None:
+    """Seconds from the kill to the first survivor commit in a quorum formed after it.
+
+    A commit that lands just after the kill but still in the old quorum is the step that was
+    already in flight, not a recovery, so it does not count.
+    """
+    firsts = []
+    for commits in survivors:
+        before = [q for t, q in commits if t <= kill_time]
+        old_quorum = before[-1] if before else None
+        after = [t for t, q in commits if t > kill_time and q != old_quorum]
+        if after:
+            firsts.append(after[0])
+    return min(firsts) - kill_time if firsts else None
+
+
 def summarize(result: RunResult) -> Summary:
     """Reduce a run's events to the numbers the demo prints."""
     commits: dict[int, list[float]] = {}
+    quorum_commits: dict[int, list[tuple[float, object]]] = {}
     heals: dict[int, list[float]] = {}
     for e in result.events:
         if e.kind == "step" and e.fields.get("committed"):
             commits.setdefault(e.group, []).append(e.time)
+            quorum_commits.setdefault(e.group, []).append((e.time, e.fields.get("quorum_id")))
         if e.kind == "step" and e.fields.get("healed"):
             heals.setdefault(e.group, []).append(e.time)
     never_killed = [g for g, p in result.groups.items() if not p.kills]
@@ -68,10 +86,7 @@ def summarize(result: RunResult) -> Summary:
     lost = 0.0
     for g, proc in result.groups.items():
         for kill_time in proc.kills:
-            survivor_commits = [
-                t for s in never_killed for t in commits.get(s, []) if t > kill_time
-            ]
-            stall = min(survivor_commits) - kill_time if survivor_commits else None
+            stall = _survivor_stall(kill_time, [quorum_commits.get(s, []) for s in never_killed])
             restarts = [t for t in proc.starts if t > kill_time]
             rejoin = None
             healed = False
