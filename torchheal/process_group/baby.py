@@ -39,6 +39,7 @@ from torchheal.multiprocessing import _MonitoredPipe
 from torchheal.process_group.base import ProcessGroup
 from torchheal.process_group.gloo import create_gloo_pg
 from torchheal.process_group.store import create_store_client
+from torchheal.process_group.work import _FailedWork
 
 logger = logging.getLogger(__name__)
 
@@ -97,22 +98,6 @@ def _has_cuda_tensor(obj: Any) -> bool:
     if isinstance(obj, list | tuple):
         return any(_has_cuda_tensor(x) for x in obj)
     return False
-
-
-class _FailedWork(dist.Work):
-    """A work for an operation that raised when it was issued in the child."""
-
-    def __init__(self, error: Exception) -> None:
-        super().__init__()
-        self._error = error
-
-    def wait(self, timeout: timedelta | None = None) -> bool:
-        raise self._error
-
-    def get_future(self) -> Future[Any]:
-        fut: Future[Any] = Future()
-        fut.set_exception(self._error)
-        return fut
 
 
 def _worker(

@@ -1,6 +1,7 @@
 """Small ``torch.distributed.Work`` implementations shared by the process groups and the Manager.
 
 * :class:`_DummyWork` - already complete with a given result.
+* :class:`_FailedWork` - already failed with a given error.
 * :class:`_ErrorRecordingWork` - delegates to an inner work and reports any failure of ``wait()``
   or of its future to a callback (how wrappers keep their sticky ``errored()`` state).
 """
@@ -107,3 +108,25 @@ class _ErrorRecordingWork(dist.Work):
     def is_completed(self) -> bool:
         """Whether the inner work finished."""
         return self._work.is_completed()
+
+
+class _FailedWork(dist.Work):
+    """A work for an operation that raised when it was issued.
+
+    Args:
+        error: raised by ``wait()`` and set on the future.
+    """
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__()
+        self._error = error
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        """Raises the stored error."""
+        raise self._error
+
+    def get_future(self) -> Future[Any]:
+        """A future already failed with the stored error."""
+        fut: Future[Any] = Future()
+        fut.set_exception(self._error)
+        return fut
