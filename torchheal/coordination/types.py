@@ -51,7 +51,7 @@ class Timestamp:
     @classmethod
     def from_float(cls, t: float) -> Timestamp:
         secs = int(t)
-        return cls(seconds=secs, nanos=int(round((t - secs) * 1e9)) % 1_000_000_000)
+        return cls(seconds=secs, nanos=round((t - secs) * 1e9) % 1_000_000_000)
 
     def to_float(self) -> float:
         return self.seconds + self.nanos / 1e9
