@@ -86,7 +86,7 @@ def load_local_state(
             value = _local(value)
             if isinstance(value, torch.Tensor) and value.shape == param.to_local().shape:
                 value = DTensor.from_local(
-                    value,
+                    value.to(param.to_local().device),
                     param.device_mesh,
                     param.placements,
                     shape=param.shape,

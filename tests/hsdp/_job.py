@@ -21,6 +21,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_map
 
 DIM = 32
 BATCH = 8
@@ -41,6 +42,9 @@ class RankSpec:
         lighthouse_addr: the lighthouse (fault tolerant only).
         kill_at_step: SIGKILL this process after the forward pass of this step.
         timeout_s: collective/commit timeout of the manager.
+        device: ``"cpu"`` (Gloo) or ``"cuda"`` (NCCL inside the group, one GPU per rank
+            modulo the GPUs present; the cross-replica group stays Gloo so two replica
+            groups can share one GPU).
     """
 
     group: int
@@ -53,6 +57,7 @@ class RankSpec:
     lighthouse_addr: str = ""
     kill_at_step: int | None = None
     timeout_s: float = 10.0
+    device: str = "cpu"
 
 
 def make_model() -> nn.Module:
@@ -110,7 +115,7 @@ def load_local_state(
         local_shape = param.to_local().shape
         rebuilt[int(index)] = {
             key: DTensor.from_local(
-                _local(t),
+                _local(t).to(param.to_local().device),
                 param.device_mesh,
                 param.placements,
                 shape=param.shape,
@@ -123,8 +128,10 @@ def load_local_state(
     optimizer.load_state_dict({"state": rebuilt, "param_groups": optim_state["param_groups"]})
 
 
-def _train_step(model: nn.Module, group: int, rank: int, step: int, kill_at: int | None) -> None:
-    x, y = batch(group, rank, step)
+def _train_step(
+    model: nn.Module, group: int, rank: int, step: int, kill_at: int | None, device: str = "cpu"
+) -> None:
+    x, y = (t.to(device) for t in batch(group, rank, step))
     loss = nn.functional.mse_loss(model(x), y)
     if kill_at == step:
         os.kill(os.getpid(), signal.SIGKILL)  # dies mid-step, before the gradient reduction
@@ -134,7 +141,10 @@ def _train_step(model: nn.Module, group: int, rank: int, step: int, kill_at: int
 def _save(
     spec: RankSpec, tag: str, model: nn.Module, optimizer: torch.optim.Optimizer, extra: dict
 ) -> None:
-    state = local_state(model, optimizer)
+    state = tree_map(
+        lambda t: t.detach().cpu() if isinstance(t, torch.Tensor) else t,
+        local_state(model, optimizer),
+    )
     state.update(extra)
     path = os.path.join(spec.out_dir, f"{tag}_g{spec.group}_r{spec.rank}.pt")
     torch.save(state, path + ".tmp")
@@ -169,11 +179,17 @@ def run_ft(spec: RankSpec, incarnation: int) -> None:
     from torchheal.manager import Manager
     from torchheal.process_group.gloo import ProcessGroupGloo
 
+    device = spec.device
+    if device == "cuda":
+        torch.cuda.set_device(spec.rank % torch.cuda.device_count())
     store = dist.TCPStore("127.0.0.1", spec.store_port, is_master=False, wait_for_workers=False)
     dist.init_process_group(
-        "gloo", store=dist.PrefixStore("dist", store), rank=spec.rank, world_size=spec.group_size
+        "nccl" if device == "cuda" else "gloo",
+        store=dist.PrefixStore("dist", store),
+        rank=spec.rank,
+        world_size=spec.group_size,
     )
-    model = make_model()
+    model = make_model().to(device)
     optimizer: torch.optim.Optimizer | None = None
     healed: list[int] = []  # the step each heal brought this rank to
 
@@ -205,7 +221,7 @@ def run_ft(spec: RankSpec, incarnation: int) -> None:
     )
     try:
         mesh = ft_init_device_mesh(
-            device_type="cpu",
+            device_type=device,
             mesh_shape=(spec.num_groups, spec.group_size),
             mesh_dim_names=("dp_replicate", "dp_shard"),
             replicate_dim=0,
@@ -220,7 +236,7 @@ def run_ft(spec: RankSpec, incarnation: int) -> None:
             optimizer.zero_grad()
             manager.start_quorum()
             step = manager.current_step()
-            _train_step(model, spec.group, spec.rank, step, kill_at)
+            _train_step(model, spec.group, spec.rank, step, kill_at, device)
             if manager.should_commit():
                 optimizer.step()
             else:
