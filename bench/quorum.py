@@ -1,0 +1,346 @@
+"""Benchmark the lighthouse: quorum round latency and heartbeat throughput.
+
+torchheal and, when it imports, the reference (torchft) are measured side by side in one run,
+each implementation's own client against its own lighthouse, so the numbers are what a user of
+either stack sees.
+
+* **Quorum rounds.** N simulated replica groups (one thread and one ``LighthouseClient`` each,
+  as N real groups would each have their own connection) call ``LighthouseClient.quorum`` in
+  lock step. A round starts when all N are released from a barrier and ends when the last of
+  them has the quorum; after the first round the membership is stable, so every round is the
+  fast path the lighthouse takes on every training step. Reported: median and p99 round
+  latency, and rounds per second over the timed rounds (barrier included).
+* **Heartbeats.** Several client threads call ``LighthouseClient.heartbeat`` back to back for a
+  fixed time; reported: heartbeats per second and the median call latency.
+
+The lighthouse runs in its own process (as it does in production), so the server and the load
+generator do not share a GIL; on a 2-core machine each gets about one core.
+
+Usage: ``python bench/quorum.py [--quick] [--sizes 2,16,64,256] [--impl torchheal]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from importlib import import_module
+from multiprocessing.connection import Connection
+from typing import Any
+
+# The reference logs every request at INFO from Rust; logging is not what is measured. Set
+# before any child imports it (children inherit the environment).
+os.environ.setdefault("RUST_LOG", "warn")
+
+MODULES = {"torchheal": "torchheal.coordination", "reference": "torchft.coordination"}
+CONNECT = timedelta(seconds=30)
+ROUND_TIMEOUT = timedelta(seconds=60)
+WARMUP_ROUNDS = 2
+
+
+def available(impl: str) -> bool:
+    """Whether an implementation's coordination module imports (in a fresh interpreter)."""
+    import subprocess
+
+    probe = subprocess.run(
+        [sys.executable, "-c", f"import {MODULES[impl]}"], capture_output=True, check=False
+    )
+    return probe.returncode == 0
+
+
+# ----------------------------------------------------------------------------------------------
+# Lighthouse process
+
+
+def serve(impl: str, conn: Connection) -> None:
+    """Child process: start a lighthouse per ("start", min_replicas) command, reply its port;
+    ("stop",) shuts the current one down; None ends the process."""
+    mod = import_module(MODULES[impl])
+    server = None
+    while (command := conn.recv()) is not None:
+        if server is not None:
+            server.shutdown()
+            server = None
+        if command[0] == "start":
+            server = mod.LighthouseServer("127.0.0.1:0", min_replicas=command[1])
+            conn.send(int(server.address().rsplit(":", 1)[1]))
+        else:
+            conn.send(None)
+    if server is not None:
+        server.shutdown()
+
+
+class LighthouseProcess:
+    """A lighthouse of one implementation in a child process."""
+
+    def __init__(self, impl: str) -> None:
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=serve, args=(impl, child), daemon=True)
+        self._proc.start()
+
+    def start(self, min_replicas: int) -> str:
+        """Start a fresh lighthouse; returns its loopback address."""
+        self._conn.send(("start", min_replicas))
+        if not self._conn.poll(120):
+            raise RuntimeError("lighthouse process did not start")
+        return f"http://127.0.0.1:{self._conn.recv()}"
+
+    def close(self) -> None:
+        self._conn.send(None)
+        self._proc.join(10)
+        if self._proc.is_alive():
+            self._proc.kill()
+
+
+# ----------------------------------------------------------------------------------------------
+# Measurements
+
+
+@dataclass
+class RoundStats:
+    """Quorum round results for one implementation and N."""
+
+    n: int
+    rounds: int
+    median_ms: float
+    p99_ms: float
+    rounds_per_s: float
+
+
+@dataclass
+class HeartbeatStats:
+    """Heartbeat results for one implementation."""
+
+    threads: int
+    per_s: float
+    median_us: float
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-quantile (0..1) by nearest rank; exact for small samples, unlike interpolation."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * len(ordered)) - 1))]
+
+
+def measure_rounds(client_cls: Any, addr: str, n: int, rounds: int) -> RoundStats:
+    """Run ``WARMUP_ROUNDS + rounds`` lock-step quorum rounds of ``n`` replica groups."""
+    total = WARMUP_ROUNDS + rounds
+    starts: list[float] = []
+    ends = [[0.0] * n for _ in range(total)]
+    errors: list[BaseException] = []
+    # The barrier action runs once all n threads arrived, just before they are released:
+    # the start of the round.
+    barrier = threading.Barrier(n, action=lambda: starts.append(time.perf_counter()))
+    clients = [client_cls(addr, CONNECT) for _ in range(n)]
+
+    def replica(i: int) -> None:
+        client = clients[i]
+        rid = f"replica_{i:04d}"
+        try:
+            for r in range(total):
+                barrier.wait()
+                client.quorum(rid, ROUND_TIMEOUT, step=r)
+                ends[r][i] = time.perf_counter()
+        except BaseException as e:  # reported by the main thread
+            errors.append(e)
+            barrier.abort()
+
+    threads = [threading.Thread(target=replica, args=(i,), daemon=True) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for c in clients:
+        close = getattr(c, "close", None)  # torchheal's client; the reference's has none
+        if close is not None:
+            close()
+    if errors:
+        raise RuntimeError(f"quorum round failed: {errors[0]!r}") from errors[0]
+    latencies = [max(ends[r]) - starts[r] for r in range(WARMUP_ROUNDS, total)]
+    elapsed = max(ends[total - 1]) - starts[WARMUP_ROUNDS]
+    return RoundStats(
+        n=n,
+        rounds=rounds,
+        median_ms=statistics.median(latencies) * 1e3,
+        p99_ms=percentile(latencies, 0.99) * 1e3,
+        rounds_per_s=rounds / elapsed,
+    )
+
+
+def measure_heartbeats(client_cls: Any, addr: str, threads: int, seconds: float) -> HeartbeatStats:
+    """Hammer ``heartbeat`` from ``threads`` clients for ``seconds``."""
+    clients = [client_cls(addr, CONNECT) for _ in range(threads)]
+    latencies: list[list[float]] = [[] for _ in range(threads)]
+    start = threading.Barrier(threads + 1)
+    stop = threading.Event()
+
+    def hammer(i: int) -> None:
+        client, mine = clients[i], latencies[i]
+        rid = f"hb_{i}"
+        timeout = timedelta(seconds=5)
+        client.heartbeat(rid, timeout)  # connect before timing
+        start.wait()
+        while not stop.is_set():
+            t0 = time.perf_counter()
+            client.heartbeat(rid, timeout)
+            mine.append(time.perf_counter() - t0)
+
+    workers = [threading.Thread(target=hammer, args=(i,), daemon=True) for i in range(threads)]
+    for w in workers:
+        w.start()
+    start.wait()
+    t0 = time.perf_counter()
+    stop.wait(seconds)  # the measurement window; nothing sets it early
+    stop.set()
+    for w in workers:
+        w.join()
+    elapsed = time.perf_counter() - t0
+    for c in clients:
+        close = getattr(c, "close", None)
+        if close is not None:
+            close()
+    flat = [x for mine in latencies for x in mine]
+    return HeartbeatStats(
+        threads=threads, per_s=len(flat) / elapsed, median_us=statistics.median(flat) * 1e6
+    )
+
+
+def rounds_for(n: int, quick: bool) -> int:
+    """Timed rounds per N: fewer for large N so each size takes a few seconds."""
+    base = {2: 300, 16: 150, 64: 60, 256: 20}.get(n, max(10, 3000 // max(n, 1)))
+    return max(5, base // 5) if quick else base
+
+
+def run_impl(
+    impl: str,
+    sizes: list[int],
+    quick: bool,
+    hb_threads: int,
+    hb_seconds: float,
+    client: str | None = None,
+) -> tuple[list[RoundStats], HeartbeatStats]:
+    """All measurements for one implementation's lighthouse.
+
+    Args:
+        client: whose ``LighthouseClient`` drives it; None: the same implementation's.
+    """
+    client_cls = import_module(MODULES[client or impl]).LighthouseClient
+    lighthouse = LighthouseProcess(impl)
+    try:
+        rounds = []
+        for n in sizes:
+            addr = lighthouse.start(min_replicas=n)
+            stats = measure_rounds(client_cls, addr, n, rounds_for(n, quick))
+            print(
+                f"  {impl:9s} N={n:<4d} median {stats.median_ms:8.2f} ms  p99 {stats.p99_ms:8.2f} ms"
+                f"  {stats.rounds_per_s:8.1f} rounds/s",
+                file=sys.stderr,
+                flush=True,
+            )
+            rounds.append(stats)
+        addr = lighthouse.start(min_replicas=1)
+        heartbeats = measure_heartbeats(client_cls, addr, hb_threads, hb_seconds)
+        print(f"  {impl:9s} heartbeats {heartbeats.per_s:9.0f}/s", file=sys.stderr, flush=True)
+        return rounds, heartbeats
+    finally:
+        lighthouse.close()
+
+
+# ----------------------------------------------------------------------------------------------
+# Report
+
+
+def table(headers: list[str], rows: list[list[str]]) -> str:
+    """A Markdown table."""
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
+
+    def line(cells: list[str]) -> str:
+        return "| " + " | ".join(c.rjust(w) for c, w in zip(cells, widths, strict=True)) + " |"
+
+    sep = "|" + "|".join("-" * (w + 1) + ":" for w in widths) + "|"
+    return "\n".join([line(headers), sep, *(line(r) for r in rows)])
+
+
+def report(results: dict[str, tuple[list[RoundStats], HeartbeatStats]], sizes: list[int]) -> str:
+    impls = list(results)
+    headers = ["N"]
+    for impl in impls:
+        headers += [f"{impl} median ms", f"{impl} p99 ms", f"{impl} rounds/s"]
+    rows = []
+    for k, n in enumerate(sizes):
+        row = [str(n)]
+        for impl in impls:
+            s = results[impl][0][k]
+            row += [f"{s.median_ms:.2f}", f"{s.p99_ms:.2f}", f"{s.rounds_per_s:.1f}"]
+        rows.append(row)
+    out = ["Quorum rounds (N replica groups, all get the quorum)", table(headers, rows), ""]
+    hb_rows = [
+        [impl, str(hb.threads), f"{hb.per_s:.0f}", f"{hb.median_us:.0f}"]
+        for impl, (_, hb) in results.items()
+    ]
+    out += [
+        "Heartbeats",
+        table(["impl", "client threads", "heartbeats/s", "median us"], hb_rows),
+    ]
+    if "reference" in results and "torchheal" in results:
+        ours, theirs = results["torchheal"], results["reference"]
+        worse = [s.n for s, r in zip(ours[0], theirs[0], strict=True) if s.median_ms > r.median_ms]
+        out += [
+            "",
+            "goal: torchheal median round latency <= reference at every N: "
+            + ("met" if not worse else f"MISSED at N={worse}"),
+        ]
+    if "torchheal" in results:
+        hb = results["torchheal"][1].per_s
+        out.append(f"goal: torchheal >= 5000 heartbeats/s: {'met' if hb >= 5000 else 'MISSED'}")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--quick", action="store_true", help="about 5x fewer rounds, 1 s of heartbeats"
+    )
+    parser.add_argument("--sizes", default="2,16,64,256", help="comma-separated N values")
+    parser.add_argument(
+        "--impl", choices=[*MODULES, "both"], default="both", help="which implementation(s)"
+    )
+    parser.add_argument(
+        "--client",
+        choices=list(MODULES),
+        default=None,
+        help="drive every lighthouse with this implementation's client (default: its own), "
+        "to tell server cost from client cost",
+    )
+    parser.add_argument("--hb-threads", type=int, default=4, help="heartbeat client threads")
+    parser.add_argument("--hb-seconds", type=float, default=None, help="heartbeat window")
+    args = parser.parse_args(argv)
+    sizes = [int(x) for x in args.sizes.split(",") if x]
+    hb_seconds = args.hb_seconds if args.hb_seconds is not None else (1.0 if args.quick else 3.0)
+    wanted = list(MODULES) if args.impl == "both" else [args.impl]
+    impls: list[str] = []
+    for impl in wanted:
+        if available(impl):
+            impls.append(impl)
+        else:
+            print(f"note: {impl} ({MODULES[impl]}) does not import; skipped", file=sys.stderr)
+    if not impls:
+        return 1
+    results = {}
+    started = time.monotonic()
+    for impl in impls:
+        results[impl] = run_impl(impl, sizes, args.quick, args.hb_threads, hb_seconds, args.client)
+    print(report(results, sizes))
+    print(f"\n({os.cpu_count()} CPUs, {time.monotonic() - started:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
