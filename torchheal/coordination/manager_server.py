@@ -255,7 +255,7 @@ class ManagerServer:
             self._round = _new_future()
         round_ = self._round
         self._participants[rank] = member
-        logger.info(
+        logger.debug(
             "%s rank %d asks for a quorum at step %d (%d/%d ranks)",
             self._prefix,
             rank,
@@ -309,7 +309,7 @@ class ManagerServer:
                     )
                     return
                 quorum = convert.quorum_from_pb(response.quorum, strict_data=False)
-                logger.info(
+                logger.debug(
                     "%s got quorum %d with %d participants",
                     self._prefix,
                     quorum.quorum_id,
@@ -371,7 +371,8 @@ class ManagerServer:
             raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         if decision is not None:
             self._commit_round = None
-            logger.info(
+            # Per step, so DEBUG; a failed vote is worth a user's attention.
+            (logger.debug if decision.commit else logger.info)(
                 "%s step %d: should_commit=%s (failed ranks: %s)",
                 self._prefix,
                 decision.step,
