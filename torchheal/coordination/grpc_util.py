@@ -331,14 +331,17 @@ class UnaryCaller:
             raise RuntimeError(f"{self._what} failed: {e}") from e
 
 
-def _serialize(message: Message) -> bytes:
+def _serialize(message: Message | bytes) -> bytes:
+    # A handler may return bytes it serialized once for many callers (a quorum broadcast).
+    if isinstance(message, bytes):
+        return message
     return message.SerializeToString()
 
 
 # --------------------------------------------------------------------------------------------
 # Servers
 
-Handler = Callable[[Any, grpc.aio.ServicerContext], Awaitable[Message]]
+Handler = Callable[[Any, grpc.aio.ServicerContext], Awaitable[Message | bytes]]
 
 
 def unary_handler(method: Method, handler: Handler) -> grpc.RpcMethodHandler:
@@ -350,11 +353,11 @@ def unary_handler(method: Method, handler: Handler) -> grpc.RpcMethodHandler:
 
     Args:
         method: the method served.
-        handler: ``async (request, context) -> response``.
+        handler: ``async (request, context) -> response`` (a message, or its serialized bytes).
     """
     request_name = method.request.DESCRIPTOR.name
 
-    async def serve(raw: bytes, context: grpc.aio.ServicerContext) -> Message:
+    async def serve(raw: bytes, context: grpc.aio.ServicerContext) -> Message | bytes:
         try:
             request = method.request.FromString(raw)
         except DecodeError as e:

@@ -18,7 +18,7 @@ import logging
 import socket
 import threading
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import grpc
 import grpc.aio
@@ -42,7 +42,7 @@ from torchheal.coordination.quorum import (
     requeue,
     tick,
 )
-from torchheal.coordination.types import Quorum, QuorumMember, Timestamp
+from torchheal.coordination.types import QuorumMember, Timestamp
 
 __all__ = ["LighthouseServer"]
 
@@ -102,7 +102,10 @@ class LighthouseServer:
         # replica_id -> the requester's message as received, for participants of the round.
         self._raw: dict[str, pb.QuorumMember] = {}
         # One queue per waiting Quorum call; only touched on the server loop.
-        self._subscribers: set[asyncio.Queue[tuple[Quorum, pb.Quorum]]] = set()
+        # Each waiting Quorum call's queue; an issued quorum is delivered to all of them as
+        # (quorum id, member ids, serialized response), the response serialized once.
+        self._subscribers: set[asyncio.Queue[_Issued]] = set()
+        self._tick_scheduled = False
         self._last_reason: str | None = None
         self._last_prune = 0.0
         self._created_at = time.monotonic()
@@ -217,6 +220,11 @@ class LighthouseServer:
             self._raw = {}
             subscribers = list(self._subscribers)
         message = convert.quorum_to_pb(quorum, raw)
+        issued = _Issued(
+            quorum.quorum_id,
+            frozenset(m.replica_id for m in quorum.participants),
+            pb.LighthouseQuorumResponse(quorum=message).SerializeToString(),
+        )
         logger.info(
             "Issued quorum %d with %d participants: %s",
             quorum.quorum_id,
@@ -224,7 +232,24 @@ class LighthouseServer:
             [m.replica_id for m in quorum.participants],
         )
         for queue in subscribers:
-            queue.put_nowait((quorum, message))
+            queue.put_nowait(issued)
+
+    def _schedule_tick(self) -> None:
+        """Run one tick after the requests that are ready now have joined.
+
+        Each Quorum request needs a decision right after it joins (reference §4), but running
+        the O(N) decision once per request makes a round of N simultaneous requests cost
+        O(N^2). Requests that arrive in the same event-loop turn share one tick instead; the
+        decision is the one the last of them would have triggered.
+        """
+        if self._tick_scheduled:
+            return
+        self._tick_scheduled = True
+        asyncio.get_running_loop().call_soon(self._run_scheduled_tick)
+
+    def _run_scheduled_tick(self) -> None:
+        self._tick_scheduled = False
+        self._tick()
 
     # ---------------------------------------------------------------------------------------
     # RPCs
@@ -240,25 +265,25 @@ class LighthouseServer:
 
     async def _quorum(
         self, request: pb.LighthouseQuorumRequest, context: grpc.aio.ServicerContext
-    ) -> pb.LighthouseQuorumResponse:
+    ) -> bytes:
         if not request.HasField("requester"):
             raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, "missing requester")
         raw = request.requester
         member = _validated_member(raw)
-        queue: asyncio.Queue[tuple[Quorum, pb.Quorum]] = asyncio.Queue()
+        queue: asyncio.Queue[_Issued] = asyncio.Queue()
         with self._lock:
             join(self._state, member, time.monotonic())
             self._raw[member.replica_id] = raw
             # Subscribe before ticking so the quorum this request completes reaches it.
             self._subscribers.add(queue)
         try:
-            self._tick()
+            self._schedule_tick()
             while True:
-                quorum, message = await queue.get()
-                if any(m.replica_id == member.replica_id for m in quorum.participants):
-                    return pb.LighthouseQuorumResponse(quorum=message)
+                issued = await queue.get()
+                if member.replica_id in issued.member_ids:
+                    return issued.response
                 logger.info(
-                    "Replica %s not in quorum %d, retrying", member.replica_id, quorum.quorum_id
+                    "Replica %s not in quorum %d, retrying", member.replica_id, issued.quorum_id
                 )
                 with self._lock:
                     requeue(self._state, member, time.monotonic())
@@ -266,6 +291,14 @@ class LighthouseServer:
         finally:
             with self._lock:
                 self._subscribers.discard(queue)
+
+
+class _Issued(NamedTuple):
+    """An issued quorum as its waiters need it."""
+
+    quorum_id: int
+    member_ids: frozenset[str]
+    response: bytes  # a serialized LighthouseQuorumResponse
 
 
 def _validated_member(raw: pb.QuorumMember) -> QuorumMember:
