@@ -50,8 +50,8 @@ class GroupPlan:
         world_size: ranks in the group.
         kill_at_step: every rank SIGKILLs itself when it is about to run this step.
         fail_allreduce_at_step: the group's allreduce at this step fails (injected error).
-        corrupt_checkpoint_at_step: when this group sends its state at this step, the bytes are
-            corrupted on the wire.
+        corrupt_first_heal: the first state this group receives from a peer is corrupted on the
+            wire (one byte flipped by a proxy between the group and its source).
         start_delay_s: start the group this long after the others (an upscale).
     """
 
@@ -59,7 +59,7 @@ class GroupPlan:
     world_size: int = 1
     kill_at_step: int | None = None
     fail_allreduce_at_step: int | None = None
-    corrupt_checkpoint_at_step: int | None = None
+    corrupt_first_heal: bool = False
     start_delay_s: float = 0.0
 
 

@@ -112,3 +112,18 @@ def test_matches_plain_torch_ddp_without_failures(tmp_path):
     for key, value in plain.items():
         torch.testing.assert_close(ft.states[(0, 0)]["model"][key], value, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(ft.states[(1, 0)]["model"][key], value, rtol=1e-5, atol=1e-6)
+
+
+def test_checkpoint_corrupted_on_the_wire_is_rejected_and_healing_retries(tmp_path):
+    # init_sync makes group 1 heal from group 0 at step 0; that first transfer passes through a
+    # proxy that flips one byte. The corruption must be detected (step fails, nothing loaded),
+    # the next step must heal cleanly, and both groups must end identical. min_replica_size=1 lets
+    # group 0 commit alone while group 1 is still healing.
+    spec = JobSpec(steps=4, min_replica_size=1)
+    result = run_job(
+        train_ddp, spec, [GroupPlan(0), GroupPlan(1, corrupt_first_heal=True)], tmp_path
+    )
+    assert result.failures == {0: 0, 1: 0}
+    assert result.states[(1, 0)]["failed_steps"] == [0]
+    assert result.states[(0, 0)]["failed_steps"] == []
+    assert_groups_identical(result.states, [0, 1])

@@ -62,11 +62,14 @@ def train_ddp(
         inner.load_state_dict(sd["optim"])
 
     pg = FakeProcessGroupWrapper(ProcessGroupGloo(timeout=timeout))
-    transport = (
-        PGTransport(pg, timeout=timeout, device=torch.device("cpu"))
-        if spec.transport == "pg"
-        else HTTPTransport(timeout=timeout, num_chunks=0)
-    )
+    if plan.corrupt_first_heal:
+        transport = corrupting_http_transport(timeout)
+    else:
+        transport = (
+            PGTransport(pg, timeout=timeout, device=torch.device("cpu"))
+            if spec.transport == "pg"
+            else HTTPTransport(timeout=timeout, num_chunks=0)
+        )
     manager = Manager(
         pg=pg,
         load_state_dict=load_state_dict,
@@ -117,6 +120,26 @@ def train_ddp(
         out_path,
     )
     manager.shutdown()
+
+
+def corrupting_http_transport(timeout: timedelta) -> Any:
+    """An HTTPTransport whose first received checkpoint travels through a corrupting proxy."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    from tests.integration.corrupting_proxy import CorruptingProxy
+    from torchheal.checkpointing import HTTPTransport
+
+    class CorruptingHTTPTransport(HTTPTransport):
+        proxy: CorruptingProxy | None = None
+
+        def recv_checkpoint(self, src_rank, metadata, step, timeout=None):  # type: ignore[override]
+            if self.proxy is None:
+                url = urlsplit(metadata)
+                self.proxy = CorruptingProxy((url.hostname, url.port))
+                metadata = urlunsplit(url._replace(netloc=f"127.0.0.1:{self.proxy.port}"))
+            return super().recv_checkpoint(src_rank, metadata, step, timeout)
+
+    return CorruptingHTTPTransport(timeout=timeout, num_chunks=0)
 
 
 def train_plain_ddp(rank: int, world_size: int, store_port: int, steps: int, out_path: str) -> None:
