@@ -1,21 +1,31 @@
 """Checkpoint transport throughput: HTTP (single stream and chunked) and PG (gloo) on loopback.
 
-Prints one table: for each state size, the GB/s of a plain tensor copy (memory bandwidth),
-CRC-32 (one core) and staging (description + parallel checksums), and the end-to-end GB/s of
-a receive (sender already staged) for HTTPTransport num_chunks 0 and 4 and PGTransport over
-gloo. Sender and receiver run in this one process (threads), as in the tests.
+Prints one table: for each state size, the GB/s of the machine's memory (a tensor copy into a
+reused destination and into a freshly allocated one, which is what a healer receives into;
+CRC-32 on one core), of the sender's staging (description + checksums; a CPU state is not
+copied) and of a receive, for HTTPTransport num_chunks 0 and 4 (sender already staged and
+serving: wire time) and PGTransport over gloo (end to end: the sender stages inside
+``send_checkpoint``, so this includes its staging).
 
-    .venv/bin/python bench/transport.py [--sizes-mb 100 1000] [--repeat 2]
+By default (``--mode cross``) the sender runs in a spawned process, as in real healing where
+sender and receiver are different replica groups; for PG the spawned sender and this process
+form a real two-rank gloo group on a TCPStore bound to port 0. ``--mode same`` runs sender and
+receiver as threads of this process, as the tests do.
+
+    .venv/bin/python bench/transport.py [--mode cross|same] [--sizes-mb 100 1000] [--repeat 3]
 """
 
 from __future__ import annotations
 
 import argparse
+import multiprocessing as mp
+import statistics
 import threading
 import time
 import zlib
 from collections.abc import Callable
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -24,7 +34,7 @@ from torchheal.checkpointing import HTTPTransport
 from torchheal.checkpointing.pg_transport import PGTransport
 from torchheal.checkpointing.serialization import byte_view, stage
 
-TIMEOUT = timedelta(seconds=120)
+TIMEOUT = timedelta(seconds=300)
 
 
 def make_state(total_mb: int) -> dict[str, torch.Tensor]:
@@ -34,53 +44,125 @@ def make_state(total_mb: int) -> dict[str, torch.Tensor]:
     return {f"layer{i}.weight": torch.randn(per) for i in range(n)}
 
 
-def best(fn: Callable[[], object], repeat: int) -> float:
+def nbytes(state: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in state.values())
+
+
+def timed(fn: Callable[[], object], repeat: int) -> list[float]:
+    """Wall seconds of each of ``repeat`` calls."""
     times = []
     for _ in range(repeat):
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return min(times)
+    return times
 
 
-def gloo_pair() -> list[object]:
+def rate(gb: float, times: list[float]) -> tuple[float, float]:
+    """(best, median) GB/s."""
+    return gb / min(times), gb / statistics.median(times)
+
+
+def gloo_group(port: int, rank: int) -> Any:
+    client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=TIMEOUT)
+    return dist.ProcessGroupGloo(dist.PrefixStore("bench", client), rank, 2, TIMEOUT)
+
+
+# ---------------------------------------------------------------- sender (spawned process)
+
+
+def _sender(kind: str, mb: int, chunks: int, port: int, repeat: int, conn: Any) -> None:
+    """The healthy replica: stages and serves (HTTP) or sends on request (PG)."""
+    state = make_state(mb)
+    stage({"warm": torch.zeros(1)}, 0)  # first call imports torch.distributed.tensor
+    stage_times = timed(lambda: stage(state, 1), repeat)
+    if kind == "http":
+        src: HTTPTransport = HTTPTransport(TIMEOUT, chunks, hostname="localhost")
+        src.send_checkpoint([1], 1, state, TIMEOUT)
+        conn.send((stage_times, src.metadata()))
+        conn.recv()  # "stop"
+        src.shutdown()
+        return
+    tx: PGTransport = PGTransport(gloo_group(port, 0), TIMEOUT, "cpu")
+    conn.send((stage_times, None))
+    while conn.recv() == "go":
+        tx.send_checkpoint([1], 1, state, TIMEOUT)
+    conn.send("done")
+
+
+def _spawn(kind: str, mb: int, chunks: int, port: int, repeat: int) -> tuple[Any, Any]:
+    parent, child = mp.get_context("spawn").Pipe()
+    proc = mp.get_context("spawn").Process(
+        target=_sender, args=(kind, mb, chunks, port, repeat, child), daemon=True
+    )
+    proc.start()
+    return proc, parent
+
+
+def measure_cross(mb: int, repeat: int) -> dict[str, Any]:
+    """Receive rates with the sender in another process."""
+    gb = max(1, mb // 25) * (25 << 20) / 1e9  # as make_state
+    row: dict[str, Any] = {}
+    for chunks in (0, 4):
+        proc, conn = _spawn("http", mb, chunks, 0, repeat)
+        stage_times, url = conn.recv()
+        row["stage"] = rate(gb, stage_times)
+        rcv: HTTPTransport = HTTPTransport(TIMEOUT, chunks, hostname="localhost")
+        rcv.recv_checkpoint(0, url, 1, TIMEOUT)  # warm the connection path
+        row[f"http{chunks}"] = rate(
+            gb, timed(lambda rcv=rcv, url=url: rcv.recv_checkpoint(0, url, 1, TIMEOUT), repeat)
+        )
+        rcv.shutdown()
+        conn.send("stop")
+        proc.join(60)
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=TIMEOUT)
-    groups: list[object] = [None, None]
+    proc, conn = _spawn("pg", mb, 0, store.port, repeat)
+    rx: PGTransport = PGTransport(gloo_group(store.port, 1), TIMEOUT, "cpu")
+    conn.recv()
+
+    def pg_round() -> None:
+        conn.send("go")
+        rx.recv_checkpoint(0, "<n/a>", 1, TIMEOUT)
+
+    pg_round()  # warm the pair's connection
+    row["pg"] = rate(gb, timed(pg_round, repeat))
+    conn.send("stop")
+    conn.recv()
+    proc.join(60)
+    return row
+
+
+# ---------------------------------------------------------------- same process (threads)
+
+
+def measure_same(mb: int, repeat: int) -> dict[str, Any]:
+    """Receive rates with sender and receiver as threads of this process."""
+    state = make_state(mb)
+    gb = nbytes(state) / 1e9
+    row: dict[str, Any] = {"stage": rate(gb, timed(lambda: stage(state, 1), repeat))}
+    for chunks in (0, 4):
+        src: HTTPTransport = HTTPTransport(TIMEOUT, chunks, hostname="localhost")
+        rcv: HTTPTransport = HTTPTransport(TIMEOUT, chunks, hostname="localhost")
+        src.send_checkpoint([1], 1, state, TIMEOUT)
+        url = src.metadata()
+        row[f"http{chunks}"] = rate(
+            gb, timed(lambda rcv=rcv, url=url: rcv.recv_checkpoint(0, url, 1, TIMEOUT), repeat)
+        )
+        src.shutdown()
+        rcv.shutdown()
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=TIMEOUT)
+    pgs: list[Any] = [None, None]
 
     def make(rank: int) -> None:
-        client = dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=TIMEOUT)
-        groups[rank] = dist.ProcessGroupGloo(dist.PrefixStore("bench", client), rank, 2, TIMEOUT)
+        pgs[rank] = gloo_group(store.port, rank)
 
     threads = [threading.Thread(target=make, args=(r,)) for r in range(2)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    return [*groups, store]
-
-
-def measure(mb: int, pgs: list[object], repeat: int) -> dict[str, object]:
-    """One table row: throughputs for a state of ``mb`` megabytes."""
-    state = make_state(mb)
-    tensors = list(state.values())
-    gb = sum(t.numel() * t.element_size() for t in tensors) / 1e9
-    row: dict[str, object] = {"size": f"{gb * 1e3:.0f} MB"}
-    dst = [torch.empty_like(t) for t in tensors]
-    row["copy"] = gb / best(lambda: [d.copy_(s) for d, s in zip(dst, tensors, strict=True)], repeat)
-    crc = [byte_view(t.view(torch.uint8)) for t in tensors]
-    row["crc32"] = gb / best(lambda: [zlib.crc32(v) for v in crc], repeat)
-    row["stage"] = gb / best(lambda: stage(state, 1), repeat)
-    for chunks in (0, 4):
-        src = HTTPTransport(TIMEOUT, chunks, hostname="localhost")
-        rcv = HTTPTransport(TIMEOUT, chunks, hostname="localhost")
-        src.send_checkpoint([1], 1, state, TIMEOUT)
-        row[f"http{chunks}"] = gb / best(
-            lambda rcv=rcv, src=src: rcv.recv_checkpoint(0, src.metadata(), 1, TIMEOUT), repeat
-        )
-        src.shutdown()
-        rcv.shutdown()
-    tx = PGTransport(pgs[0], TIMEOUT, "cpu")
-    rx = PGTransport(pgs[1], TIMEOUT, "cpu")
+    tx: PGTransport = PGTransport(pgs[0], TIMEOUT, "cpu")
+    rx: PGTransport = PGTransport(pgs[1], TIMEOUT, "cpu")
 
     def pg_round() -> None:
         sender = threading.Thread(target=tx.send_checkpoint, args=([1], 1, state, TIMEOUT))
@@ -88,35 +170,77 @@ def measure(mb: int, pgs: list[object], repeat: int) -> dict[str, object]:
         rx.recv_checkpoint(0, "<n/a>", 1, TIMEOUT)
         sender.join()
 
-    row["pg"] = gb / best(pg_round, repeat)
+    row["pg"] = rate(gb, timed(pg_round, repeat))
     return row
+
+
+def _copy_reused(tensors: list[torch.Tensor], repeat: int) -> list[float]:
+    dst = [torch.empty_like(t) for t in tensors]
+    for d in dst:
+        d.zero_()  # first touch outside the timing
+    return timed(lambda: [d.copy_(s) for d, s in zip(dst, tensors, strict=True)], repeat)
+
+
+def _copy_fresh(tensors: list[torch.Tensor], repeat: int) -> list[float]:
+    """Copies into one new allocation per round: big enough to be fresh pages every time."""
+
+    def once() -> None:
+        flat = torch.empty(sum(t.numel() for t in tensors), dtype=tensors[0].dtype)
+        pos = 0
+        for t in tensors:
+            flat[pos : pos + t.numel()].copy_(t)
+            pos += t.numel()
+
+    return timed(once, repeat)
+
+
+def memory_rates(mb: int, repeat: int) -> dict[str, Any]:
+    """The machine's reference rates: copies (reused and fresh destination) and CRC-32."""
+    state = make_state(mb)
+    tensors = list(state.values())
+    gb = nbytes(state) / 1e9
+    row: dict[str, Any] = {"size": f"{gb * 1e3:.0f} MB"}
+    row["copy"] = rate(gb, _copy_reused(tensors, repeat))
+    row["fresh"] = rate(gb, _copy_fresh(tensors, repeat))
+    crc = [byte_view(t.view(torch.uint8)) for t in tensors]
+    row["crc32"] = rate(gb, timed(lambda: [zlib.crc32(v) for v in crc], repeat))
+    return row
+
+
+COLUMNS = [
+    ("copy", "copy reused dst"),
+    ("fresh", "copy fresh dst"),
+    ("crc32", "crc32 1 core"),
+    ("stage", "sender stage"),
+    ("http0", "HTTP chunks=0"),
+    ("http4", "HTTP chunks=4"),
+    ("pg", "PG gloo e2e"),
+]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--mode", choices=["cross", "same"], default="cross")
     parser.add_argument("--sizes-mb", type=int, nargs="+", default=[100, 1000])
     parser.add_argument("--repeat", type=int, default=3)
     args = parser.parse_args()
-    pgs = gloo_pair()
     stage({"warm": torch.zeros(1)}, 0)  # first call imports torch.distributed.tensor
+    measure = measure_cross if args.mode == "cross" else measure_same
     rows = []
     for mb in args.sizes_mb:
-        rows.append(measure(mb, pgs, args.repeat))
-        print(f"done {rows[-1]['size']}", flush=True)
-    cols = ["size", "copy", "crc32", "stage", "http0", "http4", "pg"]
-    heads = [
-        "state",
-        "tensor copy",
-        "crc32 1 core",
-        "stage (crc ||)",
-        "HTTP chunks=0",
-        "HTTP chunks=4",
-        "PG gloo",
-    ]
-    print(f"\nthroughput in GB/s (1 GB = 1e9 bytes), best of {args.repeat}; loopback, one process")
-    print(" | ".join(f"{h:>14}" for h in heads))
+        row = memory_rates(mb, args.repeat)
+        row.update(measure(mb, args.repeat))
+        rows.append(row)
+        print(f"done {row['size']}", flush=True)
+    where = "sender in a spawned process" if args.mode == "cross" else "one process, threads"
+    print(
+        f"\nthroughput in GB/s (1 GB = 1e9 bytes), best / median of {args.repeat}; loopback, {where}"
+    )
+    print(" | ".join(f"{h:>15}" for h in ["state", *(h for _, h in COLUMNS)]))
     for row in rows:
-        print(" | ".join(f"{row[c]:>14}" if c == "size" else f"{row[c]:>14.2f}" for c in cols))
+        cells = [f"{row['size']:>15}"]
+        cells += [f"{row[c][0]:>7.2f} /{row[c][1]:>5.2f}" for c, _ in COLUMNS]
+        print(" | ".join(cells))
 
 
 if __name__ == "__main__":
