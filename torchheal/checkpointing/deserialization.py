@@ -330,6 +330,7 @@ def read_segments(
     readinto: Callable[[memoryview], int],
     buffers: Sequence[torch.Tensor],
     segments: Sequence[Segment],
+    verify: Callable[[memoryview, Segment], None] = verify_segment,
 ) -> None:
     """Reads ``segments`` from a stream straight into ``buffers`` (CPU), verifying each.
 
@@ -337,6 +338,8 @@ def read_segments(
         readinto: a stream's ``readinto``; returning 0 means end of stream.
         buffers: the receive buffers from ``allocate_buffers``.
         segments: the segments expected, in stream order.
+        verify: called with (storage bytes, segment) once a segment has arrived; checks it
+            inline by default, or queues it (``BlockVerifier.submit``) to overlap the next read.
 
     Raises:
         CheckpointError: truncated stream or checksum mismatch.
@@ -353,7 +356,7 @@ def read_segments(
                     f"of block [{seg.start}, {seg.end})"
                 )
             pos += n
-        verify_segment(view, seg)
+        verify(view, seg)
 
 
 def rebuild(

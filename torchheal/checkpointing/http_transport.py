@@ -32,6 +32,7 @@ from socketserver import TCPServer
 from typing import Any, TypeVar
 from urllib.parse import parse_qs, urlsplit
 
+from torchheal.checkpointing._verify import BlockVerifier
 from torchheal.checkpointing.rwlock import RWLock
 from torchheal.checkpointing.serialization import (
     DEFAULT_BLOCK_BYTES,
@@ -308,21 +309,25 @@ class HTTPTransport(CheckpointTransport[T]):
                 )
             buffers, used = allocate_buffers(desc)
             if self._num_chunks == 0:
-                read_segments(resp.readinto, buffers, desc.segments)
+                with BlockVerifier() as verifier:
+                    read_segments(resp.readinto, buffers, desc.segments, verifier.submit)
         if self._num_chunks:
             chunks = split_chunks(desc.segments, self._num_chunks)
 
-            def fetch(i: int) -> None:
+            def fetch(i: int, verifier: BlockVerifier) -> None:
                 with client.get(f"{base}/{i}?n={self._num_chunks}") as resp:
                     want = sum(s.end - s.start for s in chunks[i])
                     if resp.length != want:
                         raise CheckpointError(
                             f"checkpoint chunk {i} is {resp.length} bytes, expected {want}"
                         )
-                    read_segments(resp.readinto, buffers, chunks[i])
+                    read_segments(resp.readinto, buffers, chunks[i], verifier.submit)
 
-            with ThreadPoolExecutor(self._num_chunks, thread_name_prefix="torchheal-fetch") as pool:
-                for f in [pool.submit(fetch, i) for i in range(self._num_chunks)]:
+            with (
+                BlockVerifier() as verifier,
+                ThreadPoolExecutor(self._num_chunks, thread_name_prefix="torchheal-fetch") as pool,
+            ):
+                for f in [pool.submit(fetch, i, verifier) for i in range(self._num_chunks)]:
                     f.result()
         return rebuild(desc, buffers, used)
 
