@@ -4,7 +4,10 @@ Wire protocol, per destination rank (tags are the PG's point-to-point tags):
 
 * tag 1: an ``int64`` tensor ``[description length, CRC-32 of the description]``;
 * tag 2: the JSON description as a ``uint8`` tensor (see ``serialization``);
-* tag ``3 + i``: the raw bytes of storage ``i`` (empty storages are not sent).
+* tag 3: the storages of at most ``_SMALL_BYTES`` bytes packed into one message (each at a
+  64-byte aligned offset, in storage order; see ``_packed_layout``), when there are any: an
+  optimizer's thousands of scalar and bias tensors cost one message, not thousands;
+* tag ``4 + i``: the raw bytes of each larger storage ``i``.
 
 Unlike the reference, nothing is pickled: the receiver parses and validates the description,
 receives every storage into a preallocated buffer (a template tensor's own storage when a
@@ -15,13 +18,14 @@ Every wait is bounded by the timeout.
 from __future__ import annotations
 
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any, TypeVar
 
 import torch
 
-from torchheal.checkpointing._format import MAX_DESCRIPTION_BYTES
+from torchheal.checkpointing._format import MAX_DESCRIPTION_BYTES, Segment
+from torchheal.checkpointing._verify import BlockVerifier
 from torchheal.checkpointing.serialization import (
     DEFAULT_BLOCK_BYTES,
     allocate_buffers,
@@ -29,7 +33,6 @@ from torchheal.checkpointing.serialization import (
     parse_description,
     rebuild,
     stage,
-    verify_buffers,
 )
 from torchheal.checkpointing.transport import (
     CheckpointError,
@@ -41,7 +44,24 @@ T = TypeVar("T")
 
 _TAG_LENGTH = 1
 _TAG_DESCRIPTION = 2
-_TAG_DATA = 3
+_TAG_PACKED = 3
+_TAG_DATA = 4
+_SMALL_BYTES = 1 << 20
+_ALIGN = 64
+
+
+def _packed_layout(nbytes: Sequence[int]) -> tuple[dict[int, int], int]:
+    """Offsets of the small storages in the packed message, and the message's size.
+
+    Both ends compute it from the storage sizes in the description.
+    """
+    offsets: dict[int, int] = {}
+    pos = 0
+    for i, n in enumerate(nbytes):
+        if 0 < n <= _SMALL_BYTES:
+            offsets[i] = pos
+            pos += -(-n // _ALIGN) * _ALIGN
+    return offsets, pos
 
 
 def _wait(work: Any, timeout: timedelta, what: str) -> None:
@@ -120,8 +140,16 @@ class PGTransport(CheckpointTransport[T]):
             pending.append(
                 (self._pg.send([desc.to(self._device)], dst, _TAG_DESCRIPTION), "send description")
             )
+        offsets, packed_bytes = _packed_layout([b.numel() for b in staged.buffers])
+        if packed_bytes:
+            packed = torch.zeros(packed_bytes, dtype=torch.uint8)
+            for i, off in offsets.items():
+                packed[off : off + staged.buffers[i].numel()].copy_(staged.buffers[i])
+            moved = packed.to(self._device)
+            for dst in dst_ranks:
+                pending.append((self._pg.send([moved], dst, _TAG_PACKED), "send small storages"))
         for i, buf in enumerate(staged.buffers):
-            if buf.numel() == 0:
+            if buf.numel() == 0 or i in offsets:
                 continue
             moved = buf.to(self._device)
             for dst in dst_ranks:
@@ -166,15 +194,45 @@ class PGTransport(CheckpointTransport[T]):
             raise CheckpointError(f"received checkpoint for step {desc.step}, wanted step {step}")
         template = self._state_dict() if self._state_dict is not None else None
         buffers, used = allocate_buffers(desc, template, self._device)
-        works = [
+        offsets, packed_bytes = _packed_layout(desc.storage_nbytes)
+        works: list[tuple[Any, int | None]] = []
+        packed = torch.empty(packed_bytes, dtype=torch.uint8, device=self._device)
+        if packed_bytes:
+            works.append((self._pg.recv([packed], src_rank, _TAG_PACKED), None))
+        works += [
             (self._pg.recv([buf], src_rank, _TAG_DATA + i), i)
             for i, buf in enumerate(buffers)
-            if buf.numel()
+            if buf.numel() and i not in offsets
         ]
-        for work, i in works:
-            _wait(work, timeout, f"checkpoint storage {i} recv")
-        cpu = [b if b.device.type == "cpu" else b.cpu() for b in buffers]
-        verify_buffers(cpu, desc.segments)
+        blocks: list[list[Segment]] = [[] for _ in buffers]
+        for seg in desc.segments:
+            blocks[seg.storage].append(seg)
+        cpu = list(buffers)
+        packed_cpu = packed
+        # Each message is checked on worker threads while the next ones arrive.
+        with BlockVerifier() as verifier:
+            for work, i in works:
+                what = "small storages" if i is None else f"storage {i}"
+                _wait(work, timeout, f"checkpoint {what} recv")
+                if i is None:
+                    packed_cpu = packed.cpu()
+                    view = byte_view(packed_cpu)
+                    verifier.submit_batch(
+                        [
+                            (view[off : off + desc.storage_nbytes[s]], seg)
+                            for s, off in offsets.items()
+                            for seg in blocks[s]
+                        ]
+                    )
+                    continue
+                if cpu[i].device.type != "cpu":
+                    cpu[i] = cpu[i].cpu()
+                view = byte_view(cpu[i])
+                for seg in blocks[i]:
+                    verifier.submit(view, seg)
+        for s, off in offsets.items():  # verified: unpack (into templates too)
+            buffers[s].copy_(packed[off : off + desc.storage_nbytes[s]])
+            cpu[s] = buffers[s] if buffers[s].device.type == "cpu" else buffers[s].cpu()
         # Fresh device buffers move to CPU (as the reference); in-place targets stay put.
         final = [b if _is_template(b, used) else c for b, c in zip(buffers, cpu, strict=True)]
         return rebuild(desc, final, used)
