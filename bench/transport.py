@@ -99,11 +99,13 @@ def _spawn(kind: str, mb: int, chunks: int, port: int, repeat: int) -> tuple[Any
     return proc, parent
 
 
-def measure_cross(mb: int, repeat: int) -> dict[str, Any]:
+def measure_cross(mb: int, repeat: int, only: set[str]) -> dict[str, Any]:
     """Receive rates with the sender in another process."""
     gb = max(1, mb // 25) * (25 << 20) / 1e9  # as make_state
     row: dict[str, Any] = {}
     for chunks in (0, 4):
+        if f"http{chunks}" not in only:
+            continue
         proc, conn = _spawn("http", mb, chunks, 0, repeat)
         stage_times, url = conn.recv()
         row["stage"] = rate(gb, stage_times)
@@ -115,10 +117,13 @@ def measure_cross(mb: int, repeat: int) -> dict[str, Any]:
         rcv.shutdown()
         conn.send("stop")
         proc.join(60)
+    if "pg" not in only:
+        return row
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=TIMEOUT)
     proc, conn = _spawn("pg", mb, 0, store.port, repeat)
     rx: PGTransport = PGTransport(gloo_group(store.port, 1), TIMEOUT, "cpu")
-    conn.recv()
+    stage_times, _ = conn.recv()
+    row.setdefault("stage", rate(gb, stage_times))
 
     def pg_round() -> None:
         conn.send("go")
@@ -135,12 +140,14 @@ def measure_cross(mb: int, repeat: int) -> dict[str, Any]:
 # ---------------------------------------------------------------- same process (threads)
 
 
-def measure_same(mb: int, repeat: int) -> dict[str, Any]:
+def measure_same(mb: int, repeat: int, only: set[str]) -> dict[str, Any]:
     """Receive rates with sender and receiver as threads of this process."""
     state = make_state(mb)
     gb = nbytes(state) / 1e9
     row: dict[str, Any] = {"stage": rate(gb, timed(lambda: stage(state, 1), repeat))}
     for chunks in (0, 4):
+        if f"http{chunks}" not in only:
+            continue
         src: HTTPTransport = HTTPTransport(TIMEOUT, chunks, hostname="localhost")
         rcv: HTTPTransport = HTTPTransport(TIMEOUT, chunks, hostname="localhost")
         src.send_checkpoint([1], 1, state, TIMEOUT)
@@ -150,6 +157,8 @@ def measure_same(mb: int, repeat: int) -> dict[str, Any]:
         )
         src.shutdown()
         rcv.shutdown()
+    if "pg" not in only:
+        return row
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=TIMEOUT)
     pgs: list[Any] = [None, None]
 
@@ -223,13 +232,16 @@ def main() -> None:
     parser.add_argument("--mode", choices=["cross", "same"], default="cross")
     parser.add_argument("--sizes-mb", type=int, nargs="+", default=[100, 1000])
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument(
+        "--only", nargs="+", choices=["http0", "http4", "pg"], default=["http0", "http4", "pg"]
+    )
     args = parser.parse_args()
     stage({"warm": torch.zeros(1)}, 0)  # first call imports torch.distributed.tensor
     measure = measure_cross if args.mode == "cross" else measure_same
     rows = []
     for mb in args.sizes_mb:
         row = memory_rates(mb, args.repeat)
-        row.update(measure(mb, args.repeat))
+        row.update(measure(mb, args.repeat, set(args.only)))
         rows.append(row)
         print(f"done {row['size']}", flush=True)
     where = "sender in a spawned process" if args.mode == "cross" else "one process, threads"
@@ -239,7 +251,10 @@ def main() -> None:
     print(" | ".join(f"{h:>15}" for h in ["state", *(h for _, h in COLUMNS)]))
     for row in rows:
         cells = [f"{row['size']:>15}"]
-        cells += [f"{row[c][0]:>7.2f} /{row[c][1]:>5.2f}" for c, _ in COLUMNS]
+        cells += [
+            f"{row[c][0]:>7.2f} /{row[c][1]:>5.2f}" if c in row else f"{'-':>15}"
+            for c, _ in COLUMNS
+        ]
         print(" | ".join(cells))
 
 
