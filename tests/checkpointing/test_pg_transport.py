@@ -104,3 +104,40 @@ def test_unsendable_state_fails_before_anything_is_sent() -> None:
 
     with pytest.raises(CheckpointError, match="object"):
         PGTransport(FakePG(), TIMEOUT, "cpu").send_checkpoint([1], 1, {"x": object()}, TIMEOUT)
+
+
+class _Done:
+    def wait(self, timeout: Any = None) -> bool:
+        return True
+
+
+class _MemoryPG:
+    """In-memory twin of a 2-rank PG: sends are queued by tag, receives copy them out."""
+
+    def __init__(self, mailbox: dict[int, list[torch.Tensor]], damage_tag: int | None) -> None:
+        self._mailbox, self._damage_tag = mailbox, damage_tag
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> _Done:
+        data = tensors[0].clone()
+        if tag == self._damage_tag:
+            data.view(torch.uint8)[0] ^= 1  # (the packed tail is padding)
+        self._mailbox.setdefault(tag, []).append(data)
+        return _Done()
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> _Done:
+        tensors[0].copy_(self._mailbox[tag].pop(0))
+        return _Done()
+
+
+@pytest.mark.parametrize(("damage_tag", "storage"), [(3, "storage [0-9]"), (4, "storage 0")])
+def test_corruption_in_packed_or_large_message_detected(damage_tag: int, storage: str) -> None:
+    # Storage 0 is large (own message, tag 4); storages 1.. are small (packed, tag 3).
+    state = {"big": torch.randn(300_000), "small": [torch.randn(5) for _ in range(20)]}
+    mailbox: dict[int, list[torch.Tensor]] = {}
+    clean = _MemoryPG(mailbox, None)
+    PGTransport(clean, TIMEOUT, "cpu").send_checkpoint([1], 1, state)
+    assert_same(state, PGTransport(clean, TIMEOUT, "cpu").recv_checkpoint(0, "<n/a>", 1))
+    bad = _MemoryPG(mailbox, damage_tag)
+    PGTransport(bad, TIMEOUT, "cpu").send_checkpoint([1], 1, state)
+    with pytest.raises(CheckpointError, match=f"checksum mismatch in {storage}"):
+        PGTransport(bad, TIMEOUT, "cpu").recv_checkpoint(0, "<n/a>", 1)
