@@ -20,6 +20,7 @@ from torch.autograd import Variable
 from torch.nn import parallel
 
 from torchheal.process_group import ProcessGroupDummy
+from torchheal.work import _ManagedWork
 
 
 def _completed(value: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
@@ -59,9 +60,12 @@ class DistributedDataParallel(parallel.DistributedDataParallel):
     def _comm_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         buffer = bucket.buffer()
         work = state.allreduce(buffer)
-        # A failed reduction returns False and is already reported: the step will not commit,
-        # so the (garbage) bucket is handed back only so that backward completes.
-        work.wait()
+        if isinstance(work, _ManagedWork):
+            # Not waited here (the reference blocks in the hook): DDP waits for the future at
+            # the end of backward, so this bucket's reduction overlaps the rest of backward. A
+            # failure resolves to the (garbage) bucket and is reported: the step won't commit.
+            return work.as_future()
+        # The manager already failed this step: no communication, the step won't commit.
         return _completed(buffer)
 
 

@@ -178,6 +178,19 @@ class _ManagedWork(dist.Work):
         """Returns the tail of the lazy callback chain (attach callbacks with ``then``)."""
         return self._tail
 
+    def as_future(self) -> torch.futures.Future[Any]:
+        """Builds the callback chain without waiting and returns its real tail future.
+
+        For callers that must hand a future on (DDP's comm hook) rather than block: the
+        collective then overlaps with whatever the caller does next. The future never fails:
+        an error or timeout is reported to the manager and resolves to the default result.
+        The chain's callbacks run on the thread that completes the collective.
+        """
+        self._waited = True
+        self._materialize()
+        assert self._tail._future is not None
+        return self._tail._future
+
     def wait(self, timeout: timedelta | None = None) -> bool:
         """Waits for the collective and runs the callback chain on this thread.
 
