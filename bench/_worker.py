@@ -95,6 +95,7 @@ def run_ft(args: argparse.Namespace, group: int) -> None:
             committed=after > before,
             healed=after > before + 1,
             participants=manager.num_participants(),
+            quorum_id=manager._quorum_id,
         )
     emit("done", group, step=manager.current_step(), digest="-")
     manager.shutdown(wait=False)
