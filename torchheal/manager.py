@@ -127,6 +127,11 @@ class _ManagerLogger:
     def prefix(self) -> str:
         return f"[{self._replica_id}/{self._group_rank} - step {self._manager.current_step()}]"
 
+    def log(self, level: int, msg: str, *args: object) -> None:
+        """Logs ``msg % args``; nothing is formatted when ``level`` is disabled (per-step lines)."""
+        if logger.isEnabledFor(level):
+            logger.log(level, "%s %s", self.prefix(), msg % args if args else msg)
+
     def info(self, msg: str) -> None:
         logger.info("%s %s", self.prefix(), msg)
 
@@ -294,7 +299,19 @@ class Manager(_HealingMixin):
             self._store.set(REPLICA_ID_KEY, full_replica_id)
 
         addr = self._store.get(MANAGER_ADDR_KEY).decode("utf-8")
+        # Group rank 0 too: connecting checks at start-up that the advertised address works.
         self._client = ManagerClient(addr, connect_timeout=self._connect_timeout)
+        # Group rank 0 owns the ManagerServer, so it joins the quorum and votes in-process (the
+        # handlers' own coroutines on the server's loop, same deadlines and errors) instead of
+        # a gRPC round trip to itself; the other ranks go through gRPC.
+        self._quorum_rpc: Callable[..., QuorumResult] = (
+            self._manager.quorum_in_process if self._manager is not None else self._client._quorum
+        )
+        self._should_commit_rpc: Callable[..., bool] = (
+            self._manager.should_commit_in_process
+            if self._manager is not None
+            else self._client.should_commit
+        )
         self._full_replica_id: str = self._store.get(REPLICA_ID_KEY).decode("utf-8")
         self._logger = _ManagerLogger(self, self._full_replica_id, self._group_rank)
 
@@ -389,7 +406,7 @@ class Manager(_HealingMixin):
         if curr_device >= 0 and torch.cuda.is_available():
             torch.cuda.set_device(curr_device)
         # Quorum RPC errors propagate: they are raised to the training loop.
-        quorum = self._client._quorum(
+        quorum = self._quorum_rpc(
             group_rank=self._group_rank,
             step=step,
             checkpoint_metadata=self._checkpoint_transport.metadata(),
@@ -590,12 +607,22 @@ class Manager(_HealingMixin):
         local = local_commit_vote(
             num_participants, self._min_replica_size, self._errored is not None
         )
-        decision = self._client.should_commit(
-            self._group_rank, self._step, local, timeout=timeout or self._timeout
+        decision = self._should_commit_rpc(
+            group_rank=self._group_rank,
+            step=self._step,
+            should_commit=local,
+            timeout=timeout or self._timeout,
         )
-        self._logger.info(
-            f"should_commit={decision} (local vote {local}: {num_participants} participants, "
-            f"min {self._min_replica_size}, errored={self._errored is not None})"
+        # Every step, so a commit logs at DEBUG (formatted only when enabled); a skipped step at
+        # INFO.
+        self._logger.log(
+            logging.DEBUG if decision else logging.INFO,
+            "should_commit=%s (local vote %s: %d participants, min %d, errored=%s)",
+            decision,
+            local,
+            num_participants,
+            self._min_replica_size,
+            self._errored is not None,
         )
         self._checkpoint_transport.disallow_checkpoint()
         if decision:

@@ -19,6 +19,12 @@ Deliberate differences from the reference:
   is rejected too (the reference ignores ``step``).
 * ``Kill`` answers before exiting (the process exits ~100 ms after the call), so the caller
   learns that the request arrived.
+
+Group rank 0 runs in the same process as this server, so it skips gRPC: ``quorum_in_process`` and
+``should_commit_in_process`` run the very coroutines behind the ``Quorum`` and ``ShouldCommit``
+handlers on the server's loop, with the same deadline (the coroutine is cancelled when it passes,
+as gRPC cancels a handler) and the same errors as :class:`~torchheal.coordination.client.ManagerClient`
+(:class:`~torchheal.coordination.client.InProcessCaller`).
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ import grpc.aio
 from torchheal._wire import methods
 from torchheal._wire import torchft_pb2 as pb
 from torchheal.coordination import convert
+from torchheal.coordination.client import InProcessCaller
 from torchheal.coordination.grpc_util import (
     AioServerThread,
     StatusError,
@@ -46,7 +53,7 @@ from torchheal.coordination.grpc_util import (
     unary_handler,
 )
 from torchheal.coordination.plan import NotParticipatingError, compute_quorum_results
-from torchheal.coordination.types import Quorum, QuorumMember
+from torchheal.coordination.types import Quorum, QuorumMember, QuorumResult
 from torchheal.coordination.vote import CommitVote, Decision, StaleVoteError
 
 __all__ = ["ManagerServer"]
@@ -138,12 +145,12 @@ class ManagerServer:
             bind,
             {
                 methods.MANAGER_SERVICE: {
-                    "Quorum": unary_handler(methods.MANAGER_QUORUM, self._quorum),
+                    "Quorum": unary_handler(methods.MANAGER_QUORUM, self._quorum_rpc),
                     "CheckpointMetadata": unary_handler(
                         methods.MANAGER_CHECKPOINT_METADATA, self._checkpoint_metadata_rpc
                     ),
                     "ShouldCommit": unary_handler(
-                        methods.MANAGER_SHOULD_COMMIT, self._should_commit
+                        methods.MANAGER_SHOULD_COMMIT, self._should_commit_rpc
                     ),
                     "Kill": unary_handler(methods.MANAGER_KILL, self._kill),
                 }
@@ -152,6 +159,13 @@ class ManagerServer:
             cleanup=self._close_lighthouse,
         )
         self._server.submit(self._start_heartbeat()).result()
+        # Group rank 0 lives in this process: its calls run the handlers' coroutines directly.
+        self._quorum_in_process = InProcessCaller(
+            self._server.submit, methods.MANAGER_QUORUM, self.address()
+        )
+        self._should_commit_in_process = InProcessCaller(
+            self._server.submit, methods.MANAGER_SHOULD_COMMIT, self.address()
+        )
         logger.info(
             "%s manager server listening on %s, lighthouse %s",
             self._prefix,
@@ -173,6 +187,75 @@ class ManagerServer:
     def shutdown(self) -> None:
         """Stop serving and heartbeating; waiting calls are cancelled. Idempotent, thread-safe."""
         self._server.shutdown()
+
+    def quorum_in_process(
+        self,
+        group_rank: int,
+        step: int,
+        checkpoint_metadata: str,
+        shrink_only: bool,
+        init_sync: bool,
+        commit_failures: int,
+        timeout: timedelta,
+    ) -> QuorumResult:
+        """The ``Quorum`` call of a rank living in this process, without the gRPC round trip.
+
+        Same arguments, result and errors as ``ManagerClient._quorum``; the rank joins the same
+        round as the ranks calling over gRPC, and leaves it if ``timeout`` passes first.
+
+        Args:
+            group_rank: the caller's index in its replica group.
+            step: the caller's current step.
+            checkpoint_metadata: how healers fetch the caller's state (transport metadata).
+            shrink_only: only accept a quorum that drops members.
+            init_sync: heal replicas at step 0 from the primary so all start identical.
+            commit_failures: consecutive failed commits of the caller.
+            timeout: deadline of the whole quorum, also used for the lighthouse call.
+
+        Raises:
+            TimeoutError: no quorum within ``timeout``.
+            RuntimeError: the request was rejected, the lighthouse call failed, this group is
+                not in the quorum, or the server is shut down.
+        """
+        timeout_s = to_seconds(timeout)
+        result = self._quorum_in_process(
+            self._join_quorum(
+                group_rank,
+                step,
+                checkpoint_metadata,
+                shrink_only,
+                init_sync,
+                commit_failures,
+                timeout_s,
+            ),
+            timeout_s,
+        )
+        # Exactly what a gRPC caller gets (fields the protocol lacks, such as replica_ids, do
+        # not travel), so rank 0 and the other ranks see the same result.
+        return convert.quorum_result_from_pb(convert.quorum_result_to_pb(result))
+
+    def should_commit_in_process(
+        self, group_rank: int, step: int, should_commit: bool, timeout: timedelta
+    ) -> bool:
+        """The ``ShouldCommit`` vote of a rank living in this process, without gRPC.
+
+        Same arguments, result and errors as ``ManagerClient.should_commit``.
+
+        Args:
+            group_rank: the caller's index in its replica group.
+            step: the step voted on.
+            should_commit: the caller's vote.
+            timeout: deadline of the call (waits for all ranks to vote).
+
+        Raises:
+            TimeoutError: not all ranks voted within ``timeout``.
+            RuntimeError: the vote was rejected, or the server is shut down.
+        """
+        timeout_s = to_seconds(timeout)
+        return self._should_commit_in_process(
+            self._cast_vote(group_rank, step, should_commit),
+            timeout_s,
+        )
 
     # ---------------------------------------------------------------------------------------
     # Lighthouse connection and heartbeats
@@ -222,34 +305,58 @@ class ManagerServer:
     # ---------------------------------------------------------------------------------------
     # Quorum
 
-    async def _quorum(
+    async def _quorum_rpc(
         self, request: pb.ManagerQuorumRequest, context: grpc.aio.ServicerContext
     ) -> pb.ManagerQuorumResponse:
         remaining = context.time_remaining()
         if remaining is None:
             raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, "missing timeout")
-        rank = request.group_rank
+        result = await self._join_quorum(
+            request.group_rank,
+            request.step,
+            request.checkpoint_metadata,
+            request.shrink_only,
+            request.init_sync,
+            request.commit_failures,
+            remaining,
+        )
+        return convert.quorum_result_to_pb(result)
+
+    async def _join_quorum(
+        self,
+        rank: int,
+        step: int,
+        checkpoint_metadata: str,
+        shrink_only: bool,
+        init_sync: bool,
+        commit_failures: int,
+        remaining: float,
+    ) -> QuorumResult:
+        """One rank's part of a quorum round (the gRPC handler and the in-process call).
+
+        Raises:
+            StatusError: the status to answer with.
+            asyncio.CancelledError: the caller's deadline passed (the rank leaves the round).
+        """
         self._check_rank(rank)
-        if request.step < 0:
-            raise StatusError(
-                grpc.StatusCode.INVALID_ARGUMENT, f"step must be >= 0, got {request.step}"
-            )
-        if request.commit_failures < 0:
+        if step < 0:
+            raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, f"step must be >= 0, got {step}")
+        if commit_failures < 0:
             raise StatusError(
                 grpc.StatusCode.INVALID_ARGUMENT,
-                f"commit_failures must be >= 0, got {request.commit_failures}",
+                f"commit_failures must be >= 0, got {commit_failures}",
             )
 
-        self._checkpoint_metadata[rank] = request.checkpoint_metadata
+        self._checkpoint_metadata[rank] = checkpoint_metadata
         member = QuorumMember(
             replica_id=self._replica_id,
             address=self.address(),
             store_address=self._store_addr,
-            step=request.step,
+            step=step,
             world_size=self._world_size,
-            shrink_only=request.shrink_only,
+            shrink_only=shrink_only,
             data=None,
-            commit_failures=request.commit_failures,
+            commit_failures=commit_failures,
         )
         if self._round is None:
             self._round = _new_future()
@@ -259,7 +366,7 @@ class ManagerServer:
             "%s rank %d asks for a quorum at step %d (%d/%d ranks)",
             self._prefix,
             rank,
-            request.step,
+            step,
             len(self._participants),
             self._world_size,
         )
@@ -284,10 +391,9 @@ class ManagerServer:
             raise StatusError(e.code, e.details) from None
 
         try:
-            result = compute_quorum_results(self._replica_id, rank, quorum, request.init_sync)
+            return compute_quorum_results(self._replica_id, rank, quorum, init_sync)
         except NotParticipatingError as e:
             raise StatusError(grpc.StatusCode.NOT_FOUND, str(e)) from None
-        return convert.quorum_result_to_pb(result)
 
     async def _run_quorum(
         self, member: QuorumMember, timeout_s: float, round_: asyncio.Future[Quorum]
@@ -356,15 +462,24 @@ class ManagerServer:
     # ---------------------------------------------------------------------------------------
     # Commit vote, checkpoint metadata, kill
 
-    async def _should_commit(
+    async def _should_commit_rpc(
         self, request: pb.ShouldCommitRequest, context: grpc.aio.ServicerContext
     ) -> pb.ShouldCommitResponse:
-        self._check_rank(request.group_rank)
+        commit = await self._cast_vote(request.group_rank, request.step, request.should_commit)
+        return pb.ShouldCommitResponse(should_commit=commit)
+
+    async def _cast_vote(self, rank: int, step: int, vote: bool) -> bool:
+        """One rank's commit vote; returns the group's decision (gRPC handler and in-process).
+
+        Raises:
+            StatusError: the vote was rejected.
+        """
+        self._check_rank(rank)
         if self._commit_round is None:
             self._commit_round = _new_future()
         round_ = self._commit_round
         try:
-            decision = self._vote.cast(request.group_rank, request.step, request.should_commit)
+            decision = self._vote.cast(rank, step, vote)
         except StaleVoteError as e:
             raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         except ValueError as e:
@@ -372,16 +487,18 @@ class ManagerServer:
         if decision is not None:
             self._commit_round = None
             # Per step, so DEBUG; a failed vote is worth a user's attention.
-            (logger.debug if decision.commit else logger.info)(
-                "%s step %d: should_commit=%s (failed ranks: %s)",
-                self._prefix,
-                decision.step,
-                decision.commit,
-                sorted(decision.failed_ranks),
-            )
+            if not decision.commit:
+                logger.info(
+                    "%s step %d: should_commit=False (failed ranks: %s)",
+                    self._prefix,
+                    decision.step,
+                    sorted(decision.failed_ranks),
+                )
+            elif logger.isEnabledFor(logging.DEBUG):
+                logger.debug("%s step %d: should_commit=True", self._prefix, decision.step)
             round_.set_result(decision)
         decision = await asyncio.shield(round_)
-        return pb.ShouldCommitResponse(should_commit=decision.commit)
+        return decision.commit
 
     async def _checkpoint_metadata_rpc(
         self, request: pb.CheckpointMetadataRequest, context: grpc.aio.ServicerContext
