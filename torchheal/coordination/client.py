@@ -246,12 +246,27 @@ class _DeadlineExceeded(Exception):
 
 
 async def _with_deadline(call: Coroutine[Any, Any, T], timeout_s: float) -> T:
-    # wait_for cancels ``call`` at the deadline and waits for its clean-up (as gRPC cancels a
-    # handler), so the caller only hears of the timeout once the server has forgotten the call.
+    # Cancel ``call`` at the deadline, as gRPC cancels a handler, and let its clean-up run
+    # before the caller hears of the timeout. A timer on this task instead of asyncio.wait_for
+    # spares a second task and a loop turn per call (this runs every training step).
+    task = asyncio.current_task()
+    assert task is not None
+    expired = False
+
+    def expire() -> None:
+        nonlocal expired
+        expired = True
+        task.cancel()
+
+    timer = asyncio.get_running_loop().call_later(timeout_s, expire)
     try:
-        return await asyncio.wait_for(call, timeout_s)
-    except asyncio.TimeoutError:
-        raise _DeadlineExceeded() from None
+        return await call
+    except asyncio.CancelledError:
+        if expired:
+            raise _DeadlineExceeded() from None
+        raise  # cancelled from outside: the server is shutting down
+    finally:
+        timer.cancel()
 
 
 class InProcessCaller(Generic[T]):
