@@ -13,7 +13,7 @@ Traffic is measured two ways, per group and per inner step:
   ``/proc/self/io``), which adds the control plane (quorum and commit RPCs, heartbeats).
 
 Time columns: ``local ms`` is a separate purely local run (same process, just before);
-``between`` the median of the run's steps that did not sync (the fastest 3/4), i.e. local
+``between`` the mean of the run's steps that neither started a quorum nor synced, i.e. local
 training between syncs measured in the same run; ``step ms`` the mean over all measured steps,
 syncs included; ``overhead`` is ``step / between - 1`` (``step / local - 1`` for DDP, where every
 step syncs). On a shared machine, compare ``step`` with ``between``: separate runs drift.
@@ -222,18 +222,21 @@ def worker(cfg: Config, group: int, lighthouse: str, windows: int, out: Any) -> 
     for i in range(warmup):
         step(i)
     pg_bytes0, wire0 = pg.bytes, _written_bytes()
-    durations = []
+    durations, local_durations = [], []
     for i in range(measured_steps):
+        quorum, committed = manager._quorum_future, manager.current_step()
         t = time.perf_counter()
         step(warmup + i)
         durations.append(time.perf_counter() - t)
+        if manager._quorum_future is quorum and manager.current_step() == committed:
+            local_durations.append(durations[-1])  # no quorum, no sync: a local step
     # Steps without a sync, timed in the same run: the local-only cost between syncs, free of
     # the drift between two separate runs on a shared machine.
-    between = sorted(durations)[: len(durations) * 3 // 4]
+    between = local_durations or durations
     result = {
         "group": group,
         "local_s": local_s,
-        "between_s": between[len(between) // 2],
+        "between_s": sum(between) / len(between),
         "step_s": sum(durations) / measured_steps,
         "pg_bytes": (pg.bytes - pg_bytes0) / measured_steps,
         "wire_bytes": (_written_bytes() - wire0) / measured_steps,
