@@ -21,20 +21,24 @@ healed replica resumes with the same global state as its peers.
 from __future__ import annotations
 
 import os
-from types import TracebackType
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed import Work
-from torch.utils.hooks import RemovableHandle
 
 from torchheal.local_sgd.bucketing import (
     DEFAULT_BUCKET_CAP_BYTES,
     PendingBucket,
     allreduce_bucketized,
 )
-from torchheal.local_sgd.localsgd import SyncManager, extract_local_tensor, is_dtensor, local_view
+from torchheal.local_sgd.localsgd import (
+    OptimizerStepHooks,
+    SyncManager,
+    extract_local_tensor,
+    is_dtensor,
+    local_view,
+)
 
 __all__ = ["DiLoCo"]
 
@@ -233,7 +237,7 @@ class _StreamingDiLoCoFragment:
                 target.lerp_(self._local_parameters[name].to(target.device), self._alpha)
 
 
-class DiLoCo:
+class DiLoCo(OptimizerStepHooks):
     """DiLoCo (``n_fragments == 1``) and Streaming DiLoCo (several fragments) over a manager.
 
     Use as a context manager around the training loop; it hooks ``inner_optimizer.step``.
@@ -310,10 +314,11 @@ class DiLoCo:
 
         self._manager = manager
         self._inner_optimizer = inner_optimizer
+        self._hooked_optimizer = inner_optimizer
         self._sync_every = sync_every
         self._fragment_sync_delay = fragment_sync_delay
         self._local_step = 0
-        self._hooks: list[RemovableHandle] = []
+        self._hooks = []
         if bucket_cap_mb is not None:
             self.bucket_cap_mb = int(bucket_cap_mb * 1024 * 1024)
         self.use_bucketization = use_bucketization or _bucketization_from_env()
@@ -337,30 +342,10 @@ class DiLoCo:
             fragment.save_parameters()
             fragment.register_state_dict_fn()
 
-    def __enter__(self) -> DiLoCo:
-        self._hooks.append(self._inner_optimizer.register_step_pre_hook(self._step_pre_hook))
-        self._hooks.append(self._inner_optimizer.register_step_post_hook(self._step_post_hook))
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc_value: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> bool:
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks.clear()
-        return False  # never swallow the training loop's exception
-
-    def _step_pre_hook(self, _optim: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
-        self._manager.disallow_state_dict_read()
-
     def _current_fragment(self) -> _StreamingDiLoCoFragment:
         return self._fragments[self._manager.current_step() % len(self._fragments)]
 
-    def _step_post_hook(self, _optim: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
-        self._manager.allow_state_dict_read()
+    def _after_step(self) -> None:
         self._local_step += 1
         if self._local_step == self._period - self._fragment_sync_delay:
             # Sync quorum: a healing replica has the global state loaded when this returns,

@@ -12,14 +12,14 @@ healing peer must never receive half-updated weights).
 from __future__ import annotations
 
 from types import TracebackType
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import torch
 from torch import nn
 from torch.distributed import Work
 from torch.utils.hooks import RemovableHandle
 
-__all__ = ["LocalSGD", "SyncManager", "extract_local_tensor"]
+__all__ = ["LocalSGD", "OptimizerStepHooks", "SyncManager", "extract_local_tensor"]
 
 try:  # DTensor is only needed for sharded models; plain tensors never touch it.
     from torch.distributed.tensor import DTensor
@@ -70,7 +70,54 @@ def local_view(t: torch.Tensor) -> torch.Tensor:
     return data.to_local() if is_dtensor(data) else data
 
 
-class LocalSGD:
+_Hooked = TypeVar("_Hooked", bound="OptimizerStepHooks")
+
+
+class OptimizerStepHooks:
+    """Context-manager plumbing shared by LocalSGD and DiLoCo: hooks around ``optimizer.step``.
+
+    Entering registers a pre-step hook that forbids state-dict reads while ``step()`` mutates
+    the model and a post-step hook that allows them again and calls :meth:`_after_step`;
+    leaving removes both and never swallows the training loop's exception.
+
+    Subclasses set ``_manager`` and ``_hooked_optimizer`` and implement ``_after_step``.
+    """
+
+    _manager: SyncManager
+    _hooked_optimizer: torch.optim.Optimizer
+    _hooks: list[RemovableHandle]
+
+    def __enter__(self: _Hooked) -> _Hooked:
+        self._hooks = [
+            self._hooked_optimizer.register_step_pre_hook(self._step_pre_hook),
+            self._hooked_optimizer.register_step_post_hook(self._step_post_hook),
+        ]
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc_value: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> bool:
+        for hook in getattr(self, "_hooks", []):
+            hook.remove()
+        self._hooks = []
+        return False  # never swallow the training loop's exception
+
+    def _step_pre_hook(self, _optim: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
+        # The optimizer is about to mutate the model: no checkpoint may be read meanwhile.
+        self._manager.disallow_state_dict_read()
+
+    def _step_post_hook(self, _optim: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
+        self._manager.allow_state_dict_read()
+        self._after_step()
+
+    def _after_step(self) -> None:
+        raise NotImplementedError
+
+
+class LocalSGD(OptimizerStepHooks):
     """Averages the model across replica groups every ``sync_every`` optimizer steps.
 
     Use as a context manager around the training loop; it hooks ``optimizer.step``. At a sync,
@@ -99,32 +146,12 @@ class LocalSGD:
         self._manager = manager
         self._model = model
         self._optimizer = optimizer
+        self._hooked_optimizer = optimizer
         self._sync_every = sync_every
         self._local_step = 0
-        self._hooks: list[RemovableHandle] = []
+        self._hooks = []
 
-    def __enter__(self) -> LocalSGD:
-        self._hooks.append(self._optimizer.register_step_pre_hook(self._step_pre_hook))
-        self._hooks.append(self._optimizer.register_step_post_hook(self._step_post_hook))
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc_value: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> bool:
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks.clear()
-        return False  # never swallow the training loop's exception
-
-    def _step_pre_hook(self, _optim: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
-        # The optimizer is about to mutate the model: no checkpoint may be read meanwhile.
-        self._manager.disallow_state_dict_read()
-
-    def _step_post_hook(self, _optim: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
-        self._manager.allow_state_dict_read()
+    def _after_step(self) -> None:
         self._local_step += 1
         if self._local_step >= self._sync_every:
             self.sync()
