@@ -180,9 +180,8 @@ def worker(cfg: Config, group: int, lighthouse: str, windows: int, out: Any) -> 
         store_port=store.port,
         lighthouse_addr=lighthouse,
         replica_id=f"bench{group}",
-        # PGTransport: HTTPTransport serves CPU tensors by reference and a streaming window
-        # keeps training during the init_sync download (reported bug); the heal happens in the
-        # excluded first window either way.
+        # PGTransport keeps healing traffic on the counted process group; the heal happens in
+        # the excluded first window either way.
         checkpoint_transport=PGTransport(pg, timeout=timeout, device=torch.device("cpu")),
     )
     if cfg.algorithm == "ddp":

@@ -166,9 +166,8 @@ def main() -> None:
         timeout=timeout,
         # A quorum waits for peers still inside their window (and for restarts): keep it long.
         quorum_timeout=timedelta(minutes=10),
-        # PGTransport sends the state inside the (synchronous) quorum, before this group
-        # trains on. HTTPTransport serves CPU tensors by reference, which the inner steps of
-        # a streaming window (FRAGMENT_SYNC_DELAY > 0) would modify mid-download.
+        # PGTransport sends the state over the replica groups' own process group, inside the
+        # (synchronous) quorum; the default HTTPTransport works too.
         checkpoint_transport=PGTransport(pg, timeout=timeout, device=device),
     )
 

@@ -132,7 +132,7 @@ class _HealingMixin:
                     self._checkpoint_transport.send_checkpoint(
                         dst_ranks=list(quorum.recover_dst_replica_ranks),
                         step=quorum.max_step,
-                        state_dict=captured,
+                        state_dict=self._snapshot(captured),
                         timeout=self._timeout,
                     )
                 if quorum.heal:
@@ -142,6 +142,18 @@ class _HealingMixin:
                 self.report_error(e)
             if stream is not None:
                 self._recovery_event = stream.record_event()
+
+    def _snapshot(self, captured: dict[str, Any]) -> dict[str, Any]:
+        """A private copy of the captured tensors, taken while the optimizer cannot step.
+
+        ``captured`` holds references to live tensors. A transport may read them long after
+        this step's quorum (a peer downloads at its own pace), and training does not always
+        wait: Streaming DiLoCo runs inner steps while a sync is in flight. Copying under the
+        state-dict read lock gives the peer one consistent state; the cost is paid only on
+        steps that send.
+        """
+        with self._state_dict_lock.r_lock():
+            return _clone_tensors(captured)
 
     def _heal(self, quorum: QuorumResult) -> None:
         self._healing = True
@@ -214,3 +226,14 @@ class _HealingMixin:
             return
         self._state_dict_lock.w_acquire()
         self._is_state_dict_read_allowed = False
+
+
+def _clone_tensors(tree: Any) -> Any:
+    """``tree`` with every tensor replaced by a detached copy (containers rebuilt, rest shared)."""
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().clone()
+    if isinstance(tree, dict):
+        return type(tree)((k, _clone_tensors(v)) for k, v in tree.items())
+    if isinstance(tree, (list, tuple)) and not hasattr(tree, "_fields"):
+        return type(tree)(_clone_tensors(v) for v in tree)
+    return tree

@@ -7,9 +7,9 @@ In every case all groups must end at the same step with bit-identical global wei
 (``original_parameters``) and outer-optimizer state. Healthy runs are checked against a
 hand-computed outer step.
 
-The grid uses ``PGTransport``: the default ``HTTPTransport`` serves CPU tensors by reference,
-and a streaming sender keeps training (mutating them) while its peer downloads — see
-``test_http_transport_heal_with_streaming_delay`` (a known bug, xfail).
+The grid uses ``PGTransport`` (the transport the reference's DiLoCo example uses);
+``test_http_transport_heal_with_streaming_delay`` covers HTTP under a streaming delay, where the
+sender keeps training while its peer downloads.
 """
 
 from __future__ import annotations
@@ -176,14 +176,10 @@ def test_localsgd_healthy_models_equal() -> None:
     assert [o.state["step"] for o in out] == [3, 3]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: HTTPTransport serves CPU tensors by reference; a streaming DiLoCo sender "
-    "mutates them during the download (checksum mismatch, heal fails every window)",
-)
 def test_http_transport_heal_with_streaming_delay() -> None:
-    # The step-0 heal (init_sync) already fails: g0 serves its live parameters, then runs the
-    # delayed inner step while g1 downloads them.
+    # Regression: g0 serves its state over HTTP, then runs the delayed inner step while g1
+    # downloads it. The manager must send a snapshot, not the live tensors, or every heal
+    # fails its checksum (the step-0 heal of init_sync first of all).
     cfg = TrainConfig(
         n_fragments=1,
         sync_every=2,
