@@ -32,8 +32,7 @@ def _local_grads(seed: int) -> list[torch.Tensor]:
     return [p.grad.clone() for p in model.parameters()]
 
 
-def _train_step(r: Replica, wrap: Any, seed: int) -> tuple[list[torch.Tensor], bool]:
-    module = wrap(r.manager, _model())
+def _train_step(r: Replica, module: nn.Module, seed: int) -> tuple[list[torch.Tensor], bool]:
     r.manager.start_quorum()
     module(_inputs(seed)).sum().backward()
     grads = [p.grad.clone() for p in module.parameters()]
@@ -48,8 +47,11 @@ def test_gradients_are_averaged_across_replicas(wrap: Any) -> None:
         replica(lh, "a", init_sync=False) as a,
         replica(lh, "b", init_sync=False) as b,
     ):
+        # Built here, one after the other: _model() seeds the global RNG, so two threads
+        # building at once could interleave and start the replicas from different weights.
+        module_a, module_b = wrap(a.manager, _model()), wrap(b.manager, _model())
         (grads_a, ok_a), (grads_b, ok_b) = run_parallel(
-            lambda: _train_step(a, wrap, 1), lambda: _train_step(b, wrap, 2)
+            lambda: _train_step(a, module_a, 1), lambda: _train_step(b, module_b, 2)
         )
     assert ok_a and ok_b
     for ga, gb, e in zip(grads_a, grads_b, expected, strict=True):
