@@ -52,6 +52,9 @@ class DemoConfig:
             )
 
 
+_EXPECTED_DDP_WARNING = "find_unused_parameters=True was specified in DDP constructor"
+
+
 class _Printer:
     """Turns events into the running commentary: quorum changes, heals, kills, progress."""
 
@@ -97,6 +100,8 @@ class _Printer:
         self._say(time.time(), f"*** killing group {group} with SIGKILL ({reason}) ***")
 
     def output(self, group: int, line: str) -> None:
+        if _EXPECTED_DDP_WARNING in line:
+            return  # torchheal's DDP sets find_unused_parameters on purpose; see torchheal/ddp.py
         self._out(f"    group {group} | {line}")
 
 
