@@ -132,7 +132,8 @@ class ManagerServer:
 
         # Loop-thread state.
         self._checkpoint_metadata: dict[int, str] = {}
-        self._participants: dict[int, QuorumMember] = {}
+        # group rank -> (its request, the request's deadline on the server loop's clock)
+        self._participants: dict[int, tuple[QuorumMember, float]] = {}
         self._round: asyncio.Future[Quorum] | None = None
         self._vote = CommitVote(world_size)
         self._commit_round: asyncio.Future[Decision] | None = None
@@ -361,7 +362,13 @@ class ManagerServer:
         if self._round is None:
             self._round = _new_future()
         round_ = self._round
-        self._participants[rank] = member
+        now = asyncio.get_running_loop().time()
+        # A caller whose deadline passed has given up even if its cancellation has not reached
+        # us yet; counting it would start a round without the request that replaces it.
+        for other, (_, deadline) in list(self._participants.items()):
+            if deadline <= now:
+                del self._participants[other]
+        self._participants[rank] = (member, now + remaining)
         logger.debug(
             "%s rank %d asks for a quorum at step %d (%d/%d ranks)",
             self._prefix,
@@ -381,7 +388,8 @@ class ManagerServer:
             # shield: one rank giving up must not cancel the round the others wait on.
             quorum = await asyncio.shield(round_)
         except asyncio.CancelledError:
-            if self._round is round_ and self._participants.get(rank) is member:
+            entry = self._participants.get(rank)
+            if self._round is round_ and entry is not None and entry[0] is member:
                 del self._participants[rank]
                 logger.info(
                     "%s rank %d left the quorum round before it started", self._prefix, rank
