@@ -158,5 +158,8 @@ def train_plain_ddp(rank: int, world_size: int, store_port: int, steps: int, out
             nn.functional.mse_loss(ddp(x), y).backward()
             optimizer.step()
         torch.save({"model": {k: v.clone() for k, v in model.state_dict().items()}}, out_path)
+        # Both ranks done with every collective before either tears its group down: a rank
+        # that exits while its peer's last operation is in flight can abort the peer in Gloo.
+        dist.barrier()
     finally:
         dist.destroy_process_group()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -81,10 +82,16 @@ class Faults:
     fail_allreduce_at_step: int | None = None
 
 
+_GLOBAL_RNG = threading.Lock()
+
+
 def make_model(seed: int) -> nn.Sequential:
     """The model: two linear layers, which are the two fragments when ``n_fragments == 2``."""
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(IN, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, OUT))
+    # Replica groups may be threads of one process, and torch's seeded RNG is process-wide:
+    # seeding and initialising must not interleave with another group's.
+    with _GLOBAL_RNG:
+        torch.manual_seed(seed)
+        return nn.Sequential(nn.Linear(IN, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, OUT))
 
 
 def batch(group: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
