@@ -9,7 +9,7 @@ import sys
 from contextlib import contextmanager
 from pathlib import Path
 
-from torchheal.launch import KillPlan, Launcher, RunResult
+from torchheal.launcher import KillPlan, Launcher, RunResult
 
 WORKER = str(Path(__file__).with_name("_worker.py"))
 

@@ -1,7 +1,7 @@
 """One replica group of a benchmark job, for torchheal or (side by side) the reference.
 
 Run as ``python bench/_worker.py --impl torchheal|torchft|plain ...``. Prints event lines in the
-demo's format (``@torchheal {...}``) so ``torchheal.launch.Launcher`` can drive it. The reference
+demo's format (``@torchheal {...}``) so ``torchheal.launcher.Launcher`` can drive it. The reference
 is imported only here, in the benchmarks, never by torchheal itself.
 
 Model: an MLP of about 5M parameters (1024-2048-1024-512, plus an optional dead-weight buffer of

@@ -13,8 +13,8 @@ from __future__ import annotations
 import argparse
 
 from bench._cluster import lighthouse, reference_available, run_workers
-from torchheal.demo.summary import summarize
-from torchheal.launch import KillPlan
+from torchheal.launcher import KillPlan
+from torchheal.launcher.demo.summary import summarize
 
 
 def main() -> None:

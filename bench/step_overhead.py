@@ -15,7 +15,7 @@ import statistics
 import torch.distributed as dist
 
 from bench._cluster import lighthouse, reference_available, run_workers
-from torchheal.launch import RunResult
+from torchheal.launcher import RunResult
 
 
 def steps_per_second(result: RunResult, warmup: int) -> float:

@@ -7,15 +7,15 @@ import textwrap
 
 import pytest
 
-from torchheal.cli_launch import parse_duration
-from torchheal.demo.events import parse
-from torchheal.demo.summary import summarize
-from torchheal.launch import KillPlan, Launcher
+from torchheal.cli.launch import parse_duration
+from torchheal.launcher import KillPlan, Launcher
+from torchheal.launcher.demo.summary import summarize
+from torchheal.launcher.events import parse
 
 CHILD = textwrap.dedent(
     """
     import os, sys, time
-    from torchheal.demo.events import emit
+    from torchheal.launcher.events import emit
     group = int(os.environ["REPLICA_GROUP_ID"])
     assert os.environ["TORCHHEAL_LIGHTHOUSE"] == "http://lighthouse.invalid:1"
     assert os.environ["NUM_REPLICA_GROUPS"] == "2"

@@ -92,7 +92,7 @@ def test_min_replicas_is_required(capsys):
 
 
 def test_parser_reads_both_spellings():
-    from torchheal import cli_lighthouse
+    from torchheal.cli import lighthouse as cli_lighthouse
 
     parser = cli_lighthouse.build_parser(__import__("argparse").ArgumentParser())
     args = parser.parse_args(["--min-replicas", "3", "--quorum-tick-ms", "7"])

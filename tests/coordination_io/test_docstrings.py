@@ -20,7 +20,7 @@ IO_MODULES = [
     "torchheal._wire",
     "torchheal._wire.methods",
     "torchheal.cli",
-    "torchheal.cli_lighthouse",
+    "torchheal.cli.lighthouse",
 ]
 
 

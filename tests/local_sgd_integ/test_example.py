@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from torchheal.coordination import LighthouseServer
-from torchheal.launch import Launcher
+from torchheal.launcher import Launcher
 
 pytestmark = pytest.mark.slow
 

@@ -6,7 +6,7 @@ import itertools
 import statistics
 from dataclasses import dataclass
 
-from torchheal.launch import RunResult
+from torchheal.launcher import RunResult
 
 
 @dataclass(frozen=True)

@@ -129,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run ``torchheal lighthouse`` directly (``python -m torchheal.cli_lighthouse``).
+    """Run ``torchheal lighthouse`` directly (``python -m torchheal.cli.lighthouse``).
 
     Args:
         argv: arguments without the program name (default: ``sys.argv[1:]``).

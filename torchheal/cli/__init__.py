@@ -3,7 +3,7 @@
     torchheal lighthouse --min_replicas 2      # run the job's lighthouse
     torchheal launch --replicas 3 -- python train.py
 
-Adding a subcommand: write ``torchheal/cli_<name>.py`` with ``build_parser(parser) -> parser``
+Adding a subcommand: write ``torchheal/cli/<name>.py`` with ``build_parser(parser) -> parser``
 (adds the subcommand's arguments to the given parser) and ``run(args) -> int`` (the exit code),
 then add one line to :data:`COMMANDS`. Only the module of the chosen subcommand is imported, so
 ``torchheal --help`` and ``torchheal lighthouse`` never pay for torch or process groups.
@@ -21,15 +21,15 @@ __all__ = ["COMMANDS", "main"]
 # name -> (module, one-line help).
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": (
-        "torchheal.cli_demo",
+        "torchheal.cli.demo",
         "watch fault tolerance work: 3 local replica groups, one killed mid-run and healed live",
     ),
     "lighthouse": (
-        "torchheal.cli_lighthouse",
+        "torchheal.cli.lighthouse",
         "run the job's lighthouse, the server that decides which replica groups train each step",
     ),
     "launch": (
-        "torchheal.cli_launch",
+        "torchheal.cli.launch",
         "run N replica groups of a training command locally, optionally killing some",
     ),
 }
@@ -78,7 +78,3 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return 2
     return int(module.run(args))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

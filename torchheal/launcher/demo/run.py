@@ -12,9 +12,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from torchheal.coordination import LighthouseServer
-from torchheal.demo.events import Event
-from torchheal.demo.summary import Summary, render, summarize
-from torchheal.launch import KillPlan, Launcher, RunResult, python_module_command
+from torchheal.launcher import KillPlan, Launcher, RunResult, python_module_command
+from torchheal.launcher.demo.summary import Summary, render, summarize
+from torchheal.launcher.events import Event
 
 
 @dataclass(frozen=True)
@@ -127,7 +127,7 @@ def run_demo(
     )
     launcher = Launcher(
         python_module_command(
-            "torchheal.demo.worker",
+            "torchheal.launcher.demo.worker",
             "--steps",
             str(config.steps),
             "--step-delay",

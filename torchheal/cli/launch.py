@@ -14,7 +14,7 @@ import argparse
 import re
 import sys
 
-from torchheal.launch import KillPlan, Launcher
+from torchheal.launcher import KillPlan, Launcher
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
 _UNIT_S = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}

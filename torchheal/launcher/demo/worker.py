@@ -1,7 +1,7 @@
 """One replica group of the demo job: fault-tolerant DDP on a small MLP with synthetic data.
 
 Run by the launcher (``torchheal demo`` / ``torchheal launch``) as
-``python -m torchheal.demo.worker --steps N``, one process per replica group. It reads
+``python -m torchheal.launcher.demo.worker --steps N``, one process per replica group. It reads
 ``REPLICA_GROUP_ID``, ``NUM_REPLICA_GROUPS`` and ``TORCHHEAL_LIGHTHOUSE`` (or ``TORCHFT_LIGHTHOUSE``)
 from the environment, hosts its own TCPStore, trains until the job reaches ``--steps`` committed
 steps, and reports progress as event lines (see ``events.py``).
@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from torchheal.demo.events import emit
+from torchheal.launcher.events import emit
 
 
 def build_model(seed: int) -> nn.Module:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 
-from torchheal.demo.run import DemoConfig, run_demo
+from torchheal.launcher.demo.run import DemoConfig, run_demo
 
 
 def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from torchheal.demo.events import Event, parse
+from torchheal.launcher.events import Event, parse
 
 logger = logging.getLogger(__name__)
 

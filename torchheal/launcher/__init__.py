@@ -1,0 +1,16 @@
+"""Running replica groups on one machine: the local launcher, its line protocol, the demo.
+
+* ``local.py`` — :class:`Launcher` starts N replica-group processes (and a lighthouse), reads
+  their output, injects failures (:class:`KillPlan`) and restarts the dead.
+* ``events.py`` — the one-line-per-event protocol (``@torchheal {...}``) workers print and the
+  launcher parses.
+* ``demo/`` — ``torchheal demo``: a worker that speaks the protocol, the run and its summary.
+
+Imports flow one way: ``demo`` uses ``local`` and ``events``; ``local`` uses ``events`` only.
+"""
+
+from __future__ import annotations
+
+from torchheal.launcher.local import KillPlan, Launcher, RunResult, python_module_command
+
+__all__ = ["KillPlan", "Launcher", "RunResult", "python_module_command"]
