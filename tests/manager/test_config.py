@@ -6,14 +6,14 @@ from datetime import timedelta
 
 import pytest
 
-from torchheal.config import (
+from torchheal._base.config import (
     EnvConfig,
     ManagerTimeouts,
     get_timeout,
     timeout_budget_problems,
 )
 from torchheal.coordination.types import QuorumResult
-from torchheal.manager_rules import (
+from torchheal.manager.rules import (
     WorldSizeMode,
     commit_failures_exceeded,
     local_commit_vote,

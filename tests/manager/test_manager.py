@@ -11,7 +11,7 @@ import torch
 from torch.distributed import ReduceOp
 
 from tests.manager.cluster import TIMEOUT, lighthouse, replica
-from torchheal.config import TimeoutBudgetWarning
+from torchheal._base.config import TimeoutBudgetWarning
 from torchheal.manager import ExceptionWithTraceback, Manager
 from torchheal.process_group.dummy import ProcessGroupDummy
 from torchheal.process_group.gloo import ProcessGroupGloo

@@ -41,9 +41,7 @@ from typing import Any, TypeVar
 import torch
 from torch.distributed import AllreduceOptions, ReduceOp, TCPStore
 
-from torchheal.checkpointing import CheckpointTransport, HTTPTransport
-from torchheal.checkpointing.rwlock import RWLock
-from torchheal.config import (
+from torchheal._base.config import (
     CONNECT_TIMEOUT_SEC_ENV,
     MANAGER_PORT_ENV,
     QUORUM_RETRIES_ENV,
@@ -55,12 +53,14 @@ from torchheal.config import (
     get_timeout,
     timeout_budget_problems,
 )
+from torchheal.checkpointing import CheckpointTransport, HTTPTransport
+from torchheal.checkpointing.rwlock import RWLock
 from torchheal.coordination.client import ManagerClient
 from torchheal.coordination.manager_server import ManagerServer
 from torchheal.coordination.types import QuorumResult
 from torchheal.futures import future_timeout
-from torchheal.healing import _HealingMixin
-from torchheal.manager_rules import (
+from torchheal.manager.healing import _HealingMixin
+from torchheal.manager.rules import (
     WorldSizeMode,
     commit_failures_exceeded,
     local_commit_vote,
@@ -96,7 +96,8 @@ REPLICA_ID_KEY: str = "replica_id"
 
 T = TypeVar("T")
 
-logger: logging.Logger = logging.getLogger(__name__)
+# The package name, so users configuring "torchheal.manager" logging see these lines.
+logger: logging.Logger = logging.getLogger("torchheal.manager")
 
 
 class ExceptionWithTraceback(Exception):

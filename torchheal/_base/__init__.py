@@ -1,0 +1,4 @@
+"""The foundation every layer of torchheal may import: nothing here imports the rest of torchheal.
+
+* ``config.py`` — the environment, read once into validated dataclasses.
+"""
