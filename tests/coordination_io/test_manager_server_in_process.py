@@ -71,8 +71,8 @@ def test_in_process_and_grpc_ranks_share_one_round_and_see_the_same_result(
     # One group: every group rank's view is the same, whichever way it asked.
     assert local == remote
     assert local.quorum_id == 1 and local.max_step == 5 and local.store_address == "store:7"
-    # Fields without a wire field do not travel on either path.
-    assert local.replica_ids == []
+    # replica_ids travels (field 13) on both paths.
+    assert local.replica_ids == ["rep:uuid"]
     assert c._checkpoint_metadata(0, T) == "meta0"
 
 

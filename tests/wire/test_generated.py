@@ -86,6 +86,7 @@ EXPECTED_FIELDS = {
         "replica_world_size": 10,
         "heal": 11,
         "commit_failures": 12,
+        "replica_ids": 13,  # newer reference wheels; tests/compat checks it against one
     },
     "CheckpointMetadataRequest": {"rank": 1},
     "CheckpointMetadataResponse": {"checkpoint_metadata": 1},

@@ -180,8 +180,7 @@ def quorum_from_pb(msg: pb.Quorum, *, strict_data: bool = True) -> Quorum:
 def quorum_result_to_pb(result: QuorumResult) -> pb.ManagerQuorumResponse:
     """Convert a :class:`QuorumResult` to ``ManagerQuorumResponse``.
 
-    ``replica_ids`` has no field in the reference protocol of record (the newer wheel's field
-    number is unknown), so it does not travel.
+    ``replica_ids`` travels in field 13, as in newer reference wheels (older peers skip it).
 
     Args:
         result: the value.
@@ -197,6 +196,7 @@ def quorum_result_to_pb(result: QuorumResult) -> pb.ManagerQuorumResponse:
         replica_world_size=result.replica_world_size,
         heal=result.heal,
         commit_failures=result.commit_failures,
+        replica_ids=list(result.replica_ids),
     )
     if result.recover_src_replica_rank is not None:
         msg.recover_src_replica_rank = result.recover_src_replica_rank
@@ -226,4 +226,5 @@ def quorum_result_from_pb(msg: pb.ManagerQuorumResponse) -> QuorumResult:
         max_world_size=msg.max_world_size,
         heal=msg.heal,
         commit_failures=msg.commit_failures,
+        replica_ids=list(msg.replica_ids),
     )

@@ -231,8 +231,8 @@ class ManagerServer:
             ),
             timeout_s,
         )
-        # Exactly what a gRPC caller gets (fields the protocol lacks, such as replica_ids, do
-        # not travel), so rank 0 and the other ranks see the same result.
+        # Exactly what a gRPC caller gets (fields the protocol lacks do not travel), so rank 0
+        # and the other ranks see the same result.
         return convert.quorum_result_from_pb(convert.quorum_result_to_pb(result))
 
     def should_commit_in_process(
