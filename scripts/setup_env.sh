@@ -9,7 +9,22 @@ VENV=${VENV:-.venv}
 pip() { "$VENV/bin/python" -m pip "$@"; }
 pip install -q --upgrade pip
 "$VENV/bin/python" -c "import torch" 2>/dev/null || pip install -q "torch==2.13.0"
-pip install -q -e ".[test,metrics]"
+pip install -q -e ".[test]"
+# The dashboard's chart library, pinned by its package-lock.json, from the npm registry.
+bash scripts/dashboard_assets.sh || echo "WARNING: dashboard assets not installed: the dashboard will run without charts"
+# Headless Chromium and its WebDriver for the dashboard's browser test: Debian's packages,
+# installed only when missing (so a second run costs nothing) and only where apt-get can run.
+if ! command -v chromium >/dev/null 2>&1 || ! command -v chromedriver >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "installing Debian's chromium and chromium-driver for the dashboard browser test"
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+        --no-install-recommends chromium chromium-driver >/dev/null; } \
+      || echo "WARNING: could not install chromium; the dashboard browser test will fail in CI"
+  else
+    echo "WARNING: chromium/chromedriver missing and not installable here (needs root and" \
+      "apt-get): the dashboard browser test will be skipped, loudly"
+  fi
+fi
 # The reference implementation, used only by interop tests and benchmarks (never imported by
 # torchheal itself). Optional: tests that need it skip when it cannot be installed.
 "$VENV/bin/python" scripts/install_reference.py || echo "note: reference (torchft-nightly) not installed; interop tests will skip"

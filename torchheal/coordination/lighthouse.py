@@ -9,6 +9,10 @@ under a lock, and delivers each issued quorum to the requests waiting for it. Ev
 Wire detail: the lighthouse keeps each requester's protobuf ``QuorumMember`` exactly as it
 arrived and puts that message in the quorum it sends back, so fields unknown to us (added by a
 newer peer) are echoed untouched.
+
+Observing: an optional :class:`LighthouseObserver` hears what happens (heartbeats, requests,
+issued quorums, expired heartbeats, reason changes) so dashboards and metrics can be built on top
+without this module knowing about them (lower layers never import higher ones).
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import logging
 import socket
 import threading
 import time
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import grpc
 import grpc.aio
@@ -42,9 +46,9 @@ from torchheal.coordination.quorum import (
     requeue,
     tick,
 )
-from torchheal.coordination.types import QuorumMember, Timestamp
+from torchheal.coordination.types import Quorum, QuorumMember, Timestamp
 
-__all__ = ["LighthouseServer"]
+__all__ = ["LighthouseObserver", "LighthouseServer"]
 
 logger: logging.Logger = logging.getLogger(__name__)
 
@@ -57,6 +61,30 @@ DEFAULT_HEARTBEAT_TIMEOUT_MS = 5000
 # forever). At least a minute, so a status view still shows recently departed replicas.
 MIN_HEARTBEAT_RETENTION_S = 60.0
 PRUNE_INTERVAL_S = 1.0
+
+
+class LighthouseObserver(Protocol):
+    """What the lighthouse tells an observer (a dashboard, metrics). All optional to act on.
+
+    Every method is called on the lighthouse's event-loop thread, some under its state lock, so
+    an observer must be quick, must not block and must not call back into the lighthouse. Times
+    are ``time.monotonic()`` seconds. Exceptions are logged and otherwise ignored.
+    """
+
+    def heartbeat(self, replica_id: str) -> None:
+        """A heartbeat arrived (the hottest path: count it, do nothing more)."""
+
+    def joined(self, member: QuorumMember, now: float) -> None:
+        """A quorum request arrived and joined the round."""
+
+    def quorum_issued(self, quorum: Quorum, reason: str, round_s: float, now: float) -> None:
+        """A quorum was issued; ``round_s`` is the time since the round's first request."""
+
+    def expired(self, replica_id: str, last_seen: float, now: float) -> None:
+        """A replica's last heartbeat became older than the heartbeat timeout."""
+
+    def reason_changed(self, reason: str, now: float) -> None:
+        """The quorum status (the reason string of the latest decision) changed."""
 
 
 class LighthouseServer:
@@ -72,6 +100,8 @@ class LighthouseServer:
         quorum_tick_ms: how often to re-evaluate waiting requests (None: 100).
         heartbeat_timeout_ms: a replica whose last heartbeat is older than this is considered
             gone (None: 5000).
+        observer: told about heartbeats, requests, issued quorums, expiries and reason changes
+            (see :class:`LighthouseObserver`); None for none.
 
     Raises:
         ValueError: an option is out of range or ``bind`` is malformed.
@@ -85,7 +115,13 @@ class LighthouseServer:
         join_timeout_ms: int | None = None,
         quorum_tick_ms: int | None = None,
         heartbeat_timeout_ms: int | None = None,
+        observer: LighthouseObserver | None = None,
     ) -> None:
+        self._observer = observer
+        # When the current round's first request arrived (for the round latency), and which
+        # replicas the observer was told expired; both only touched under the lock.
+        self._round_started: float | None = None
+        self._expired: set[str] = set()
         self._config = LighthouseConfig(
             min_replicas=min_replicas,
             join_timeout_ms=DEFAULT_JOIN_TIMEOUT_MS if join_timeout_ms is None else join_timeout_ms,
@@ -195,6 +231,30 @@ class LighthouseServer:
         while True:
             await asyncio.sleep(period)
             self._tick()
+            if self._observer is not None:
+                self._report_expired()
+
+    def _report_expired(self) -> None:
+        """Tell the observer about heartbeats that expired since the last periodic tick."""
+        now = time.monotonic()
+        timeout_s = self._config.heartbeat_timeout_ms / 1000.0
+        with self._lock:
+            heartbeats = self._state.heartbeats
+            for rid, seen in heartbeats.items():
+                if now - seen < timeout_s:
+                    self._expired.discard(rid)  # alive (again)
+                elif rid not in self._expired:
+                    self._expired.add(rid)
+                    self._notify("expired", rid, seen, now)
+            if self._expired:
+                self._expired.intersection_update(heartbeats)  # drop forgotten replicas
+
+    def _notify(self, event: str, *args: Any) -> None:
+        # An observer's bug must never take the lighthouse down.
+        try:
+            getattr(self._observer, event)(*args)
+        except Exception:
+            logger.exception("lighthouse observer failed on %s", event)
 
     def _tick(self) -> None:
         """Run one decision and deliver an issued quorum. Called on the server loop only."""
@@ -205,6 +265,8 @@ class LighthouseServer:
                 # Ticks run every 100 ms; repeating an unchanged reason would flood the log.
                 logger.info("Quorum status: %s", reason)
                 self._last_reason = reason
+                if self._observer is not None:
+                    self._notify("reason_changed", reason, now)
             if now - self._last_prune >= PRUNE_INTERVAL_S:
                 self._last_prune = now
                 retention = max(
@@ -215,6 +277,8 @@ class LighthouseServer:
                     logger.info("Forgot heartbeats of departed replicas: %s", forgotten)
             if quorum is None:
                 return
+            round_s = 0.0 if self._round_started is None else now - self._round_started
+            self._round_started = None
             raw = self._raw
             # Participants were cleared by tick(); their messages go with the issued quorum.
             self._raw = {}
@@ -233,6 +297,8 @@ class LighthouseServer:
         )
         for queue in subscribers:
             queue.put_nowait(issued)
+        if self._observer is not None:
+            self._notify("quorum_issued", quorum, reason, round_s, now)
 
     def _schedule_tick(self) -> None:
         """Run one tick after the requests that are ready now have joined.
@@ -261,6 +327,12 @@ class LighthouseServer:
             raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, "missing replica_id")
         with self._lock:
             heartbeat(self._state, request.replica_id, time.monotonic())
+        observer = self._observer
+        if observer is not None:
+            try:
+                observer.heartbeat(request.replica_id)
+            except Exception:
+                logger.exception("lighthouse observer failed on heartbeat")
         return pb.LighthouseHeartbeatResponse()
 
     async def _quorum(
@@ -271,11 +343,16 @@ class LighthouseServer:
         raw = request.requester
         member = _validated_member(raw)
         queue: asyncio.Queue[_Issued] = asyncio.Queue()
+        now = time.monotonic()
         with self._lock:
-            join(self._state, member, time.monotonic())
+            join(self._state, member, now)
             self._raw[member.replica_id] = raw
+            if self._round_started is None:
+                self._round_started = now
             # Subscribe before ticking so the quorum this request completes reaches it.
             self._subscribers.add(queue)
+        if self._observer is not None:
+            self._notify("joined", member, now)
         try:
             self._schedule_tick()
             while True:
@@ -285,9 +362,12 @@ class LighthouseServer:
                 logger.info(
                     "Replica %s not in quorum %d, retrying", member.replica_id, issued.quorum_id
                 )
+                now = time.monotonic()
                 with self._lock:
-                    requeue(self._state, member, time.monotonic())
+                    requeue(self._state, member, now)
                     self._raw[member.replica_id] = raw
+                    if self._round_started is None:
+                        self._round_started = now
         finally:
             with self._lock:
                 self._subscribers.discard(queue)

@@ -1,0 +1,203 @@
+"""The dashboard's HTTP server: aiohttp on its own event-loop thread, beside the lighthouse.
+
+Why its own thread rather than the lighthouse's loop: that loop decides every quorum of the job,
+and nothing there should wait behind a browser, a Prometheus scrape or a kill RPC. Sharing it
+would buy little: the lighthouse's observer only counts and queues (``recorder.py``), and
+``LighthouseServer.status()`` is already safe to call from any thread. So the dashboard reads the
+queue and the snapshot from here, and a slow or broken dashboard can never delay a quorum.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import socket
+import threading
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from torchheal.coordination.dashboard.app import STATIC_DIR, DashboardApp
+from torchheal.coordination.dashboard.recorder import LighthouseRecorder
+
+__all__ = ["DEFAULT_DASHBOARD_PORT", "DashboardServer"]
+
+logger: logging.Logger = logging.getLogger(__name__)
+
+#: The dashboard's default port, next to the lighthouse's 29510.
+DEFAULT_DASHBOARD_PORT = 29511
+# How often queued lighthouse events are folded into the history when nobody is looking.
+SYNC_INTERVAL_S = 0.25
+
+
+def kill_replica(address: str, message: str) -> None:
+    """Ask the manager server at ``address`` to exit (its ``Kill`` RPC).
+
+    Args:
+        address: the manager's URL.
+        message: the reason it logs.
+
+    Raises:
+        RuntimeError: the manager could not be reached or refused.
+        TimeoutError: it did not answer in time.
+    """
+    # Imported here: only the kill action needs a gRPC client.
+    from torchheal.coordination.client import ManagerClient
+
+    client = ManagerClient(address, connect_timeout=timedelta(seconds=5))
+    try:
+        client._kill(message, timeout=timedelta(seconds=5))
+    finally:
+        client.close()
+
+
+class DashboardServer:
+    """Serves the dashboard of a lighthouse; starts in the constructor.
+
+    Args:
+        lighthouse: the lighthouse (anything with ``status()`` and ``address()``).
+        recorder: the observer the lighthouse was created with.
+        host: address to listen on; ``"::"`` (default) listens on every IPv6 and IPv4 address.
+        port: TCP port; 0 picks a free one.
+        token: the job token actions need (None or empty: actions are open).
+        kill: replaces :func:`kill_replica` (tests that have no manager to kill).
+        static_dir: where the page's files are (default: the installed ones).
+
+    Raises:
+        RuntimeError: the port could not be bound.
+    """
+
+    def __init__(
+        self,
+        lighthouse: Any,
+        recorder: LighthouseRecorder,
+        host: str = "::",
+        port: int = DEFAULT_DASHBOARD_PORT,
+        token: str | None = None,
+        kill: Callable[[str, str], None] = kill_replica,
+        static_dir: Path = STATIC_DIR,
+    ) -> None:
+        self.app = DashboardApp(
+            lighthouse.status,
+            recorder,
+            kill,
+            token=token,
+            address=lighthouse.address(),
+            static_dir=static_dir,
+        )
+        sock = _listen(host, port)
+        self._port = sock.getsockname()[1]
+        self._loop = asyncio.new_event_loop()
+        self._stopped = threading.Event()
+        self._runner: web.AppRunner | None = None
+        ready: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._thread = threading.Thread(
+            target=self._run, args=(sock, ready), name="torchheal-dashboard", daemon=True
+        )
+        self._thread.start()
+        ready.result()
+
+    @property
+    def port(self) -> int:
+        """The TCP port the dashboard listens on."""
+        return self._port
+
+    def url(self, host: str | None = None) -> str:
+        """The page's URL, ``http://{host}:{port}/``.
+
+        Args:
+            host: the host to put in the URL (default: this machine's name).
+        """
+        return f"http://{format_target(host or socket.gethostname(), self._port)}/"
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        """Stop serving and end the thread. Idempotent, thread-safe.
+
+        Args:
+            timeout: longest wait for the thread to end.
+        """
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        with contextlib.suppress(RuntimeError):  # loop already closed
+            self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout)
+
+    def _run(self, sock: socket.socket, ready: concurrent.futures.Future[None]) -> None:
+        asyncio.set_event_loop(self._loop)
+        try:
+            self._loop.run_until_complete(self._start(sock))
+        except BaseException as e:
+            sock.close()
+            ready.set_exception(RuntimeError(f"dashboard failed to start: {e}"))
+            self._loop.close()
+            return
+        ready.set_result(None)
+        try:
+            self._loop.run_forever()
+        finally:
+            if self._runner is not None:
+                self._loop.run_until_complete(self._runner.cleanup())
+            for task in asyncio.all_tasks(self._loop):
+                task.cancel()
+            self._loop.run_until_complete(asyncio.sleep(0))
+            self._loop.close()
+
+    async def _start(self, sock: socket.socket) -> None:
+        runner = web.AppRunner(
+            self.app.build(), access_log=None, handle_signals=False, shutdown_timeout=1.0
+        )
+        await runner.setup()
+        await web.SockSite(runner, sock).start()
+        self._runner = runner
+        self._loop.create_task(self._sync_forever())
+
+    async def _sync_forever(self) -> None:
+        while True:
+            try:
+                self.app.sync()
+            except Exception:
+                logger.exception("dashboard: folding lighthouse events failed")
+            await asyncio.sleep(SYNC_INTERVAL_S)
+
+
+def format_target(host: str, port: int) -> str:
+    """``host:port``, with an IPv6 host in brackets."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A listening socket; ``"::"`` also accepts IPv4 where the system allows it."""
+    sock: socket.socket | None = None
+    try:
+        if host in ("::", "[::]", ""):
+            try:
+                sock = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+                host = "::"
+            except OSError:  # no IPv6 on this machine
+                if sock is not None:
+                    sock.close()
+                sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                host = "0.0.0.0"
+        else:
+            host = host.strip("[]")
+            family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+            sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(128)
+        sock.setblocking(False)
+    except OSError as e:
+        if sock is not None:
+            sock.close()
+        raise RuntimeError(
+            f"dashboard: cannot listen on {format_target(host, port)}: {e.strerror or e}; "
+            "choose another port with --dashboard_port (0 picks a free one)"
+        ) from None
+    return sock

@@ -1,0 +1,115 @@
+"""The JSON status the dashboard serves: the lighthouse's snapshot joined with its history (pure).
+
+``LighthouseServer.status()`` is the authority on the present (the quorum, who waits, heartbeat
+ages); :class:`~.history.History` adds what only a memory of the past can say (steps/s, why
+members left, the recovery timeline). :func:`build_status` joins them into the one document the
+page, ``torchheal status`` and scripts read; its shape is described in ``docs/dashboard.md``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torchheal.coordination.dashboard.events import group_name
+
+__all__ = ["STATUS_VERSION", "build_status"]
+
+#: Bumped when a field of the status document changes meaning or disappears.
+STATUS_VERSION = 1
+
+
+def build_status(
+    lighthouse: dict[str, Any],
+    history: dict[str, Any],
+    now: float,
+    *,
+    address: str = "",
+    token_required: bool = False,
+    missing_assets: tuple[str, ...] = (),
+) -> dict[str, Any]:
+    """Join a lighthouse snapshot and a history view into the status document.
+
+    Args:
+        lighthouse: ``LighthouseServer.status()``.
+        history: ``History.view(now)``.
+        now: wall-clock seconds.
+        address: the lighthouse's gRPC address, for display.
+        token_required: whether actions need the job token.
+        missing_assets: page assets that are not installed (the page says so).
+
+    Returns:
+        The status document (JSON-able).
+    """
+    config = lighthouse["config"]
+    timeout_s = config["heartbeat_timeout_ms"] / 1000.0
+    ages: dict[str, float] = lighthouse["heartbeats"]
+    prev = lighthouse["prev_quorum"]
+    members_now = prev["participants"] if prev else []
+    max_step = prev["max_step"] if prev else None
+    rates = {m["group"]: m["rate"] for m in history["members"]}
+    in_quorum = {m["replica_id"] for m in members_now}
+
+    members = []
+    for m in members_now:
+        rid = m["replica_id"]
+        age = ages.get(rid)
+        group = group_name(rid)
+        members.append(
+            {
+                "replica_id": rid,
+                "group": group,
+                "step": m["step"],
+                "behind": (max_step - m["step"]) if max_step is not None else 0,
+                "healing": max_step is not None and m["step"] < max_step,
+                "rate": rates.get(group),
+                "heartbeat_age_s": age,
+                "alive": age is not None and age < timeout_s,
+                "commit_failures": m["commit_failures"],
+                "world_size": m["world_size"],
+                "address": m["address"],
+                "store_address": m["store_address"],
+            }
+        )
+
+    # Everyone the lighthouse knows of outside the quorum: waiting to join, heartbeating without
+    # asking (stragglers), or silent past the heartbeat timeout (lost).
+    outside = []
+    waiting = set(lighthouse["waiting"])
+    for rid in sorted((waiting | ages.keys()) - in_quorum):
+        age = ages.get(rid)
+        if age is not None and age >= timeout_s:
+            state = "lost"
+        elif rid in waiting:
+            state = "waiting"
+        else:
+            state = "idle"
+        outside.append(
+            {"replica_id": rid, "group": group_name(rid), "state": state, "heartbeat_age_s": age}
+        )
+
+    quorum_age = prev["age_s"] if prev else None
+    return {
+        "version": STATUS_VERSION,
+        "now": now,
+        "address": address,
+        "token_required": token_required,
+        "missing_assets": list(missing_assets),
+        "config": config,
+        "quorum": {
+            "id": lighthouse["quorum_id"],
+            "age_s": quorum_age,
+            "size": len(members),
+            "max_step": max_step,
+            "members": members,
+        },
+        "reason": lighthouse["reason"],
+        # How long the lighthouse has been saying this (meaningful when it is stuck).
+        "reason_since": (
+            history["reason_since"] if history["reason"] == lighthouse["reason"] else None
+        ),
+        "outside": outside,
+        "heartbeating": sum(1 for age in ages.values() if age < timeout_s),
+        "job": {"step": max_step, "rate": history["job_rate"], "rounds": history["rounds"]},
+        "changes": history["changes"],
+        "failures": history["failures"],
+    }
