@@ -73,12 +73,14 @@ class LighthouseState:
         heartbeats: replica_id -> monotonic time it was last seen.
         prev_quorum: the last issued quorum, or None before the first.
         quorum_id: id of the last issued quorum; 0 before the first, so the first is 1.
+        prev_quorum_at: monotonic time ``prev_quorum`` was issued (None before the first).
     """
 
     participants: dict[str, tuple[float, QuorumMember]] = field(default_factory=dict)
     heartbeats: dict[str, float] = field(default_factory=dict)
     prev_quorum: Quorum | None = None
     quorum_id: int = 0
+    prev_quorum_at: float | None = None
 
 
 def heartbeat(state: LighthouseState, replica_id: str, now: float) -> None:
@@ -219,12 +221,19 @@ def quorum_compute(
     # healthy_participants is a subset of healthy_replicas, so comparing sizes is enough.
     stragglers = len(healthy_replicas) - len(healthy_participants)
     if stragglers > 0:
-        first_joined = min(joined for joined, _ in healthy_participants.values())
-        if now - first_joined < config.join_timeout_ms / 1000.0:
+        first_joined = _straggler_window_start(prev, healthy_participants)
+        window_s = config.join_timeout_ms / 1000.0
+        grace_s = _healer_grace_s(state, healthy_replicas, healthy_participants, first_joined)
+        if now - first_joined < max(window_s, grace_s):
+            extended = (
+                f"(extended to {grace_s * 1000:.0f} ms for members that healed in the last quorum) "
+                if grace_s > window_s
+                else ""
+            )
             return None, (
                 f"Valid quorum with {len(healthy_participants)} participants, waiting for "
                 f"{stragglers} healthy but not participating stragglers due to join timeout "
-                f"{metadata}"
+                f"{extended}{metadata}"
             )
 
     if not candidates:
@@ -236,6 +245,71 @@ def quorum_compute(
         )
 
     return candidates, f"Valid quorum found {metadata}"
+
+
+def _straggler_window_start(
+    prev: Quorum | None, healthy_participants: dict[str, tuple[float, QuorumMember]]
+) -> float:
+    """When the wait for stragglers began: the first request of a member of the last quorum.
+
+    Deliberate difference from the reference, which counts from the earliest request of any
+    participant. A group that was left out of the last quorum (or is new) asked long before
+    the members of that quorum come back from their step; counting from its request means the
+    window has already expired when the first member returns, so the next quorum is issued
+    without the last member to arrive, which is then left out in its turn: groups take turns
+    instead of training together. Members of the last quorum return together from a step they
+    took together, so their first request is when the wait for the rest of them should begin.
+    With no member of the last quorum asking yet (or no last quorum), every requester counts.
+    """
+    prev_ids = {m.replica_id for m in prev.participants} if prev is not None else set()
+    joins = [joined for rid, (joined, _) in healthy_participants.items() if rid in prev_ids]
+    if not joins:
+        joins = [joined for joined, _ in healthy_participants.values()]
+    return min(joins)
+
+
+def _healer_grace_s(
+    state: LighthouseState,
+    healthy_replicas: set[str],
+    healthy_participants: dict[str, tuple[float, QuorumMember]],
+    first_joined: float,
+) -> float:
+    """How long to wait for a member that healed in the last quorum (0.0: no such straggler).
+
+    Deliberate difference from the reference. A group that healed in the last round loads the
+    state it received on its training thread after the round's allreduce, and its first steps
+    on new tensors are slower, so it comes back later than the groups it healed from; a 100 ms
+    join timeout drops it, it heals again in the next round, and is late again: it never
+    trains. The others already waited for its transfer inside the allreduce, so waiting for
+    it as long again is cheap next to a reconfiguration and another heal. The wait is as long
+    as the last step took the first member to come back (from the quorum's issue to its next
+    request), which scales with both the step and the state size, and stays bounded: a healer
+    that never comes back is dropped one step later.
+    """
+    prev = state.prev_quorum
+    if prev is None or state.prev_quorum_at is None:
+        return 0.0
+    missing = {
+        rid
+        for rid in _healed_in(prev)
+        if rid in healthy_replicas and rid not in healthy_participants
+    }
+    if not missing:
+        return 0.0
+    return max(0.0, first_joined - state.prev_quorum_at)
+
+
+def _healed_in(quorum: Quorum) -> set[str]:
+    """Members that received the state of a peer in ``quorum`` (by the recovery plan's rule).
+
+    Members behind the quorum's highest step heal. At step 0 every member but one may heal
+    (``init_sync``, a per-manager choice the lighthouse does not see), so all count.
+    """
+    steps = {m.replica_id: m.step for m in quorum.participants}
+    max_step = max(steps.values(), default=0)
+    if max_step == 0 and len(steps) > 1:
+        return set(steps)
+    return {rid for rid, step in steps.items() if step < max_step}
 
 
 def tick(
@@ -271,5 +345,6 @@ def tick(
 
     quorum = Quorum(quorum_id=state.quorum_id, participants=tuple(candidates), created=wall)
     state.prev_quorum = quorum
+    state.prev_quorum_at = now
     state.participants.clear()
     return quorum, reason
