@@ -40,16 +40,12 @@ from typing import Any, Protocol, TypeVar
 import torch
 from torch.futures import Future
 
+from torchheal._base.config import watchdog_timeout_s
+from torchheal._base.timeouts import to_seconds
+
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-
-def _seconds(timeout: timedelta | float) -> float:
-    """Converts a ``timedelta`` or a number of seconds to float seconds."""
-    if isinstance(timeout, timedelta):
-        return timeout.total_seconds()
-    return float(timeout)
 
 
 class TimerHandle:
@@ -67,17 +63,6 @@ class TimerHandle:
         self.cancelled = True
         # Drop the reference so a cancelled timer does not keep a process group alive.
         self._callback = None
-
-
-def _watchdog_timeout_from_env() -> float:
-    for name in ("TORCHHEAL_WATCHDOG_TIMEOUT_SEC", "TORCHFT_WATCHDOG_TIMEOUT_SEC"):
-        value = os.environ.get(name)
-        if value:
-            try:
-                return float(value)
-            except ValueError:
-                raise ValueError(f"{name}={value!r} is not a number of seconds") from None
-    return 30.0
 
 
 def _exit_stuck() -> None:
@@ -119,7 +104,7 @@ class _TimeoutManager:
             timeout: delay before the callback runs.
             callback: function of no arguments.
         """
-        handle = TimerHandle(time.monotonic() + _seconds(timeout), callback)
+        handle = TimerHandle(time.monotonic() + to_seconds(timeout), callback)
         with self._cond:
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(
@@ -128,7 +113,7 @@ class _TimeoutManager:
                 self._thread.start()
             if self._watchdog is None:
                 if self._watchdog_timeout is None:
-                    self._watchdog_timeout = _watchdog_timeout_from_env()
+                    self._watchdog_timeout = watchdog_timeout_s()
                 self._watchdog = threading.Thread(
                     target=self._watch, name="torchheal-TimeoutWatchdog", daemon=True
                 )
@@ -243,7 +228,7 @@ def future_wait(fut: Future[T], timeout: timedelta | float) -> T:
         return fut.wait()
     event = threading.Event()
     fut.add_done_callback(lambda _: event.set())
-    if not event.wait(_seconds(timeout)):
+    if not event.wait(to_seconds(timeout)):
         raise TimeoutError(f"future did not complete within {timeout}")
     return fut.wait()
 

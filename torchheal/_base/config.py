@@ -1,14 +1,29 @@
-"""One validated configuration for the Manager, read once from the environment.
+"""Every environment variable torchheal reads, parsed and validated in one place.
+
+No other module of torchheal reads ``os.environ`` (a test reads the import graph to hold this;
+the launcher only *passes* an environment to the processes it starts). What is read:
+
+* :class:`EnvConfig` - the Manager's overrides (lighthouse, port, timeouts, retries).
+* :class:`TorchrunEnv` - where torchrun says this rank's replica group lives.
+* :func:`watchdog_timeout_s` - how long one timeout callback may run (``torchheal.futures``).
+* :func:`use_bucketization` - DiLoCo's flat-bucket allreduce switch.
+* :func:`checkpoint_token` - the shared secret of the HTTP checkpoint transport.
 
 The reference reads its environment overrides in several places and then forgets to use the
 adjusted values in some of them (the checkpoint transport, the state-dict lock and the RPC
-clients get the raw constructor arguments). Here the environment is parsed once into
+clients get the raw constructor arguments). Here the Manager's environment is parsed once into
 :class:`EnvConfig`, merged with the constructor arguments into :class:`ManagerTimeouts`, and
 that single object is what every component receives.
 
 Every variable has a ``TORCHHEAL_*`` name and the reference's ``TORCHFT_*`` name as a fallback;
 the torchheal name wins when both are set. Malformed values raise :class:`ValueError` naming the
 variable, so a typo in a launcher script fails at start-up instead of silently using a default.
+Each reader takes an optional mapping in place of ``os.environ``, so tests need not patch it.
+
+One torch variable is deliberately *not* written here: ``TORCH_NCCL_NONBLOCKING_TIMEOUT`` (how
+long NCCL's non-blocking communicators wait on init). torchheal bounds every NCCL operation and
+the group's construction with its own timer instead, so the process environment is left to the
+user.
 """
 
 from __future__ import annotations
@@ -34,7 +49,15 @@ _ENV_NAMES: dict[str, tuple[str, str]] = {
     "quorum_timeout_sec": ("TORCHHEAL_QUORUM_TIMEOUT_SEC", QUORUM_TIMEOUT_SEC_ENV),
     "connect_timeout_sec": ("TORCHHEAL_CONNECT_TIMEOUT_SEC", CONNECT_TIMEOUT_SEC_ENV),
     "quorum_retries": ("TORCHHEAL_QUORUM_RETRIES", QUORUM_RETRIES_ENV),
+    "watchdog_timeout_sec": ("TORCHHEAL_WATCHDOG_TIMEOUT_SEC", "TORCHFT_WATCHDOG_TIMEOUT_SEC"),
+    "use_bucketization": ("TORCHHEAL_USE_BUCKETIZATION", "TORCHFT_USE_BUCKETIZATION"),
 }
+
+#: The HTTP checkpoint transport's shared secret (torchheal only; the reference has none).
+CHECKPOINT_TOKEN_ENV: str = "TORCHHEAL_CHECKPOINT_TOKEN"
+
+#: Seconds one timeout callback may run before the process is declared stuck (reference: 30).
+DEFAULT_WATCHDOG_TIMEOUT_S = 30.0
 
 #: The lighthouse's default heartbeat expiry (reference ``heartbeat_timeout_ms=5000``). The
 #: Manager cannot ask the lighthouse for its setting, so the budget check assumes the default.
@@ -95,7 +118,7 @@ class EnvConfig:
             ValueError: a variable is set to something that is not a valid value; the message
                 names the variable.
         """
-        env = os.environ if environ is None else environ
+        env = _environ(environ)
         values: dict[str, object] = {}
         found = _lookup(env, "lighthouse")
         if found is not None:
@@ -115,6 +138,117 @@ class EnvConfig:
         if found is not None:
             values["quorum_retries"] = _parse_int(*found, minimum=0)
         return cls(**values)  # type: ignore[arg-type]
+
+
+def _environ(environ: Mapping[str, str] | None) -> Mapping[str, str]:
+    return os.environ if environ is None else environ
+
+
+@dataclass(frozen=True)
+class TorchrunEnv:
+    """Where torchrun (or any launcher using its variables) puts this rank, as raw strings.
+
+    Only the values the Manager's arguments leave open are needed, so each is checked when
+    asked for (:meth:`require`), not when read.
+
+    Attributes:
+        master_addr: host of the replica group's TCPStore (``MASTER_ADDR``).
+        master_port: its port (``MASTER_PORT``).
+        rank: this process's rank in its replica group (``RANK``).
+        world_size: the replica group's number of ranks (``WORLD_SIZE``).
+    """
+
+    master_addr: str | None = None
+    master_port: str | None = None
+    rank: str | None = None
+    world_size: str | None = None
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> TorchrunEnv:
+        """Reads ``MASTER_ADDR``, ``MASTER_PORT``, ``RANK`` and ``WORLD_SIZE``.
+
+        Args:
+            environ: the environment to read; ``os.environ`` when None.
+        """
+        env = _environ(environ)
+        return cls(**{field: env.get(field.upper()) for field in _TORCHRUN_MINIMUM})
+
+    def require(self, field: str, argument: str) -> str | int:
+        """The value of ``field`` (an int, except ``master_addr``), which must be set.
+
+        Args:
+            field: ``master_addr``, ``master_port``, ``rank`` or ``world_size``.
+            argument: the constructor argument that could have given it (for the message).
+
+        Raises:
+            KeyError: the variable is not set (as a plain environment lookup would).
+            ValueError: a number is malformed; the message names the variable.
+        """
+        variable = field.upper()
+        raw = getattr(self, field)
+        if raw is None or raw.strip() == "":
+            raise KeyError(f"{variable} is not set: pass {argument}= or run under torchrun")
+        minimum = _TORCHRUN_MINIMUM[field]
+        return raw.strip() if minimum is None else _parse_int(variable, raw.strip(), minimum)
+
+
+# field -> smallest valid value (None: a host name, not a number)
+_TORCHRUN_MINIMUM: dict[str, int | None] = {
+    "master_addr": None,
+    "master_port": 0,
+    "rank": 0,
+    "world_size": 1,
+}
+
+
+def watchdog_timeout_s(environ: Mapping[str, str] | None = None) -> float:
+    """How long one timeout callback may run before the process is declared stuck.
+
+    ``TORCHHEAL_WATCHDOG_TIMEOUT_SEC`` / ``TORCHFT_WATCHDOG_TIMEOUT_SEC``, default 30 s.
+
+    Args:
+        environ: the environment to read; ``os.environ`` when None.
+
+    Raises:
+        ValueError: the value is not a positive number of seconds.
+    """
+    found = _lookup(_environ(environ), "watchdog_timeout_sec")
+    if found is None:
+        return DEFAULT_WATCHDOG_TIMEOUT_S
+    name, value = found
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise ValueError(f"{name}={value!r} is not a number of seconds") from None
+    if not seconds > 0:
+        raise ValueError(f"{name}={value!r} must be a positive number of seconds")
+    return seconds
+
+
+def use_bucketization(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether DiLoCo allreduces pseudo-gradients in flat buckets by default.
+
+    ``TORCHHEAL_USE_BUCKETIZATION`` / ``TORCHFT_USE_BUCKETIZATION``; on only for the exact
+    string ``True``, as the reference reads it.
+
+    Args:
+        environ: the environment to read; ``os.environ`` when None.
+    """
+    env = _environ(environ)
+    for name in _ENV_NAMES["use_bucketization"]:
+        value = env.get(name)
+        if value is not None:
+            return value == "True"
+    return False
+
+
+def checkpoint_token(environ: Mapping[str, str] | None = None) -> str | None:
+    """The HTTP checkpoint transport's shared secret (``TORCHHEAL_CHECKPOINT_TOKEN``), or None.
+
+    Args:
+        environ: the environment to read; ``os.environ`` when None.
+    """
+    return _environ(environ).get(CHECKPOINT_TOKEN_ENV) or None
 
 
 def get_timeout(env_value: str | None, default: timedelta) -> timedelta:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import hmac
 import http.client
 import logging
-import os
 import socket
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -32,6 +31,8 @@ from socketserver import TCPServer
 from typing import Any, TypeVar
 from urllib.parse import parse_qs, urlsplit
 
+from torchheal._base.config import checkpoint_token
+from torchheal._base.timeouts import to_seconds
 from torchheal.checkpointing._verify import BlockVerifier
 from torchheal.checkpointing.rwlock import RWLock
 from torchheal.checkpointing.serialization import (
@@ -56,12 +57,7 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-TOKEN_ENV = "TORCHHEAL_CHECKPOINT_TOKEN"
 _MAX_CHUNKS = 1024
-
-
-def _seconds(timeout: timedelta | float) -> float:
-    return timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
 
 
 class _Server(ThreadingHTTPServer):
@@ -202,9 +198,9 @@ class HTTPTransport(CheckpointTransport[T]):
     ) -> None:
         if not 0 <= num_chunks <= _MAX_CHUNKS:
             raise ValueError(f"num_chunks must be in [0, {_MAX_CHUNKS}], got {num_chunks}")
-        self._timeout = _seconds(timeout)
+        self._timeout = to_seconds(timeout)
         self._num_chunks = num_chunks
-        self._token = token if token is not None else (os.environ.get(TOKEN_ENV) or None)
+        self._token = token if token is not None else checkpoint_token()
         self._block_bytes = block_bytes
         self._hostname = hostname or socket.gethostname()
         self._state_lock = threading.Lock()  # orders allow/disallow against each other
@@ -281,7 +277,7 @@ class HTTPTransport(CheckpointTransport[T]):
             CheckpointTimeoutError: a connect or read timed out.
             CheckpointError: refused, wrong step, truncated, corrupted or malformed.
         """
-        seconds = self._timeout if timeout is None else _seconds(timeout)
+        seconds = self._timeout if timeout is None else to_seconds(timeout)
         url = urlsplit(metadata)
         if url.scheme != "http" or not url.hostname or url.port is None:
             raise CheckpointError(f"invalid checkpoint address {metadata!r}")

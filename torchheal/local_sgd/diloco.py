@@ -20,13 +20,13 @@ healed replica resumes with the same global state as its peers.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed import Work
 
+from torchheal._base import config
 from torchheal.local_sgd.bucketing import (
     DEFAULT_BUCKET_CAP_BYTES,
     PendingBucket,
@@ -41,17 +41,6 @@ from torchheal.local_sgd.localsgd import (
 )
 
 __all__ = ["DiLoCo"]
-
-_BUCKETIZATION_ENVS = ("TORCHHEAL_USE_BUCKETIZATION", "TORCHFT_USE_BUCKETIZATION")
-
-
-def _bucketization_from_env() -> bool:
-    for name in _BUCKETIZATION_ENVS:
-        value = os.environ.get(name)
-        if value is not None:
-            return value == "True"
-    return False
-
 
 def _side_stream(device: torch.device) -> torch.Stream | None:
     """A stream to overlap allreduces with compute; None on CPU where there is nothing to gain."""
@@ -321,7 +310,7 @@ class DiLoCo(OptimizerStepHooks):
         self._hooks = []
         if bucket_cap_mb is not None:
             self.bucket_cap_mb = int(bucket_cap_mb * 1024 * 1024)
-        self.use_bucketization = use_bucketization or _bucketization_from_env()
+        self.use_bucketization = use_bucketization or config.use_bucketization()
 
         self._fragments = [
             _StreamingDiLoCoFragment(

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 from datetime import timedelta
 from typing import Any
 
@@ -101,11 +100,6 @@ class ProcessGroupNCCL(ProcessGroupWrapper):
     def __init__(self, timeout: timedelta = timedelta(seconds=60)) -> None:
         super().__init__(timeout=timeout)
         self._use_abort = _nccl_supports_abort()
-        if torch.cuda.is_available() and "TORCH_NCCL_NONBLOCKING_TIMEOUT" not in os.environ:
-            # Non-blocking communicators otherwise wait NCCL's own (long) default on init.
-            seconds = max(1, int(timeout.total_seconds()))
-            logger.warning("TORCH_NCCL_NONBLOCKING_TIMEOUT unset; setting it to %d", seconds)
-            os.environ["TORCH_NCCL_NONBLOCKING_TIMEOUT"] = str(seconds)
 
     def configure(self, store_addr: str, replica_id: str, rank: int, world_size: int) -> None:
         """See :meth:`ProcessGroup.configure`; raises ``RuntimeError`` at once without CUDA."""
@@ -125,7 +119,12 @@ class ProcessGroupNCCL(ProcessGroupWrapper):
         backend = _C10dNCCL(store, rank, world_size, opts)
         backend._set_sequence_number_for_group()
         device = torch.device("cuda", torch.cuda.current_device())
-        backend.eager_connect_single_device(device)
+        # A non-blocking communicator's init would otherwise wait as long as NCCL's own limit
+        # (TORCH_NCCL_NONBLOCKING_TIMEOUT, 30 min by default, read once per process). We do not
+        # write that variable; our timer aborts the half-built communicator after the group's
+        # timeout instead, so a peer that dies during the rendezvous fails this configure.
+        with context_timeout(backend.abort, self._timeout):
+            backend.eager_connect_single_device(device)
         pg._register_backend(torch.device("cuda"), dist.ProcessGroup.BackendType.NCCL, backend)
         return pg
 
