@@ -11,7 +11,8 @@ import pytest
 from torchheal._wire import methods
 from torchheal._wire import torchft_pb2 as pb
 from torchheal.coordination import LighthouseClient
-from torchheal.coordination.grpc_util import RPCError, UnaryCaller, connect
+from torchheal.coordination.rpc.channels import UnaryCaller, connect
+from torchheal.coordination.rpc.errors import RPCError
 
 from .helpers import Background, loopback, raw_call, wait_until
 

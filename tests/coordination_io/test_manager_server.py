@@ -15,7 +15,8 @@ import pytest
 from torchheal._wire import methods
 from torchheal._wire import torchft_pb2 as pb
 from torchheal.coordination import ManagerClient, ManagerServer
-from torchheal.coordination.grpc_util import AioServerThread, RPCError, StatusError, unary_handler
+from torchheal.coordination.rpc.errors import RPCError, StatusError
+from torchheal.coordination.rpc.server import AioServerThread, unary_handler
 
 from .helpers import Background, loopback, raw_call, wait_until
 

@@ -12,7 +12,7 @@ import grpc
 import pytest
 
 from torchheal.coordination import ManagerClient, ManagerServer
-from torchheal.coordination.grpc_util import RPCError
+from torchheal.coordination.rpc.errors import RPCError
 
 from .helpers import Background, loopback, wait_until
 from .test_manager_server import ScriptedLighthouse

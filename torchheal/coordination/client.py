@@ -3,49 +3,27 @@
 Both connect in the constructor (``RuntimeError`` if the server cannot be reached within
 ``connect_timeout``), send every call with its own deadline (the ``grpc-timeout`` header, which
 the servers enforce), and map failures as the reference does: deadline or cancellation ->
-``TimeoutError``; anything else -> ``RuntimeError`` (:class:`~torchheal.coordination.grpc_util.RPCError`)
+``TimeoutError``; anything else -> ``RuntimeError`` (:class:`~torchheal.coordination.rpc.errors.RPCError`)
 carrying the server's status and message. They are safe to share between threads.
-
-:class:`InProcessCaller` is their twin for a caller living in the server's own process (group
-rank 0 and its ManagerServer): it runs the handler's coroutine on the server's loop under the same
-deadline and raises the same errors, without the gRPC round trip.
+Their twin for a caller living in the server's own process (group rank 0 and its
+ManagerServer) is :class:`~torchheal.coordination.rpc.in_process.InProcessCaller`.
 """
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import logging
-from collections.abc import Callable, Coroutine
 from datetime import timedelta
-from typing import Any, Generic, TypeVar
-
-import grpc
+from typing import Any
 
 from torchheal._wire import methods
 from torchheal._wire import torchft_pb2 as pb
-from torchheal._wire.methods import Method
 from torchheal.coordination import convert
-from torchheal.coordination.grpc_util import (
-    RPCError,
-    StatusError,
-    UnaryCaller,
-    connect,
-    status_name,
-    to_seconds,
-)
+from torchheal.coordination.rpc.channels import UnaryCaller, connect
 from torchheal.coordination.types import Quorum, QuorumResult
 
-__all__ = ["InProcessCaller", "LighthouseClient", "ManagerClient"]
+__all__ = ["LighthouseClient", "ManagerClient"]
 
 logger: logging.Logger = logging.getLogger(__name__)
-
-T = TypeVar("T")
-
-# An in-process call's deadline is enforced on the server's loop; the calling thread waits this
-# much longer only to give up on a loop that does not answer at all.
-IN_PROCESS_GRACE_S = 5.0
-
 
 class LighthouseClient:
     """Client of the lighthouse, for tools and tests that talk to it directly.
@@ -239,109 +217,3 @@ class ManagerClient:
     def close(self) -> None:
         """Close the connection; later calls fail with ``RuntimeError``."""
         self._channel.close()
-
-
-class _DeadlineExceeded(Exception):
-    """An in-process call's deadline passed (over gRPC: ``DEADLINE_EXCEEDED``)."""
-
-
-async def _with_deadline(call: Coroutine[Any, Any, T], timeout_s: float) -> T:
-    # Cancel ``call`` at the deadline, as gRPC cancels a handler, and let its clean-up run
-    # before the caller hears of the timeout. A timer on this task instead of asyncio.wait_for
-    # spares a second task and a loop turn per call (this runs every training step).
-    task = asyncio.current_task()
-    assert task is not None
-    expired = False
-
-    def expire() -> None:
-        nonlocal expired
-        expired = True
-        task.cancel()
-
-    timer = asyncio.get_running_loop().call_later(timeout_s, expire)
-    try:
-        return await call
-    except asyncio.CancelledError:
-        if expired:
-            raise _DeadlineExceeded() from None
-        raise  # cancelled from outside: the server is shutting down
-    finally:
-        timer.cancel()
-
-
-class InProcessCaller(Generic[T]):
-    """A server handler called from the server's own process, with gRPC's deadline and errors.
-
-    The handler coroutine runs on the server's event loop (all server state lives there) and is
-    cancelled when ``timeout`` passes, as gRPC cancels a handler at the client's deadline. Errors
-    are those :class:`UnaryCaller` raises for the same outcome over gRPC: ``TimeoutError`` at the
-    deadline; :class:`RPCError` with the handler's :class:`StatusError` status, with
-    ``UNAVAILABLE`` once the server is shut down, or ``INTERNAL`` for an unexpected exception.
-
-    Args:
-        submit: runs a coroutine on the server's loop from any thread and returns its future
-            (``AioServerThread.submit``; raises ``RuntimeError`` once the server is shut down).
-        method: the method the handler serves, for messages.
-        target: the server's address, for messages.
-    """
-
-    def __init__(
-        self,
-        submit: Callable[[Coroutine[Any, Any, T]], concurrent.futures.Future[T]],
-        method: Method,
-        target: str,
-    ) -> None:
-        self._submit = submit
-        self._method = method
-        self._what = f"{method.service.removeprefix('torchft.')}/{method.name} to {target}"
-
-    def __call__(self, call: Coroutine[Any, Any, T], timeout: timedelta | float) -> T:
-        """Run ``call`` on the server's loop and wait at most ``timeout`` for its result.
-
-        Args:
-            call: the handler coroutine (not yet started).
-            timeout: the call's deadline.
-
-        Raises:
-            TimeoutError: the deadline passed; ``call`` was cancelled.
-            RPCError: the handler answered with an error status, or the server is shut down.
-        """
-        what = self._what
-        timeout_s = to_seconds(timeout)
-        try:
-            future = self._submit(_with_deadline(call, timeout_s))
-        except RuntimeError as e:
-            call.close()  # never started: close it rather than leave it unawaited
-            raise _status_error(what, grpc.StatusCode.UNAVAILABLE, str(e)) from None
-        try:
-            return future.result(timeout_s + IN_PROCESS_GRACE_S)
-        except _DeadlineExceeded:
-            raise TimeoutError(
-                f'{what} failed: status: Cancelled, message: "Timeout expired" '
-                f"(in-process deadline of {timeout_s:g}s exceeded)"
-            ) from None
-        except StatusError as e:
-            raise _status_error(what, e.code, e.details) from None
-        except concurrent.futures.CancelledError:
-            # The loop cancelled the call: the server is shutting down.
-            raise _status_error(
-                what, grpc.StatusCode.UNAVAILABLE, "manager server shut down"
-            ) from None
-        except concurrent.futures.TimeoutError:
-            future.cancel()
-            raise TimeoutError(
-                f'{what} failed: status: Cancelled, message: "Timeout expired" '
-                f"(the server loop did not answer within {timeout_s:g}s)"
-            ) from None
-        except Exception as e:
-            # What unary_handler does on the gRPC path: log it and answer INTERNAL.
-            logger.error("%s failed", self._method.path, exc_info=e)
-            details = f"{self._method.path} failed: {e}"
-            raise _status_error(what, grpc.StatusCode.INTERNAL, details) from None
-
-
-def _status_error(what: str, code: grpc.StatusCode, details: str) -> RPCError:
-    # The message rpc_error_to_exception builds for the same status over gRPC.
-    return RPCError(
-        f'{what} failed: status: {status_name(code)}, message: "{details}"', code, details
-    )

@@ -30,12 +30,6 @@ import grpc.aio
 from torchheal._wire import methods
 from torchheal._wire import torchft_pb2 as pb
 from torchheal.coordination import convert
-from torchheal.coordination.grpc_util import (
-    AioServerThread,
-    StatusError,
-    format_target,
-    unary_handler,
-)
 from torchheal.coordination.quorum import (
     LighthouseConfig,
     LighthouseState,
@@ -46,6 +40,9 @@ from torchheal.coordination.quorum import (
     requeue,
     tick,
 )
+from torchheal.coordination.rpc.addresses import format_target
+from torchheal.coordination.rpc.errors import StatusError
+from torchheal.coordination.rpc.server import AioServerThread, unary_handler
 from torchheal.coordination.types import Quorum, QuorumMember, Timestamp
 
 __all__ = ["LighthouseObserver", "LighthouseServer"]

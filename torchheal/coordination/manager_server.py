@@ -1,9 +1,11 @@
 """The manager server: one per replica group, run by group rank 0 (reference §5).
 
-It gathers the ``Quorum`` calls of all ranks of its group into one lighthouse request per step,
-heartbeats the lighthouse, answers each rank with its own view of the quorum (computed by the
-pure ``plan.compute_quorum_results``), runs the per-step commit vote (the pure
-``vote.CommitVote``), serves checkpoint metadata to healing peers, and can be told to exit.
+It gathers the ``Quorum`` calls of all ranks of its group into one lighthouse request per step
+(who is in the round, deadlines, who speaks for the group and the retry policy are the pure
+``round.QuorumRound``/``round.RetryPolicy``), heartbeats the lighthouse, answers each rank with
+its own view of the quorum (the pure ``plan.compute_quorum_results``), runs the per-step commit
+vote (the pure ``vote.CommitVote``), serves checkpoint metadata to healing peers, and can be
+told to exit. This module only moves requests, time and answers in and out of those cores.
 
 All state is touched only on the server's event-loop thread, so it needs no lock.
 
@@ -24,7 +26,7 @@ Group rank 0 runs in the same process as this server, so it skips gRPC: ``quorum
 ``should_commit_in_process`` run the very coroutines behind the ``Quorum`` and ``ShouldCommit``
 handlers on the server's loop, with the same deadline (the coroutine is cancelled when it passes,
 as gRPC cancels a handler) and the same errors as :class:`~torchheal.coordination.client.ManagerClient`
-(:class:`~torchheal.coordination.client.InProcessCaller`).
+(:class:`~torchheal.coordination.rpc.in_process.InProcessCaller`).
 """
 
 from __future__ import annotations
@@ -38,23 +40,19 @@ from typing import Any
 import grpc
 import grpc.aio
 
+from torchheal._base.timeouts import to_seconds
 from torchheal._wire import methods
 from torchheal._wire import torchft_pb2 as pb
 from torchheal.coordination import convert
-from torchheal.coordination.client import InProcessCaller
-from torchheal.coordination.grpc_util import (
-    AioServerThread,
-    StatusError,
-    aio_connect,
-    format_target,
-    rpc_error_to_exception,
-    status_name,
-    to_seconds,
-    unary_handler,
-)
 from torchheal.coordination.plan import NotParticipatingError, compute_quorum_results
+from torchheal.coordination.round import GiveUp, QuorumRound, RetryPolicy, RoundStart
+from torchheal.coordination.rpc.addresses import format_target
+from torchheal.coordination.rpc.channels import aio_connect
+from torchheal.coordination.rpc.errors import StatusError, rpc_error_to_exception, status_name
+from torchheal.coordination.rpc.in_process import InProcessCaller
+from torchheal.coordination.rpc.server import AioServerThread, unary_handler
 from torchheal.coordination.types import Quorum, QuorumMember, QuorumResult
-from torchheal.coordination.vote import CommitVote, Decision, StaleVoteError
+from torchheal.coordination.vote import CommitVote, Decision
 
 __all__ = ["ManagerServer"]
 
@@ -132,9 +130,11 @@ class ManagerServer:
 
         # Loop-thread state.
         self._checkpoint_metadata: dict[int, str] = {}
-        # group rank -> (its request, the request's deadline on the server loop's clock)
-        self._participants: dict[int, tuple[QuorumMember, float]] = {}
-        self._round: asyncio.Future[Quorum] | None = None
+        # Who is in the group's quorum round, and the outcome each unstarted round's ranks
+        # wait on (round id -> future; a started round's waiters hold their own reference).
+        self._round = QuorumRound(world_size)
+        self._round_outcomes: dict[int, asyncio.Future[Quorum]] = {}
+        self._retry = RetryPolicy(quorum_retries, MIN_RETRY_SLEEP_S)
         self._vote = CommitVote(world_size)
         self._commit_round: asyncio.Future[Decision] | None = None
         self._lighthouse: grpc.aio.Channel | None = None
@@ -339,15 +339,10 @@ class ManagerServer:
             StatusError: the status to answer with.
             asyncio.CancelledError: the caller's deadline passed (the rank leaves the round).
         """
-        self._check_rank(rank)
-        if step < 0:
-            raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, f"step must be >= 0, got {step}")
-        if commit_failures < 0:
-            raise StatusError(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"commit_failures must be >= 0, got {commit_failures}",
-            )
-
+        try:
+            self._round.check(rank, step, commit_failures)
+        except ValueError as e:
+            raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         self._checkpoint_metadata[rank] = checkpoint_metadata
         member = QuorumMember(
             replica_id=self._replica_id,
@@ -359,38 +354,27 @@ class ManagerServer:
             data=None,
             commit_failures=commit_failures,
         )
-        if self._round is None:
-            self._round = _new_future()
-        round_ = self._round
-        now = asyncio.get_running_loop().time()
-        # A caller whose deadline passed has given up even if its cancellation has not reached
-        # us yet; counting it would start a round without the request that replaces it.
-        for other, (_, deadline) in list(self._participants.items()):
-            if deadline <= now:
-                del self._participants[other]
-        self._participants[rank] = (member, now + remaining)
+        joined = self._round.join(rank, member, asyncio.get_running_loop().time(), remaining)
+        outcome = self._round_outcomes.get(joined.round_id)
+        if outcome is None:
+            outcome = self._round_outcomes[joined.round_id] = _new_future()
         logger.debug(
             "%s rank %d asks for a quorum at step %d (%d/%d ranks)",
             self._prefix,
             rank,
             step,
-            len(self._participants),
+            self._world_size if joined.start else len(self._round.waiting),
             self._world_size,
         )
-        if len(self._participants) == self._world_size:
-            # The last rank to arrive speaks for the group (its step, shrink_only and
-            # commit_failures), as in the reference.
-            self._participants = {}
-            self._round = None
-            self._server.spawn(self._run_quorum(member, remaining, round_))
+        if joined.start is not None:
+            del self._round_outcomes[joined.round_id]
+            self._server.spawn(self._run_quorum(joined.start, outcome))
 
         try:
             # shield: one rank giving up must not cancel the round the others wait on.
-            quorum = await asyncio.shield(round_)
+            quorum = await asyncio.shield(outcome)
         except asyncio.CancelledError:
-            entry = self._participants.get(rank)
-            if self._round is round_ and entry is not None and entry[0] is member:
-                del self._participants[rank]
+            if self._round.leave(rank, joined.round_id, member):
                 logger.info(
                     "%s rank %d left the quorum round before it started", self._prefix, rank
                 )
@@ -403,12 +387,10 @@ class ManagerServer:
         except NotParticipatingError as e:
             raise StatusError(grpc.StatusCode.NOT_FOUND, str(e)) from None
 
-    async def _run_quorum(
-        self, member: QuorumMember, timeout_s: float, round_: asyncio.Future[Quorum]
-    ) -> None:
-        """Make the group's lighthouse request, with retries, and settle ``round_``."""
-        request = pb.LighthouseQuorumRequest(requester=convert.member_to_pb(member))
-        retries = self._quorum_retries
+    async def _run_quorum(self, start: RoundStart, outcome: asyncio.Future[Quorum]) -> None:
+        """Make the group's lighthouse request, retrying as the policy says; settle ``outcome``."""
+        request = pb.LighthouseQuorumRequest(requester=convert.member_to_pb(start.member))
+        timeout_s = start.timeout_s
         attempt = 0
         while True:
             try:
@@ -416,7 +398,7 @@ class ManagerServer:
                     self._lh_quorum(request, timeout=timeout_s), timeout_s
                 )
                 if not response.HasField("quorum"):
-                    round_.set_exception(
+                    outcome.set_exception(
                         _LighthouseFailed(
                             grpc.StatusCode.INTERNAL, "lighthouse answered without a quorum"
                         )
@@ -429,43 +411,36 @@ class ManagerServer:
                     quorum.quorum_id,
                     len(quorum.participants),
                 )
-                round_.set_result(quorum)
+                outcome.set_result(quorum)
                 return
             except grpc.aio.AioRpcError as e:
-                sleep_s = max(MIN_RETRY_SLEEP_S, timeout_s / (retries + 1))
                 code = e.code()
+                got_status = True
                 timed_out = code in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
-                last = f"status: {status_name(code)}, message: {e.details()!r}"
+                error = f"status: {status_name(code)}, message: {e.details()!r}"
             except asyncio.TimeoutError:
-                sleep_s = MIN_RETRY_SLEEP_S
-                timed_out = True
-                last = f"no answer within {timeout_s:.3f}s"
+                got_status, timed_out = False, True
+                error = f"no answer within {timeout_s:.3f}s"
             logger.warning(
                 "%s lighthouse quorum attempt %d/%d failed: %s",
                 self._prefix,
                 attempt + 1,
-                retries + 1,
-                last,
+                self._retry.retries + 1,
+                error,
             )
-            if attempt >= retries:
-                code = grpc.StatusCode.DEADLINE_EXCEEDED if timed_out else grpc.StatusCode.INTERNAL
-                round_.set_exception(
-                    _LighthouseFailed(
-                        code,
-                        f"lighthouse quorum failed after {retries} retries. last error: {last}",
-                    )
+            decision = self._retry.after_failure(
+                attempt, timeout_s, got_status=got_status, timed_out=timed_out, error=error
+            )
+            if isinstance(decision, GiveUp):
+                code = (
+                    grpc.StatusCode.DEADLINE_EXCEEDED
+                    if decision.timed_out
+                    else grpc.StatusCode.INTERNAL
                 )
+                outcome.set_exception(_LighthouseFailed(code, decision.message))
                 return
             attempt += 1
-            await asyncio.sleep(sleep_s)
-
-    def _check_rank(self, rank: int) -> None:
-        if not 0 <= rank < self._world_size:
-            raise StatusError(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"group_rank {rank} is outside [0, {self._world_size}) for a replica group "
-                f"of world_size {self._world_size}",
-            )
+            await asyncio.sleep(decision.sleep_s)
 
     # ---------------------------------------------------------------------------------------
     # Commit vote, checkpoint metadata, kill
@@ -482,16 +457,14 @@ class ManagerServer:
         Raises:
             StatusError: the vote was rejected.
         """
-        self._check_rank(rank)
+        try:
+            # Also rejects a group rank outside the group, and a stale vote (StaleVoteError).
+            decision = self._vote.cast(rank, step, vote)
+        except ValueError as e:
+            raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         if self._commit_round is None:
             self._commit_round = _new_future()
         round_ = self._commit_round
-        try:
-            decision = self._vote.cast(rank, step, vote)
-        except StaleVoteError as e:
-            raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
-        except ValueError as e:
-            raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         if decision is not None:
             self._commit_round = None
             # Per step, so DEBUG; a failed vote is worth a user's attention.

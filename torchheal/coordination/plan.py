@@ -1,16 +1,27 @@
-"""What one rank of one replica group does with an issued quorum (reference §5).
+"""What one rank of one replica group does with an issued quorum (reference §5, §6.3).
 
-Every rule that answers *which replica rank am I, who is up to date, whose TCPStore hosts the
-cross-group rendezvous, and who heals from whom* lives in :func:`compute_quorum_results`, a pure
-function of the quorum. Each manager server calls it once per waiting rank; since every group
-computes the same plan from the same quorum, senders and receivers agree without talking.
+The one home of *which replica rank am I, who is up to date, whose TCPStore hosts the
+cross-group rendezvous, who heals from whom* (:func:`compute_quorum_results`, run by each
+manager server once per waiting rank) and of *who contributes to this step's reductions, with
+which rank and divided by how many* (:func:`participation`, run by the Manager on the result).
+Both are pure functions of plain data; since every group computes the same plan from the same
+quorum, senders and receivers agree without talking.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from enum import Enum
+
 from torchheal.coordination.types import Quorum, QuorumResult
 
-__all__ = ["NotParticipatingError", "compute_quorum_results"]
+__all__ = [
+    "NotParticipatingError",
+    "Participation",
+    "WorldSizeMode",
+    "compute_quorum_results",
+    "participation",
+]
 
 
 class NotParticipatingError(LookupError):
@@ -108,3 +119,73 @@ def compute_quorum_results(
         commit_failures=max((member.commit_failures for member in participants), default=0),
         replica_ids=ids,
     )
+
+
+class WorldSizeMode(Enum):
+    """How many replicas contribute to a step (public in ``torchheal.manager``).
+
+    DYNAMIC: every up-to-date replica contributes; an average divides by their count.
+    FIXED_WITH_SPARES: at most ``min_replica_size`` replicas contribute; the ones ranked beyond
+        that are spares that send zeros, so the divisor never changes while spares are left.
+    """
+
+    DYNAMIC = 0
+    FIXED_WITH_SPARES = 1
+
+
+@dataclass(frozen=True)
+class Participation:
+    """One replica's part in this step's cross-replica reductions.
+
+    Args:
+        rank: its index among the contributors; None when it only keeps the collectives in
+            step without contributing (a spare, or not among the contributors this step).
+        count: how many replicas contribute; what an averaged reduction divides by.
+    """
+
+    rank: int | None
+    count: int
+
+    def contributes(self, healing: bool) -> bool:
+        """Whether this replica's data counts this step.
+
+        Args:
+            healing: the replica is still receiving its state (asynchronous quorum only: a
+                synchronous one loads the state before the step computes anything).
+        """
+        return self.rank is not None and not healing
+
+
+def participation(
+    result: QuorumResult,
+    use_async_quorum: bool,
+    allow_heal: bool,
+    world_size_mode: WorldSizeMode,
+    min_replica_size: int,
+) -> Participation:
+    """Who contributes to this step, seen from the replica that received ``result``.
+
+    Which replicas count depends on when a healing replica gets its state. An asynchronous
+    quorum heals during the forward pass, too late for the healer's gradients to be right, so
+    only the replicas already at ``max_step`` count (the healer sends zeros); so it is when
+    healing is off for this step. A synchronous quorum heals before the forward pass, so every
+    member of the quorum counts. With spares, the divisor is capped at ``min_replica_size`` and
+    whoever ranks beyond it sends zeros.
+
+    Args:
+        result: this rank's quorum result.
+        use_async_quorum: whether the Manager runs the quorum in the background.
+        allow_heal: the ``start_quorum`` argument of this step.
+        world_size_mode: DYNAMIC or FIXED_WITH_SPARES.
+        min_replica_size: the Manager's ``min_replica_size``.
+    """
+    heals_before_compute = allow_heal and not use_async_quorum
+    if heals_before_compute:
+        rank, count = result.replica_rank, result.replica_world_size
+    else:
+        rank, count = result.max_replica_rank, result.max_world_size
+    if world_size_mode is WorldSizeMode.FIXED_WITH_SPARES:
+        count = min(count, min_replica_size)
+        if rank is not None and rank >= min_replica_size:
+            rank = None
+    return Participation(rank=rank, count=count)

@@ -1,7 +1,9 @@
-"""The per-step commit barrier inside one replica group, as plain data (reference §5 ShouldCommit).
+"""The per-step commit decision of one replica group, as plain data (reference §5, §6.7).
 
-Every rank of a replica group votes once per step whether its step went well; the group commits
-only if nobody voted no. :class:`CommitVote` collects ``(group_rank, step, vote)`` and hands back a
+Each rank's own vote (:func:`local_vote`), the group's barrier over those votes
+(:class:`CommitVote`) and the limit on consecutive failed commits (:func:`retry_limit_error`)
+live here. Every rank of a replica group votes once per step whether its step went well; the
+group commits only if nobody voted no. :class:`CommitVote` collects ``(group_rank, step, vote)`` and hands back a
 :class:`Decision` when the last distinct rank has voted; the manager server holds one under its
 lock and only delivers the decision to the waiting ranks.
 
@@ -14,7 +16,36 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["CommitVote", "Decision", "StaleVoteError"]
+__all__ = ["CommitVote", "Decision", "StaleVoteError", "local_vote", "retry_limit_error"]
+
+
+def local_vote(num_participants: int, min_replica_size: int, errored: bool) -> bool:
+    """One rank's vote: the step failed nowhere here, and enough replicas took part in it.
+
+    Args:
+        num_participants: replicas that contributed to this step.
+        min_replica_size: the fewest with which a step may commit.
+        errored: whether anything failed on this rank during the step.
+    """
+    if errored:
+        return False
+    return num_participants >= min_replica_size
+
+
+def retry_limit_error(commit_failures: int, max_retries: int | None) -> str | None:
+    """The fatal error once more than ``max_retries`` commits in a row failed, else None.
+
+    Args:
+        commit_failures: failed commits in a row, the current one included.
+        max_retries: how many in a row are tolerated (None: no limit).
+    """
+    if max_retries is None or commit_failures <= max_retries:
+        return None
+    # Worded as the reference's; its tests match this text.
+    return (
+        f"should_commit failed {commit_failures} times consecutively, "
+        f"exceeding max_retries={max_retries}"
+    )
 
 
 class StaleVoteError(ValueError):

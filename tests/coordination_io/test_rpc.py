@@ -1,4 +1,4 @@
-"""Address parsing, timeouts, error mapping and the server thread of grpc_util."""
+"""Address parsing, timeouts, error mapping and the server thread of coordination.rpc."""
 
 from __future__ import annotations
 
@@ -8,15 +8,11 @@ from datetime import timedelta
 import grpc
 import pytest
 
+from torchheal._base.timeouts import to_seconds
 from torchheal.coordination import LighthouseServer
-from torchheal.coordination.grpc_util import (
-    connect,
-    format_target,
-    parse_address,
-    parse_grpc_timeout,
-    status_name,
-    to_seconds,
-)
+from torchheal.coordination.rpc.addresses import format_target, parse_address, parse_grpc_timeout
+from torchheal.coordination.rpc.channels import connect
+from torchheal.coordination.rpc.errors import status_name
 
 
 @pytest.mark.parametrize(
@@ -55,6 +51,7 @@ def test_parse_address_rejects_with_clear_message(addr, message):
 def test_format_target_brackets_ipv6():
     assert format_target("::1", 5) == "[::1]:5"
     assert format_target("host", 5) == "host:5"
+    assert format_target("[::1]", 5) == "[::1]:5"  # already bracketed: left alone
 
 
 @pytest.mark.parametrize(

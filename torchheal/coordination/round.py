@@ -1,0 +1,213 @@
+"""One replica group's quorum round inside its manager server, as plain data (reference §5).
+
+Every rank of a replica group asks its manager server for a quorum each step; the server makes
+one lighthouse request for the whole group once all ranks have asked. The rules of that round
+live here, free of gRPC, threads and clocks (``now`` is passed in, in seconds):
+
+* who is in the round: each rank's latest request, until its deadline passes or it leaves;
+* a rank whose deadline has passed no longer counts, even if its cancellation has not
+  arrived yet (counting it would start a round without the request that replaces it);
+* the round starts when every rank of the group is in; the *last* rank to arrive speaks for
+  the group (its step, ``shrink_only`` and ``commit_failures``), as in the reference;
+* a rank that leaves (its call was cancelled) before the round started is taken out, so its
+  stale request cannot complete a later round on its own;
+* :class:`RetryPolicy` says, after a failed lighthouse attempt, whether to try again and after
+  how long, or to give up and with which message.
+
+The server (``manager_server.py``) only carries requests, cancellations, time and lighthouse
+answers to these objects and delivers what they decide.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torchheal.coordination.types import QuorumMember
+
+__all__ = ["GiveUp", "Joined", "QuorumRound", "Retry", "RetryPolicy", "RoundStart"]
+
+
+@dataclass(frozen=True)
+class RoundStart:
+    """The group is complete: ask the lighthouse now.
+
+    Args:
+        round_id: the round that started (the one its ranks waited on).
+        member: the group's request, as the last rank to arrive made it.
+        timeout_s: that rank's remaining time, which bounds the lighthouse request.
+    """
+
+    round_id: int
+    member: QuorumMember
+    timeout_s: float
+
+
+@dataclass(frozen=True)
+class Joined:
+    """What a rank's request did to the round.
+
+    Args:
+        round_id: the round the rank now waits on.
+        start: set when this request completed the round.
+    """
+
+    round_id: int
+    start: RoundStart | None = None
+
+
+@dataclass(frozen=True)
+class _Request:
+    member: QuorumMember
+    deadline: float
+
+
+class QuorumRound:
+    """Collects the quorum requests of the ``world_size`` ranks of one replica group.
+
+    Args:
+        world_size: the group's number of ranks (>= 1).
+
+    Raises:
+        ValueError: ``world_size`` is not an integer >= 1.
+    """
+
+    def __init__(self, world_size: int) -> None:
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
+        self._world_size = world_size
+        self._round_id = 0
+        self._requests: dict[int, _Request] = {}
+
+    @property
+    def round_id(self) -> int:
+        """The round now open (it has not started)."""
+        return self._round_id
+
+    @property
+    def waiting(self) -> frozenset[int]:
+        """The group ranks counted in the open round (deadlines are checked at the next join)."""
+        return frozenset(self._requests)
+
+    def check(self, group_rank: int, step: int, commit_failures: int) -> None:
+        """Validates a request before it joins.
+
+        Args:
+            group_rank: the asking rank.
+            step: its step.
+            commit_failures: its consecutive failed commits.
+
+        Raises:
+            ValueError: a value is impossible; the message says which.
+        """
+        if not 0 <= group_rank < self._world_size:
+            raise ValueError(
+                f"group_rank {group_rank} is outside [0, {self._world_size}) for a replica group "
+                f"of world_size {self._world_size}"
+            )
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
+        if commit_failures < 0:
+            raise ValueError(f"commit_failures must be >= 0, got {commit_failures}")
+
+    def join(self, group_rank: int, member: QuorumMember, now: float, remaining: float) -> Joined:
+        """A rank asks for a quorum; its request replaces any earlier one of the same rank.
+
+        Args:
+            group_rank: the asking rank (already :meth:`check` ed).
+            member: its request.
+            now: the current time, in seconds.
+            remaining: how long the rank will wait, in seconds.
+
+        Returns:
+            the round the rank waits on, and the start of that round if it is now complete.
+        """
+        for rank in [r for r, request in self._requests.items() if request.deadline <= now]:
+            del self._requests[rank]
+        self._requests[group_rank] = _Request(member, now + remaining)
+        if len(self._requests) < self._world_size:
+            return Joined(self._round_id)
+        start = RoundStart(self._round_id, member, remaining)
+        self._requests = {}
+        self._round_id += 1
+        return Joined(start.round_id, start)
+
+    def leave(self, group_rank: int, round_id: int, member: QuorumMember) -> bool:
+        """A rank gave up waiting; it leaves if its request still sits in an unstarted round.
+
+        Args:
+            group_rank: the rank that gave up.
+            round_id: the round it waited on.
+            member: its request (a newer request of the same rank stays).
+
+        Returns:
+            whether the request was taken out.
+        """
+        request = self._requests.get(group_rank)
+        if round_id != self._round_id or request is None or request.member is not member:
+            return False
+        del self._requests[group_rank]
+        return True
+
+
+@dataclass(frozen=True)
+class Retry:
+    """Try the lighthouse again after ``sleep_s`` seconds.
+
+    Args:
+        sleep_s: the pause before the next attempt.
+    """
+
+    sleep_s: float
+
+
+@dataclass(frozen=True)
+class GiveUp:
+    """Stop: every waiting rank gets this failure.
+
+    Args:
+        timed_out: the last attempt ran out of time (a deadline status), else an internal one.
+        message: what the ranks are told.
+    """
+
+    timed_out: bool
+    message: str
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How a round retries its lighthouse request (reference §5).
+
+    Args:
+        retries: extra attempts after the first failure.
+        min_sleep_s: the shortest pause between attempts.
+    """
+
+    retries: int
+    min_sleep_s: float = 0.1
+
+    def after_failure(
+        self, attempt: int, timeout_s: float, *, got_status: bool, timed_out: bool, error: str
+    ) -> Retry | GiveUp:
+        """What to do after attempt number ``attempt`` (0-based) failed.
+
+        A call that ended with a status (an error from the lighthouse, or the call's own
+        deadline) pauses for a share of the round's time, so that the attempts spread over
+        it; a call our own timer had to abandon (no status at all) retries after the minimum
+        pause.
+
+        Args:
+            attempt: the failed attempt, counting from 0.
+            timeout_s: the round's time for one attempt.
+            got_status: the call ended with a gRPC status (else our timer abandoned it).
+            timed_out: the failure was a deadline or a cancellation.
+            error: the failure, for the final message.
+        """
+        if attempt >= self.retries:
+            return GiveUp(
+                timed_out=timed_out,
+                message=f"lighthouse quorum failed after {self.retries} retries. last error: "
+                f"{error}",
+            )
+        if got_status:
+            return Retry(max(self.min_sleep_s, timeout_s / (self.retries + 1)))
+        return Retry(self.min_sleep_s)
