@@ -12,13 +12,9 @@ from torchheal._base.config import (
     get_timeout,
     timeout_budget_problems,
 )
+from torchheal.coordination.plan import Participation, WorldSizeMode, participation
 from torchheal.coordination.types import QuorumResult
-from torchheal.manager.rules import (
-    WorldSizeMode,
-    commit_failures_exceeded,
-    local_commit_vote,
-    participation,
-)
+from torchheal.coordination.vote import local_vote, retry_limit_error
 
 S = timedelta(seconds=1)
 
@@ -104,27 +100,28 @@ def _result(**kw: object) -> QuorumResult:
 def test_participation_rules() -> None:
     dyn = WorldSizeMode.DYNAMIC
     # Async quorum or no healing: only up-to-date replicas contribute.
-    assert participation(_result(), True, True, dyn, 1) == (1, 2)
-    assert participation(_result(), False, False, dyn, 1) == (1, 2)
+    assert participation(_result(), True, True, dyn, 1) == Participation(1, 2)
+    assert participation(_result(), False, False, dyn, 1) == Participation(1, 2)
     # Sync quorum with healing: everyone.
-    assert participation(_result(), False, True, dyn, 1) == (2, 3)
-    assert participation(_result(max_replica_rank=None), True, True, dyn, 1) == (None, 2)
+    assert participation(_result(), False, True, dyn, 1) == Participation(2, 3)
+    assert participation(_result(max_replica_rank=None), True, True, dyn, 1) == Participation(
+        None, 2
+    )
     # Fixed with spares: rank 2 of 3 with min 2 is a spare; participants capped at 2.
     spares = WorldSizeMode.FIXED_WITH_SPARES
     r = _result(max_replica_rank=2, max_world_size=3)
-    assert participation(r, True, True, spares, 2) == (None, 2)
-    assert participation(_result(max_replica_rank=1, max_world_size=3), True, True, spares, 2) == (
-        1,
-        2,
-    )
+    assert participation(r, True, True, spares, 2) == Participation(None, 2)
+    assert participation(
+        _result(max_replica_rank=1, max_world_size=3), True, True, spares, 2
+    ) == Participation(1, 2)
 
 
 def test_commit_rules() -> None:
-    assert local_commit_vote(2, 2, errored=False)
-    assert not local_commit_vote(1, 2, errored=False)
-    assert not local_commit_vote(3, 2, errored=True)
-    assert commit_failures_exceeded(2, 2) is None
-    assert commit_failures_exceeded(5, None) is None
-    assert commit_failures_exceeded(3, 2) == (
+    assert local_vote(2, 2, errored=False)
+    assert not local_vote(1, 2, errored=False)
+    assert not local_vote(3, 2, errored=True)
+    assert retry_limit_error(2, 2) is None
+    assert retry_limit_error(5, None) is None
+    assert retry_limit_error(3, 2) == (
         "should_commit failed 3 times consecutively, exceeding max_retries=2"
     )

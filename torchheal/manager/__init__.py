@@ -1,25 +1,40 @@
 """``torchheal.manager``: the per-step fault-tolerance lifecycle (the reference's public module).
 
-The :class:`Manager` lives in ``manager.py``; this module keeps the reference's public names
-importable from ``torchheal.manager``.
+One step is ``start_quorum`` -> forward/backward with ``allreduce`` -> ``should_commit``:
+``start_quorum`` asks the replica group's manager server for a quorum (in the background when
+``use_async_quorum``), rebuilds the cross-replica process group when the quorum changed, and
+sends or receives the live state of a replica that is behind; ``allreduce`` sums over the
+participating replicas and divides by their count, recording a failure instead of raising it;
+``should_commit`` is the replica group's vote (any error anywhere in the group: nobody steps).
+
+Where each job lives:
+
+* ``manager.py`` - :class:`Manager`, the public API and the only writer of the step's state.
+* ``settings.py`` - constructor arguments merged with the environment, validated once.
+* ``endpoints.py`` - the group's TCPStore, manager server (group rank 0) and client.
+* ``state.py`` - the user's named state functions and the lock that keeps reads whole.
+* ``quorum_worker.py`` - the quorum thread's work (quorum, reconfiguration, transfer) as data.
+* ``recovery.py`` - sending and receiving a state dict through a checkpoint transport.
+* ``step.py`` - the step's error and the collectives the vote must wait for.
+* ``log.py`` - the per-rank log prefix.
+
+This module keeps the reference's public names importable from ``torchheal.manager``.
 """
 
 from __future__ import annotations
 
-from torchheal.manager.manager import (
+from torchheal._base.config import (
     CONNECT_TIMEOUT_SEC_ENV,
-    IS_TRITON_AVAILABLE,
-    MANAGER_ADDR_KEY,
     MANAGER_PORT_ENV,
     QUORUM_RETRIES_ENV,
     QUORUM_TIMEOUT_SEC_ENV,
-    REPLICA_ID_KEY,
     TIMEOUT_SEC_ENV,
-    ExceptionWithTraceback,
-    Manager,
-    WorldSizeMode,
     get_timeout,
 )
+from torchheal.coordination.plan import WorldSizeMode
+from torchheal.manager.endpoints import MANAGER_ADDR_KEY, REPLICA_ID_KEY
+from torchheal.manager.manager import IS_TRITON_AVAILABLE, Manager
+from torchheal.manager.step import ExceptionWithTraceback
 
 __all__ = [
     "CONNECT_TIMEOUT_SEC_ENV",

@@ -1,23 +1,20 @@
-"""The Manager: the per-step fault-tolerance lifecycle that runs on every rank.
+"""The :class:`Manager`: the per-step fault-tolerance lifecycle on every rank (reference §6).
 
-One step is ``start_quorum`` -> forward/backward with ``allreduce`` -> ``should_commit``:
+It composes parts that each do one job and are tested alone (see the package docstring):
+:class:`~torchheal.manager.state.StateRegistry`, :class:`~torchheal.manager.step.StepLedger`,
+:class:`~torchheal.manager.quorum_worker.QuorumWorker` (with its
+:class:`~torchheal.manager.recovery.Recovery`) and
+:class:`~torchheal.manager.endpoints.GroupEndpoints`. The Manager alone writes its step, quorum
+id and healing status; the rules it applies are pure functions in
+``torchheal.coordination.plan`` (who participates) and ``torchheal.coordination.vote`` (the
+local vote, the retry limit).
 
-* ``start_quorum`` asks this replica group's ManagerServer for a quorum (in the background
-  when ``use_async_quorum``), reconfigures the cross-replica process group when the quorum id
-  changed, and sends or receives the live state of a replica that is behind.
-* ``allreduce`` sums over the participating replicas and divides by their count; a failure is
-  recorded (``report_error``) instead of raised, and every later collective of the step is a
-  no-op.
-* ``should_commit`` is the replica group's vote: any error anywhere in the group means nobody
-  steps the optimizer.
-
-Deliberate difference from the reference: the user's ``state_dict``/``load_state_dict``
-functions run only on the training thread (the thread calling ``start_quorum``/``should_commit``).
-``start_quorum`` captures ``_manager_state_dict()`` (tensor references, cheap) before handing the
-quorum to the background thread, which only moves those tensors; state received by a healing
-replica is loaded on the training thread (in ``start_quorum`` with synchronous quorum, in
-``should_commit`` with asynchronous quorum). The reference calls them from its quorum thread
-during the forward pass, which breaks FSDP2/DTensor models.
+Deliberate difference from the reference: the user's ``state_dict``/``load_state_dict`` run
+only on the training thread. ``start_quorum`` captures ``_manager_state_dict()`` (tensor
+references, cheap) before handing the quorum to the background thread, which only moves a
+copy; received state is loaded on the training thread (in ``start_quorum`` with synchronous
+quorum, in ``should_commit`` with asynchronous quorum). The reference calls them from its
+quorum thread during the forward pass, which breaks FSDP2/DTensor models.
 
 Errors: a quorum RPC error (timeout, lighthouse unreachable, not in the quorum) and a
 ``should_commit`` RPC error are raised; any other failure in a step (process-group
@@ -27,10 +24,7 @@ reconfiguration, checkpoint transfer, a collective) is reported and makes the st
 from __future__ import annotations
 
 import logging
-import os
 import socket
-import traceback
-import uuid
 import warnings
 from collections.abc import Callable
 from concurrent.futures import Future as ConcurrentFuture
@@ -39,118 +33,33 @@ from datetime import timedelta
 from typing import Any, TypeVar
 
 import torch
-from torch.distributed import AllreduceOptions, ReduceOp, TCPStore
+from torch.distributed import AllreduceOptions, ReduceOp
 
-from torchheal._base.config import (
-    CONNECT_TIMEOUT_SEC_ENV,
-    MANAGER_PORT_ENV,
-    QUORUM_RETRIES_ENV,
-    QUORUM_TIMEOUT_SEC_ENV,
-    TIMEOUT_SEC_ENV,
-    EnvConfig,
-    ManagerTimeouts,
-    TimeoutBudgetWarning,
-    get_timeout,
-    timeout_budget_problems,
-)
 from torchheal.checkpointing import CheckpointTransport, HTTPTransport
-from torchheal.checkpointing.rwlock import RWLock
-from torchheal.coordination.client import ManagerClient
-from torchheal.coordination.manager_server import ManagerServer
-from torchheal.coordination.types import QuorumResult
+from torchheal.collectives import allreduce_quantized
+from torchheal.coordination.plan import Participation, WorldSizeMode
+from torchheal.coordination.vote import local_vote, retry_limit_error
 from torchheal.futures import future_timeout
-from torchheal.manager.healing import _HealingMixin
-from torchheal.manager.rules import (
-    WorldSizeMode,
-    commit_failures_exceeded,
-    local_commit_vote,
-    participation,
-)
+from torchheal.manager.endpoints import open_endpoints
+from torchheal.manager.log import ManagerLogger
+from torchheal.manager.quorum_worker import QuorumOutcome, QuorumWorker, StepRequest
+from torchheal.manager.recovery import Recovery, metadata_over_grpc
+from torchheal.manager.settings import ManagerSettings
+from torchheal.manager.state import StateRegistry
+from torchheal.manager.step import ExceptionWithTraceback, StepLedger
 from torchheal.process_group.work import _DummyWork
 from torchheal.work import _ManagedWork
 
-try:
-    from torchheal.collectives import allreduce_quantized
+__all__ = ["IS_TRITON_AVAILABLE", "Manager"]
 
-    # Name kept from the reference; our quantized collectives need no triton.
-    IS_TRITON_AVAILABLE = True
-except ImportError:  # pragma: no cover - collectives ships with torchheal
-    IS_TRITON_AVAILABLE = False
-
-__all__ = [
-    "CONNECT_TIMEOUT_SEC_ENV",
-    "MANAGER_ADDR_KEY",
-    "MANAGER_PORT_ENV",
-    "QUORUM_RETRIES_ENV",
-    "QUORUM_TIMEOUT_SEC_ENV",
-    "REPLICA_ID_KEY",
-    "TIMEOUT_SEC_ENV",
-    "ExceptionWithTraceback",
-    "Manager",
-    "WorldSizeMode",
-    "get_timeout",
-]
-
-MANAGER_ADDR_KEY: str = "manager_addr"
-REPLICA_ID_KEY: str = "replica_id"
+#: Name kept from the reference, where quantized collectives need triton; ours are torch ops
+#: that ship with torchheal, so they are always available.
+IS_TRITON_AVAILABLE: bool = True
 
 T = TypeVar("T")
 
-# The package name, so users configuring "torchheal.manager" logging see these lines.
-logger: logging.Logger = logging.getLogger("torchheal.manager")
 
-
-class ExceptionWithTraceback(Exception):
-    """An error reported during a step, with the stack trace where it happened.
-
-    Args:
-        e: the original exception.
-    """
-
-    def __init__(self, e: Exception) -> None:
-        self.original_exception = e
-        if e.__traceback__ is not None:
-            self.stack_trace: str = "".join(traceback.format_exception(e))
-        else:
-            # Reported without being raised: the caller's stack says where.
-            self.stack_trace = "".join(traceback.format_stack()[:-1])
-        super().__init__(f"{e}\n{self.stack_trace}")
-
-
-class _ManagerLogger:
-    """Prefixes every line with ``[{replica_id}/{group_rank} - step {step}]``."""
-
-    def __init__(self, manager: Manager, replica_id: str, group_rank: int) -> None:
-        self._manager = manager
-        self._replica_id = replica_id
-        self._group_rank = group_rank
-
-    def prefix(self) -> str:
-        return f"[{self._replica_id}/{self._group_rank} - step {self._manager.current_step()}]"
-
-    def log(self, level: int, msg: str, *args: object) -> None:
-        """Logs ``msg % args``; nothing is formatted when ``level`` is disabled (per-step lines)."""
-        if logger.isEnabledFor(level):
-            logger.log(level, "%s %s", self.prefix(), msg % args if args else msg)
-
-    def info(self, msg: str) -> None:
-        logger.info("%s %s", self.prefix(), msg)
-
-    def warning(self, msg: str) -> None:
-        logger.warning("%s %s", self.prefix(), msg)
-
-    def exception(self, msg: str) -> None:
-        logger.exception("%s %s", self.prefix(), msg)
-
-
-def _host_port(host: str, port: int) -> str:
-    # IPv6 literals need brackets in "host:port".
-    if ":" in host and not host.startswith("["):
-        return f"[{host}]:{port}"
-    return f"{host}:{port}"
-
-
-class Manager(_HealingMixin):
+class Manager:
     """Manages the fault-tolerant training loop of one rank of one replica group.
 
     The replica group's TCPStore must already run at ``store_addr:store_port`` (torchrun
@@ -208,29 +117,29 @@ class Manager(_HealingMixin):
         max_retries: int | None = None,
         quorum_retries: int = 0,
     ) -> None:
-        env = EnvConfig.from_env()
-        timeouts = ManagerTimeouts.resolve(
-            env, timeout, quorum_timeout, connect_timeout, quorum_retries
+        settings = ManagerSettings.resolve(
+            timeout=timeout,
+            quorum_timeout=quorum_timeout,
+            connect_timeout=connect_timeout,
+            quorum_retries=quorum_retries,
+            heartbeat_interval=heartbeat_interval,
+            rank=rank,
+            world_size=world_size,
+            store_addr=store_addr,
+            store_port=store_port,
+            lighthouse_addr=lighthouse_addr,
+            port=port,
         )
-        problems = timeout_budget_problems(timeouts, heartbeat_interval)
-        if problems:
-            warnings.warn(
-                "timeout budget: a failure may kill this replica instead of healing it: "
-                + "; ".join(problems),
-                TimeoutBudgetWarning,
-                stacklevel=2,
-            )
-        self._timeouts = timeouts
-        self._timeout: timedelta = timeouts.timeout
-        self._quorum_timeout: timedelta = timeouts.quorum_timeout
-        self._connect_timeout: timedelta = timeouts.connect_timeout
-        self._quorum_retries: int = timeouts.quorum_retries
+        self._timeouts = settings.timeouts
+        self._timeout: timedelta = settings.timeouts.timeout
+        self._quorum_timeout: timedelta = settings.timeouts.quorum_timeout
+        self._connect_timeout: timedelta = settings.timeouts.connect_timeout
+        self._quorum_retries: int = settings.timeouts.quorum_retries
+        self._group_rank: int = settings.group_rank
+        self._group_world_size: int = settings.group_world_size
 
-        self._load_state_dict_fns: dict[str, Callable[[Any], None]] = {}
-        self._user_state_dicts: dict[str, Callable[[], Any]] = {}
+        self._state = StateRegistry(lock_timeout=self._timeout)
         self._replica_id = replica_id
-        self._state_dict_lock = RWLock(timeout=self._timeout.total_seconds())
-        self._is_state_dict_read_allowed = True
         if load_state_dict is not None and state_dict is not None:
             self.register_state_dict_fn("default", load_state_dict, state_dict)
 
@@ -243,12 +152,6 @@ class Manager(_HealingMixin):
         self._max_retries = max_retries
         self._commit_failures = 0
 
-        store_addr = store_addr or os.environ["MASTER_ADDR"]
-        store_port = store_port or int(os.environ["MASTER_PORT"])
-        self._group_rank: int = rank if rank is not None else int(os.environ["RANK"])
-        group_world_size = world_size or int(os.environ["WORLD_SIZE"])
-        self._group_world_size: int = group_world_size
-
         if checkpoint_transport is None:
             checkpoint_transport = HTTPTransport(timeout=self._timeout, num_chunks=0)
         self._checkpoint_transport: CheckpointTransport[Any] = checkpoint_transport
@@ -257,77 +160,133 @@ class Manager(_HealingMixin):
         self._quorum_future: ConcurrentFuture[None] | None = None
         # The quorum future whose error already reached the training loop (see start_quorum).
         self._raised_quorum_future: ConcurrentFuture[None] | None = None
-        # The store client outlives rank 0's ManagerServer start-up (bounded by connect_timeout).
-        store_timeout = max(timedelta(seconds=300), 2 * self._connect_timeout)
-        self._store = TCPStore(
-            host_name=store_addr,
-            port=store_port,
-            is_master=False,
-            wait_for_workers=False,
-            timeout=store_timeout,
-        )
         self._pg = pg
-        self._manager: ManagerServer | None = None
-        self._recovery_stream: torch.cuda.Stream | None = (
-            torch.cuda.Stream() if torch.cuda.is_available() else None
-        )
         self._recovery_event: torch.cuda.Event | None = None
 
-        if self._group_rank == 0:
-            if port is None:
-                port = env.manager_port if env.manager_port is not None else 0
-            lighthouse_addr = lighthouse_addr or env.lighthouse
-            if not lighthouse_addr:
-                raise ValueError(
-                    "no lighthouse address: pass lighthouse_addr or set TORCHHEAL_LIGHTHOUSE "
-                    "(or TORCHFT_LIGHTHOUSE)"
-                )
-            # A fresh uuid per start so a fast restart never reuses a replica id.
-            new_uuid = str(uuid.uuid4())
-            full_replica_id = f"{replica_id}:{new_uuid}" if replica_id else new_uuid
-            self._manager = ManagerServer(
-                replica_id=full_replica_id,
-                lighthouse_addr=lighthouse_addr,
-                hostname=hostname,
-                bind=f"[::]:{port}",
-                store_addr=_host_port(store_addr, store_port),
-                world_size=group_world_size,
-                heartbeat_interval=heartbeat_interval,
-                connect_timeout=self._connect_timeout,
-                quorum_retries=self._quorum_retries,
-            )
-            self._store.set(MANAGER_ADDR_KEY, self._manager.address())
-            self._store.set(REPLICA_ID_KEY, full_replica_id)
-
-        addr = self._store.get(MANAGER_ADDR_KEY).decode("utf-8")
-        # Group rank 0 too: connecting checks at start-up that the advertised address works.
-        self._client = ManagerClient(addr, connect_timeout=self._connect_timeout)
-        # Group rank 0 owns the ManagerServer, so it joins the quorum and votes in-process (the
-        # handlers' own coroutines on the server's loop, same deadlines and errors) instead of
-        # a gRPC round trip to itself; the other ranks go through gRPC.
-        self._quorum_rpc: Callable[..., QuorumResult] = (
-            self._manager.quorum_in_process if self._manager is not None else self._client._quorum
-        )
-        self._should_commit_rpc: Callable[..., bool] = (
-            self._manager.should_commit_in_process
-            if self._manager is not None
-            else self._client.should_commit
-        )
-        self._full_replica_id: str = self._store.get(REPLICA_ID_KEY).decode("utf-8")
-        self._logger = _ManagerLogger(self, self._full_replica_id, self._group_rank)
-
         self._step = 0
+        self._endpoints = open_endpoints(
+            group_rank=self._group_rank,
+            group_world_size=self._group_world_size,
+            store_host=settings.store_host,
+            store_port=settings.store_port,
+            lighthouse_addr=settings.lighthouse_addr,
+            replica_name=replica_id,
+            port=settings.port,
+            hostname=hostname,
+            heartbeat_interval=heartbeat_interval,
+            connect_timeout=self._connect_timeout,
+            quorum_retries=self._quorum_retries,
+        )
+        self._full_replica_id: str = self._endpoints.replica_id
+        self._logger = ManagerLogger(self.current_step, self._full_replica_id, self._group_rank)
+        self._ledger = StepLedger()
+        self._worker = QuorumWorker(
+            quorum_call=self._endpoints.quorum,
+            process_group=lambda: self._pg,
+            recovery=Recovery(
+                self._checkpoint_transport,
+                metadata_over_grpc(self._connect_timeout),
+                self._group_rank,
+                self._timeout,
+                self._logger.info,
+            ),
+            snapshot=self._state.copy,
+            metadata=self._checkpoint_transport.metadata,
+            group_rank=self._group_rank,
+            replica_name=replica_id,
+            use_async_quorum=use_async_quorum,
+            init_sync=init_sync,
+            world_size_mode=world_size_mode,
+            min_replica_size=min_replica_size,
+            log=self._logger,
+        )
+
         self._quorum_id = -1
-        self._errored: ExceptionWithTraceback | None = None
         self._healing = False
         self._pending_state_dict: dict[str, Any] | None = None
         # Manager state before a heal overwrote it; restored if loading the user state fails.
         self._pre_heal_state: dict[str, int] | None = None
-        self._pending_work: list[torch.futures.Future[Any]] = []
-        self._outstanding_works: list[_ManagedWork] = []
         self._batches_committed = 0
-        self._participating_replica_rank: int | None = None
-        self._participating_replica_world_size: int = 0
+        # This step's contributors, as seen from this replica; None before the first quorum.
+        self._participation: Participation | None = None
+
+    # -- test-visible attributes of the reference (§2.2), kept as views of the parts ----------
+
+    @property
+    def _errored(self) -> ExceptionWithTraceback | None:
+        return self._ledger.error
+
+    @_errored.setter
+    def _errored(self, value: ExceptionWithTraceback | None) -> None:
+        self._ledger.error = value
+
+    @property
+    def _state_dict_lock(self) -> Any:
+        return self._state.lock
+
+    @property
+    def _is_state_dict_read_allowed(self) -> bool:
+        return self._state.reads_allowed
+
+    @property
+    def _participating_replica_rank(self) -> int | None:
+        return None if self._participation is None else self._participation.rank
+
+    @_participating_replica_rank.setter
+    def _participating_replica_rank(self, rank: int | None) -> None:
+        self._participation = Participation(rank, self._participating_replica_world_size)
+
+    @property
+    def _participating_replica_world_size(self) -> int:
+        return 0 if self._participation is None else self._participation.count
+
+    @_participating_replica_world_size.setter
+    def _participating_replica_world_size(self, count: int) -> None:
+        self._participation = Participation(self._participating_replica_rank, count)
+
+    # -- user state ----------------------------------------------------------------------
+
+    def register_state_dict_fn(
+        self, key: str, load_state_dict: Callable[[T], None], state_dict: Callable[[], T]
+    ) -> None:
+        """Registers a named pair of user state functions sent to healing peers.
+
+        Args:
+            key: unique name; the receiver loads ``state["user"][key]`` with its function.
+            load_state_dict: loads the received state (called on the training thread).
+            state_dict: returns the state to send (called on the training thread).
+
+        Raises:
+            AssertionError: ``key`` is already registered.
+        """
+        self._state.register(key, load_state_dict, state_dict)
+
+    def set_state_dict_fns(
+        self, load_state_dict: Callable[[T], None], state_dict: Callable[[], T]
+    ) -> None:
+        """Deprecated: use :meth:`register_state_dict_fn`.
+
+        Args:
+            load_state_dict: see ``register_state_dict_fn``.
+            state_dict: see ``register_state_dict_fn``.
+        """
+        warnings.warn(
+            "Manager.set_state_dict_fns is deprecated; use register_state_dict_fn",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        self.register_state_dict_fn("set_state_dict_fns", load_state_dict, state_dict)
+
+    def allow_state_dict_read(self) -> None:
+        """Lets peers read the state dict again after :meth:`disallow_state_dict_read`."""
+        self._state.unblock_reads()
+
+    def disallow_state_dict_read(self) -> None:
+        """Makes state-dict reads wait while the state is being changed (idempotent)."""
+        self._state.block_reads()
+
+    def _manager_state_dict(self) -> dict[str, Any]:
+        return self._state.read(self.state_dict)
 
     # -- step lifecycle -----------------------------------------------------------------
 
@@ -356,24 +315,24 @@ class Manager(_HealingMixin):
             if error is not None and previous is not self._raised_quorum_future:
                 self._raised_quorum_future = previous
                 raise error
-        self._errored = None
+        self._ledger.begin()
         self._healing = False
         self._pending_state_dict = None
         self._pre_heal_state = None
-        self._pending_work = []
-        self._outstanding_works = []
 
         # Capture what a healing peer would receive on this (the training) thread.
         captured = self._capture_state_dict() if allow_heal else None
-        self._quorum_future = self._executor.submit(
-            self._async_quorum,
+        request = StepRequest(
+            step=self._step,
+            commit_failures=self._commit_failures,
+            current_quorum_id=self._quorum_id,
             allow_heal=allow_heal,
             shrink_only=shrink_only,
-            quorum_timeout=timeout or self._quorum_timeout,
-            curr_device=torch.cuda.current_device() if torch.cuda.is_available() else -1,
-            step=self._step,
+            timeout=timeout or self._quorum_timeout,
             captured=captured,
+            device=torch.cuda.current_device() if torch.cuda.is_available() else -1,
         )
+        self._quorum_future = self._executor.submit(self._async_quorum, request)
         if not self._use_async_quorum:
             self.wait_quorum()
             if self._healing:
@@ -395,78 +354,66 @@ class Manager(_HealingMixin):
             self._raised_quorum_future = future
             raise
 
-    def _async_quorum(
-        self,
-        allow_heal: bool,
-        shrink_only: bool,
-        quorum_timeout: timedelta,
-        curr_device: int,
-        step: int,
-        captured: dict[str, Any] | None,
-    ) -> None:
-        if curr_device >= 0 and torch.cuda.is_available():
-            torch.cuda.set_device(curr_device)
-        # Quorum RPC errors propagate: they are raised to the training loop.
-        quorum = self._quorum_rpc(
-            group_rank=self._group_rank,
-            step=step,
-            checkpoint_metadata=self._checkpoint_transport.metadata(),
-            shrink_only=shrink_only,
-            init_sync=self._init_sync,
-            commit_failures=self._commit_failures,
-            timeout=quorum_timeout,
-        )
+    def _capture_state_dict(self) -> dict[str, Any] | None:
+        if self._state.empty:
+            return None
+        if not self._state.reads_allowed:
+            # This thread holds the writer side; reading would wait for ourselves.
+            self._logger.warning(
+                "state-dict reads are disallowed at start_quorum; cannot serve recovery this step"
+            )
+            return None
         try:
-            self._apply_quorum(quorum, allow_heal)
+            return self._manager_state_dict()
         except Exception as e:
-            self._logger.exception(f"applying quorum {quorum.quorum_id} failed: {e}")
+            self._logger.exception(f"capturing the state dict failed: {e}")
             self.report_error(e)
-            return
-        if allow_heal:
-            self._recover(quorum, captured)
+            return None
 
-    def _apply_quorum(self, quorum: QuorumResult, allow_heal: bool) -> None:
-        rank, world_size = participation(
-            quorum,
-            self._use_async_quorum,
-            allow_heal,
-            self._replica_world_size_mode,
-            self._min_replica_size,
-        )
-        self._participating_replica_rank = rank
-        self._participating_replica_world_size = world_size
-        if quorum.quorum_id == self._quorum_id:
+    def _async_quorum(self, request: StepRequest) -> None:
+        # Quorum thread. A quorum RPC error propagates: wait_quorum raises it.
+        self._apply_outcome(self._worker.run(request))
+
+    def _apply_outcome(self, outcome: QuorumOutcome) -> None:
+        """Quorum thread: takes in what the step's quorum work produced (the only writer)."""
+        self._participation = outcome.participation
+        if outcome.reconfigured:
+            self._quorum_id = outcome.quorum.quorum_id
+        for error in outcome.errors:
+            self.report_error(error)
+        if outcome.recovery_event is not None:
+            self._recovery_event = outcome.recovery_event
+        if not outcome.healing:
             return
-        self._logger.info(
-            f"new quorum {quorum.quorum_id}: replica rank {quorum.replica_rank} of "
-            f"{quorum.replica_world_size} {list(quorum.replica_ids)}, max_step "
-            f"{quorum.max_step}, participating rank {rank} of {world_size}, heal={quorum.heal}"
-            + (
-                f" from replica rank {quorum.recover_src_replica_rank}"
-                f" ({quorum.recover_src_manager_address})"
-                if quorum.heal
-                else ""
-            )
-            + (
-                f", sending to replica ranks {list(quorum.recover_dst_replica_ranks)}"
-                if quorum.recover_dst_replica_ranks
-                else ""
-            )
-        )
-        store_prefixed_addr = (
-            f"{quorum.store_address}/torchft/{quorum.quorum_id}/{self._group_rank}"
-        )
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        # A failure propagates to _async_quorum: reported, quorum id unchanged so the next
-        # step reconfigures again.
-        self._pg.configure(
-            store_prefixed_addr,
-            self._replica_id or "0",
-            quorum.replica_rank,
-            quorum.replica_world_size,
-        )
-        self._quorum_id = quorum.quorum_id
+        self._healing = True
+        received = outcome.received
+        if received is not None:
+            self._pre_heal_state = self.state_dict()
+            self._pending_state_dict = received
+            # The manager's own counters are restored now, as the reference does; the user
+            # state waits for the training thread.
+            self.load_state_dict(received["torchft"])
+            self._step = outcome.quorum.max_step
+
+    def _apply_pending_state_dict(self) -> None:
+        """Training thread: loads the received user state (a failure undoes the heal)."""
+        assert self._healing, "must be in healing state"
+        self.wait_quorum()
+        pending, self._pending_state_dict = self._pending_state_dict, None
+        if pending is None:
+            if self._errored is None:
+                self.report_error(RuntimeError("healing without a received checkpoint"))
+            return
+        try:
+            self._state.load(pending["user"])
+            self._logger.info("loaded the recovered state dict")
+        except Exception as e:
+            self._logger.exception(f"loading the recovered state dict failed: {e}")
+            self.report_error(e)
+            # Not healed after all: report the old step so the next quorum heals again.
+            if self._pre_heal_state is not None:
+                self.load_state_dict(self._pre_heal_state)
+        self._pre_heal_state = None
 
     # -- collectives --------------------------------------------------------------------
 
@@ -497,6 +444,7 @@ class Manager(_HealingMixin):
         num_participants = self.num_participants()
         is_avg = reduce_op == ReduceOp.AVG
         if is_avg and not tensor.is_floating_point():
+            # Worded as the reference's; its tests match this text.
             raise ValueError("average reduce op is only supported for floating point tensors")
         if not self.is_participating():
             # Healing replicas and spares contribute zeros but stay in lock-step.
@@ -524,7 +472,7 @@ class Manager(_HealingMixin):
             return tensor
 
         managed.get_future().then(normalize)
-        self._outstanding_works.append(managed)
+        self._ledger.track_work(managed)
         return managed
 
     def report_error(self, e: Exception) -> None:
@@ -534,11 +482,11 @@ class Manager(_HealingMixin):
             e: what failed.
         """
         self._logger.warning(f"step failed: {type(e).__name__}: {e}")
-        self._errored = ExceptionWithTraceback(e)
+        self._ledger.report(e)
 
     def errored(self) -> ExceptionWithTraceback | None:
         """Returns the error reported in this step, or None."""
-        return self._errored
+        return self._ledger.error
 
     def wrap_future(
         self,
@@ -564,7 +512,7 @@ class Manager(_HealingMixin):
                 return default
 
         wrapped = fut.then(callback)
-        self._pending_work.append(wrapped)
+        self._ledger.track_future(wrapped)
         return wrapped
 
     def should_commit(self, timeout: timedelta | None = None) -> bool:
@@ -581,17 +529,7 @@ class Manager(_HealingMixin):
             TimeoutError: the RPC timed out.
         """
         # Every collective of this step must have landed (or failed) before we vote.
-        for work in self._outstanding_works:
-            if self._errored is not None:
-                break
-            if not work._waited:
-                work.wait()
-        for fut in self._pending_work:
-            if self._errored is not None:
-                break
-            fut.wait()  # never raises: wrap_future swallowed the error
-        self._outstanding_works = []
-        self._pending_work = []
+        self._ledger.settle()
         if self._recovery_event is not None:
             self._recovery_event.synchronize()
             self._recovery_event = None
@@ -605,10 +543,9 @@ class Manager(_HealingMixin):
             self._apply_pending_state_dict()
 
         num_participants = self.num_participants()
-        local = local_commit_vote(
-            num_participants, self._min_replica_size, self._errored is not None
-        )
-        decision = self._should_commit_rpc(
+        errored = self._errored is not None
+        local = local_vote(num_participants, self._min_replica_size, errored)
+        decision = self._endpoints.should_commit(
             group_rank=self._group_rank,
             step=self._step,
             should_commit=local,
@@ -623,7 +560,7 @@ class Manager(_HealingMixin):
             local,
             num_participants,
             self._min_replica_size,
-            self._errored is not None,
+            errored,
         )
         self._checkpoint_transport.disallow_checkpoint()
         if decision:
@@ -632,13 +569,13 @@ class Manager(_HealingMixin):
             self._commit_failures = 0
         else:
             self._commit_failures += 1
-            message = commit_failures_exceeded(self._commit_failures, self._max_retries)
+            message = retry_limit_error(self._commit_failures, self._max_retries)
             if message is not None:
                 self._logger.warning(message)
                 raise RuntimeError(message)
         return decision
 
-    # -- manager state --------------------------------------------------------------------
+    # -- manager state and queries --------------------------------------------------------
 
     def load_state_dict(self, state_dict: dict[str, int]) -> None:
         """Restores the step and batch counters (from a checkpoint or a healing peer).
@@ -653,8 +590,6 @@ class Manager(_HealingMixin):
         """Returns ``{"step", "batches_committed"}``; checkpoint it with the user state."""
         return {"step": self._step, "batches_committed": self._batches_committed}
 
-    # -- queries ---------------------------------------------------------------------------
-
     def current_step(self) -> int:
         """Returns the number of committed steps (the first step is 0)."""
         return self._step
@@ -664,34 +599,30 @@ class Manager(_HealingMixin):
         return self._batches_committed
 
     def participating_rank(self) -> int | None:
-        """Returns this replica's rank among the participants, None if not participating.
+        """This replica's rank among the step's contributors, after the quorum in flight.
 
-        Waits for the in-flight quorum; None before any quorum.
+        None before the first ``start_quorum``, and for a replica that does not contribute.
         """
+        settled = self._settled_participation()
+        return None if settled is None else settled.rank
+
+    def num_participants(self) -> int:
+        """How many replicas contribute to this step, after the quorum in flight (0 before any)."""
+        settled = self._settled_participation()
+        return 0 if settled is None else settled.count
+
+    def is_participating(self) -> bool:
+        """Whether this replica's data counts this step (not a spare, not outside, not healing)."""
+        current = self._participation
+        return current is not None and current.contributes(healing=self._healing)
+
+    def _settled_participation(self) -> Participation | None:
+        # Nothing to wait for before the first start_quorum; afterwards the quorum in flight
+        # decides (and its error, if any, is raised here).
         if self._quorum_future is None:
             return None
         self.wait_quorum()
-        return self._participating_replica_rank
-
-    def num_participants(self) -> int:
-        """Returns the number of replicas contributing to this step (0 before any quorum).
-
-        Waits for the in-flight quorum.
-        """
-        if self._quorum_future is None:
-            return 0
-        self.wait_quorum()
-        assert self._participating_replica_world_size >= 0, "internal error"
-        return self._participating_replica_world_size
-
-    def is_participating(self) -> bool:
-        """False for a spare, a replica outside the participants, or one still healing."""
-        if self._participating_replica_rank is None:
-            return False
-        if self._healing:
-            assert self._use_async_quorum
-            return False
-        return True
+        return self._participation
 
     def shutdown(self, wait: bool = True) -> None:
         """Stops the checkpoint transport, the ManagerServer and the quorum thread.
@@ -702,7 +633,5 @@ class Manager(_HealingMixin):
             wait: wait for background work to finish.
         """
         self._checkpoint_transport.shutdown(wait=wait)
-        self._client.close()
-        if self._manager is not None:
-            self._manager.shutdown()
+        self._endpoints.close()
         self._executor.shutdown(wait=wait)

@@ -1,0 +1,175 @@
+"""What a Manager talks to: its replica group's store, the manager server, and a client of it.
+
+:func:`open_endpoints` builds them in the reference's order (§6.1): a client of the replica
+group's TCPStore (which torchrun already runs); on group rank 0 the
+:class:`~torchheal.coordination.manager_server.ManagerServer`, whose address and the group's
+full replica id are published in the store; on every rank a
+:class:`~torchheal.coordination.client.ManagerClient` of that address.
+:class:`GroupEndpoints` then offers the two per-step calls. Group rank 0 owns the server, so it
+joins the quorum and votes in-process (the handlers' own coroutines on the server's loop, same
+deadlines and errors) instead of a gRPC round trip to itself.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from datetime import timedelta
+
+from torch.distributed import TCPStore
+
+from torchheal.coordination.client import ManagerClient
+from torchheal.coordination.rpc.addresses import format_target
+from torchheal.coordination.manager_server import ManagerServer
+from torchheal.coordination.types import QuorumResult
+
+__all__ = ["MANAGER_ADDR_KEY", "REPLICA_ID_KEY", "GroupEndpoints", "open_endpoints"]
+
+MANAGER_ADDR_KEY: str = "manager_addr"
+REPLICA_ID_KEY: str = "replica_id"
+
+
+@dataclass
+class GroupEndpoints:
+    """The open connections of one rank of one replica group.
+
+    Args:
+        store: client of the replica group's TCPStore.
+        server: the group's manager server (group rank 0 only, else None).
+        client: client of the group's manager server (every rank; rank 0 uses it only to
+            check at start-up that the published address works).
+        replica_id: the group's full id (``"{name}:{uuid}"``), read from the store.
+    """
+
+    store: TCPStore
+    server: ManagerServer | None
+    client: ManagerClient
+    replica_id: str
+
+    def quorum(
+        self,
+        group_rank: int,
+        step: int,
+        checkpoint_metadata: str,
+        shrink_only: bool,
+        init_sync: bool,
+        commit_failures: int,
+        timeout: timedelta,
+    ) -> QuorumResult:
+        """This rank's part of the quorum round (see ``ManagerClient._quorum``).
+
+        Args:
+            group_rank: this rank's index in the group.
+            step: its current step.
+            checkpoint_metadata: how healers fetch its state.
+            shrink_only: only accept a quorum that drops members.
+            init_sync: heal replicas at step 0 so all start identical.
+            commit_failures: consecutive failed commits.
+            timeout: deadline of the whole quorum.
+        """
+        call = self.server.quorum_in_process if self.server is not None else self.client._quorum
+        return call(
+            group_rank=group_rank,
+            step=step,
+            checkpoint_metadata=checkpoint_metadata,
+            shrink_only=shrink_only,
+            init_sync=init_sync,
+            commit_failures=commit_failures,
+            timeout=timeout,
+        )
+
+    def should_commit(
+        self, group_rank: int, step: int, should_commit: bool, timeout: timedelta
+    ) -> bool:
+        """This rank's commit vote; returns the group's decision.
+
+        Args:
+            group_rank: this rank's index in the group.
+            step: the step voted on.
+            should_commit: this rank's vote.
+            timeout: deadline of the vote.
+        """
+        if self.server is not None:
+            call = self.server.should_commit_in_process
+        else:
+            call = self.client.should_commit
+        return call(group_rank=group_rank, step=step, should_commit=should_commit, timeout=timeout)
+
+    def close(self) -> None:
+        """Closes the client and stops the server (the store client closes with the object)."""
+        self.client.close()
+        if self.server is not None:
+            self.server.shutdown()
+
+
+def open_endpoints(
+    *,
+    group_rank: int,
+    group_world_size: int,
+    store_host: str,
+    store_port: int,
+    lighthouse_addr: str | None,
+    replica_name: str | None,
+    port: int,
+    hostname: str,
+    heartbeat_interval: timedelta,
+    connect_timeout: timedelta,
+    quorum_retries: int,
+) -> GroupEndpoints:
+    """Connects to the group's store; group rank 0 starts the manager server; all connect to it.
+
+    Args:
+        group_rank: this rank's index in its replica group.
+        group_world_size: the group's number of ranks.
+        store_host: host of the group's TCPStore.
+        store_port: its port.
+        lighthouse_addr: the lighthouse (needed on group rank 0 only).
+        replica_name: the group's name; a fresh uuid is appended so a fast restart never
+            reuses an id.
+        port: group rank 0's server port (0: ephemeral).
+        hostname: the host name advertised to other groups.
+        heartbeat_interval: how often the server heartbeats the lighthouse.
+        connect_timeout: reaching the lighthouse and the server.
+        quorum_retries: lighthouse quorum retries inside the server.
+
+    Raises:
+        ValueError: group rank 0 has no lighthouse address.
+    """
+    # The store client outlives rank 0's server start-up (bounded by connect_timeout).
+    store = TCPStore(
+        host_name=store_host,
+        port=store_port,
+        is_master=False,
+        wait_for_workers=False,
+        timeout=max(timedelta(seconds=300), 2 * connect_timeout),
+    )
+    server = None
+    if group_rank == 0:
+        if not lighthouse_addr:
+            raise ValueError(
+                "no lighthouse address: pass lighthouse_addr or set TORCHHEAL_LIGHTHOUSE "
+                "(or TORCHFT_LIGHTHOUSE)"
+            )
+        full_id = f"{replica_name}:{uuid.uuid4()}" if replica_name else str(uuid.uuid4())
+        server = ManagerServer(
+            replica_id=full_id,
+            lighthouse_addr=lighthouse_addr,
+            hostname=hostname,
+            bind=f"[::]:{port}",
+            store_addr=format_target(store_host, store_port),
+            world_size=group_world_size,
+            heartbeat_interval=heartbeat_interval,
+            connect_timeout=connect_timeout,
+            quorum_retries=quorum_retries,
+        )
+        store.set(MANAGER_ADDR_KEY, server.address())
+        store.set(REPLICA_ID_KEY, full_id)
+    try:
+        address = store.get(MANAGER_ADDR_KEY).decode("utf-8")
+        client = ManagerClient(address, connect_timeout=connect_timeout)
+        replica_id = store.get(REPLICA_ID_KEY).decode("utf-8")
+    except BaseException:
+        if server is not None:
+            server.shutdown()
+        raise
+    return GroupEndpoints(store=store, server=server, client=client, replica_id=replica_id)

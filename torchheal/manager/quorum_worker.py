@@ -1,0 +1,216 @@
+"""What the quorum thread does for one step, returned as data for the Manager to apply.
+
+:meth:`QuorumWorker.run` joins the replica group's quorum round, works out this replica's part
+in the step (:func:`~torchheal.coordination.plan.participation`), rebuilds the cross-replica
+process group when the quorum changed, and sends or receives state through
+:class:`~torchheal.manager.recovery.Recovery`. It writes nothing of the Manager's: it returns
+a :class:`QuorumOutcome` (the quorum, the participation, whether the group was rebuilt, what
+arrived, what failed), and the Manager alone updates its step, quorum id and healing status
+from it. A quorum RPC error is raised (the training loop must see it); every other failure is
+collected in the outcome (it makes the step not commit).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Protocol
+
+import torch
+
+from torchheal.coordination.plan import Participation, WorldSizeMode, participation
+from torchheal.coordination.types import QuorumResult
+from torchheal.manager.log import ManagerLogger, describe_quorum
+from torchheal.manager.recovery import Recovery
+
+__all__ = ["QuorumOutcome", "QuorumWorker"]
+
+
+class _QuorumCall(Protocol):
+    def __call__(
+        self,
+        *,
+        group_rank: int,
+        step: int,
+        checkpoint_metadata: str,
+        shrink_only: bool,
+        init_sync: bool,
+        commit_failures: int,
+        timeout: timedelta,
+    ) -> QuorumResult: ...
+
+
+@dataclass
+class QuorumOutcome:
+    """What one step's quorum work produced.
+
+    Args:
+        quorum: this rank's quorum result.
+        participation: this replica's part in the step's reductions.
+        reconfigured: the process group was rebuilt for ``quorum.quorum_id``.
+        healing: this replica is behind and was to receive its state this step.
+        received: the state that arrived (``{"user", "torchft"}``), or None.
+        errors: what failed, in order; any of them makes the step not commit.
+        recovery_event: a CUDA event after the transfer (None without CUDA).
+    """
+
+    quorum: QuorumResult
+    participation: Participation
+    reconfigured: bool = False
+    healing: bool = False
+    received: dict[str, Any] | None = None
+    errors: list[Exception] = field(default_factory=list)
+    recovery_event: Any = None
+
+
+@dataclass(frozen=True)
+class StepRequest:
+    """One step's arguments to the quorum thread, captured on the training thread.
+
+    Args:
+        step: the step this replica is at.
+        commit_failures: consecutive failed commits so far.
+        current_quorum_id: the quorum the process group is configured for (-1: none).
+        allow_heal: send/receive state this step.
+        shrink_only: ask the lighthouse not to admit new replicas.
+        timeout: the quorum's deadline.
+        captured: the state a healing peer would receive (references to live tensors).
+        device: the training thread's CUDA device (-1 without CUDA).
+    """
+
+    step: int
+    commit_failures: int
+    current_quorum_id: int
+    allow_heal: bool
+    shrink_only: bool
+    timeout: timedelta
+    captured: dict[str, Any] | None
+    device: int = -1
+
+
+class QuorumWorker:
+    """Runs a step's quorum, reconfiguration and transfer on the quorum thread.
+
+    Args:
+        quorum_call: this rank's quorum RPC (``GroupEndpoints.quorum``).
+        process_group: returns the cross-replica process group (``configure`` is called on a
+            new quorum); read each time, so whoever swaps the Manager's ``_pg`` is followed.
+        recovery: sends and receives state.
+        snapshot: makes a private copy of captured state before it is sent.
+        metadata: returns this replica's checkpoint transport metadata.
+        group_rank: this rank's index in its replica group.
+        replica_name: the user's replica id (passed to ``pg.configure``; ``"0"`` when None).
+        use_async_quorum: whether the quorum runs during the forward pass.
+        init_sync: heal replicas at step 0 so all start identical.
+        world_size_mode: DYNAMIC or FIXED_WITH_SPARES.
+        min_replica_size: the Manager's ``min_replica_size``.
+        log: the Manager's prefixed logger.
+    """
+
+    def __init__(
+        self,
+        *,
+        quorum_call: _QuorumCall,
+        process_group: Callable[[], Any],
+        recovery: Recovery,
+        snapshot: Callable[[dict[str, Any]], dict[str, Any]],
+        metadata: Callable[[], str],
+        group_rank: int,
+        replica_name: str | None,
+        use_async_quorum: bool,
+        init_sync: bool,
+        world_size_mode: WorldSizeMode,
+        min_replica_size: int,
+        log: ManagerLogger,
+    ) -> None:
+        self._quorum_call = quorum_call
+        self._process_group = process_group
+        self._recovery = recovery
+        self._snapshot = snapshot
+        self._metadata = metadata
+        self._group_rank = group_rank
+        self._replica_name = replica_name or "0"
+        self._use_async_quorum = use_async_quorum
+        self._init_sync = init_sync
+        self._world_size_mode = world_size_mode
+        self._min_replica_size = min_replica_size
+        self._log = log
+        self._recovery_stream: Any = torch.cuda.Stream() if torch.cuda.is_available() else None
+
+    def run(self, request: StepRequest) -> QuorumOutcome:
+        """Joins the quorum, rebuilds the group if it changed, and moves state.
+
+        Args:
+            request: the step's arguments.
+
+        Raises:
+            TimeoutError, RuntimeError: the quorum RPC failed.
+        """
+        if request.device >= 0 and torch.cuda.is_available():
+            torch.cuda.set_device(request.device)
+        quorum = self._quorum_call(
+            group_rank=self._group_rank,
+            step=request.step,
+            checkpoint_metadata=self._metadata(),
+            shrink_only=request.shrink_only,
+            init_sync=self._init_sync,
+            commit_failures=request.commit_failures,
+            timeout=request.timeout,
+        )
+        outcome = QuorumOutcome(
+            quorum=quorum,
+            participation=participation(
+                quorum,
+                self._use_async_quorum,
+                request.allow_heal,
+                self._world_size_mode,
+                self._min_replica_size,
+            ),
+        )
+        if quorum.quorum_id != request.current_quorum_id:
+            try:
+                self._reconfigure(outcome)
+            except Exception as e:
+                # No transfer this step; the quorum id stays, so the next step tries again.
+                self._log.exception(f"applying quorum {quorum.quorum_id} failed: {e}")
+                outcome.errors.append(e)
+                return outcome
+        if request.allow_heal:
+            self._move_state(outcome, request.captured)
+        return outcome
+
+    def _reconfigure(self, outcome: QuorumOutcome) -> None:
+        quorum = outcome.quorum
+        self._log.info(describe_quorum(quorum, outcome.participation))
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self._process_group().configure(
+            f"{quorum.store_address}/torchft/{quorum.quorum_id}/{self._group_rank}",
+            self._replica_name,
+            quorum.replica_rank,
+            quorum.replica_world_size,
+        )
+        outcome.reconfigured = True
+
+    def _move_state(self, outcome: QuorumOutcome, captured: dict[str, Any] | None) -> None:
+        quorum = outcome.quorum
+        stream = self._recovery_stream
+        with torch.cuda.stream(stream) if stream is not None else nullcontext():
+            try:
+                if quorum.recover_dst_replica_ranks:
+                    if captured is None:
+                        raise RuntimeError(
+                            "peers need recovery but no state was captured at start_quorum "
+                            "(no state_dict function registered, or reads were disallowed)"
+                        )
+                    self._recovery.send(quorum, self._snapshot(captured))
+                if quorum.heal:
+                    outcome.healing = True
+                    outcome.received = self._recovery.receive(quorum)
+            except Exception as e:
+                self._log.exception(f"recovery failed: {e}")
+                outcome.errors.append(e)
+            if stream is not None:
+                outcome.recovery_event = stream.record_event()

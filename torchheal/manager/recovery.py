@@ -1,0 +1,109 @@
+"""Moving a replica's state to the peers that are behind, and receiving it from a peer.
+
+:class:`Recovery` is the transfer, as data: :meth:`Recovery.send` hands a state dict to the
+checkpoint transport for the replica ranks the quorum assigned to this one, and
+:meth:`Recovery.receive` asks the assigned source for its transport metadata and returns the
+state dict that arrived. It never touches the user's functions or the Manager's counters: the
+Manager decides what to do with what arrived (and when, on the training thread).
+
+The source's metadata is fetched through a callable, so the whole class runs in tests with an
+in-memory transport and no servers; :func:`metadata_over_grpc` is the real one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+from torchheal.checkpointing import CheckpointTransport
+from torchheal.coordination.client import ManagerClient
+from torchheal.coordination.types import QuorumResult
+
+__all__ = ["MetadataFetcher", "Recovery", "metadata_over_grpc"]
+
+#: ``(source manager address, this group rank, timeout) -> the source's transport metadata``.
+MetadataFetcher = Callable[[str, int, timedelta], str]
+
+
+def metadata_over_grpc(connect_timeout: timedelta) -> MetadataFetcher:
+    """A fetcher that asks the source's ManagerServer (a fresh client per heal, closed after).
+
+    Args:
+        connect_timeout: how long to try to reach the source's server.
+    """
+
+    def fetch(address: str, group_rank: int, timeout: timedelta) -> str:
+        client = ManagerClient(address, connect_timeout=connect_timeout)
+        try:
+            return client._checkpoint_metadata(group_rank, timeout=timeout)
+        finally:
+            client.close()
+
+    return fetch
+
+
+class Recovery:
+    """Sends and receives whole state dicts through a checkpoint transport.
+
+    Args:
+        transport: the checkpoint transport (HTTP, PG, or an in-memory twin in tests).
+        fetch_metadata: how to learn the source's transport metadata.
+        group_rank: this rank's index in its replica group (a healer fetches from the same
+            group rank of its source).
+        timeout: bound on each transfer and on the metadata request.
+        log: receives one line per transfer (the Manager's prefixed logger).
+    """
+
+    def __init__(
+        self,
+        transport: CheckpointTransport[Any],
+        fetch_metadata: MetadataFetcher,
+        group_rank: int,
+        timeout: timedelta,
+        log: Callable[[str], None],
+    ) -> None:
+        self._transport = transport
+        self._fetch_metadata = fetch_metadata
+        self._group_rank = group_rank
+        self._timeout = timeout
+        self._log = log
+
+    def send(self, quorum: QuorumResult, state: dict[str, Any]) -> None:
+        """Serves ``state`` to the replica ranks ``quorum`` assigned to this replica.
+
+        Args:
+            quorum: this rank's quorum result (``recover_dst_replica_ranks`` non-empty).
+            state: the state dict to send, already a private copy.
+        """
+        destinations = list(quorum.recover_dst_replica_ranks)
+        self._log(f"sending checkpoint of step {quorum.max_step} to replica ranks {destinations}")
+        self._transport.send_checkpoint(
+            dst_ranks=destinations, step=quorum.max_step, state_dict=state, timeout=self._timeout
+        )
+
+    def receive(self, quorum: QuorumResult) -> dict[str, Any]:
+        """Fetches the state of step ``quorum.max_step`` from the assigned source.
+
+        Args:
+            quorum: this rank's quorum result (``heal`` is True).
+
+        Returns:
+            the received ``{"user": ..., "torchft": ...}`` state dict.
+
+        Raises:
+            RuntimeError: the quorum names no source, or what arrived lacks a section.
+            Exception: whatever the metadata request or the transport raised.
+        """
+        source = quorum.recover_src_replica_rank
+        if source is None:
+            raise RuntimeError("quorum says heal but names no source replica rank")
+        address = quorum.recover_src_manager_address
+        self._log(f"healing to step {quorum.max_step} from replica rank {source} ({address})")
+        metadata = self._fetch_metadata(address, self._group_rank, self._timeout)
+        received = self._transport.recv_checkpoint(
+            src_rank=source, metadata=metadata, step=quorum.max_step, timeout=self._timeout
+        )
+        if not isinstance(received, dict) or not {"user", "torchft"} <= received.keys():
+            raise RuntimeError("received checkpoint lacks the 'user'/'torchft' sections")
+        return received

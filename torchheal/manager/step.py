@@ -1,0 +1,129 @@
+"""One step's failures and the work the vote must wait for.
+
+The Manager promises that a failure anywhere in a step (the quorum thread's reconfiguration or
+transfer, a collective, a wrapped future) makes this rank vote against committing it.
+:class:`StepLedger` is where that is remembered: the step's error, and the collectives and
+wrapped futures issued during the step, so that ``should_commit`` first waits for the ones
+nobody waited on (a late error must not slip past the vote). It knows nothing about quorums,
+process groups or transports, so it is tested with plain objects.
+"""
+
+from __future__ import annotations
+
+import threading
+import traceback
+from typing import Any, Protocol
+
+__all__ = ["ExceptionWithTraceback", "StepLedger"]
+
+
+class ExceptionWithTraceback(Exception):
+    """An error reported during a step, with the stack trace where it happened.
+
+    Args:
+        e: the original exception.
+    """
+
+    def __init__(self, e: Exception) -> None:
+        self.original_exception = e
+        if e.__traceback__ is not None:
+            self.stack_trace: str = "".join(traceback.format_exception(e))
+        else:
+            # Reported without being raised: the caller's stack says where.
+            self.stack_trace = "".join(traceback.format_stack()[:-1])
+        super().__init__(f"{e}\n{self.stack_trace}")
+
+
+class _Work(Protocol):
+    """A collective's handle as the Manager returns it (``torchheal.work._ManagedWork``)."""
+
+    _waited: bool
+
+    def wait(self) -> Any: ...
+
+
+class _Future(Protocol):
+    def wait(self) -> Any: ...
+
+
+class StepLedger:
+    """The error of the current step and what must land before it is voted on.
+
+    ``begin`` opens a step; ``report`` records a failure (the latest one is kept, as the
+    reference does); ``track_work``/``track_future`` remember what was issued; ``settle``
+    waits for it. Reports come from the training thread, the quorum thread and future
+    callbacks; a lock keeps the lists consistent between them.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._error: ExceptionWithTraceback | None = None
+        self._works: list[_Work] = []
+        self._futures: list[_Future] = []
+
+    @property
+    def error(self) -> ExceptionWithTraceback | None:
+        """The error reported in this step, or None."""
+        return self._error
+
+    @error.setter
+    def error(self, value: ExceptionWithTraceback | None) -> None:
+        self._error = value
+
+    def begin(self) -> None:
+        """Opens a new step: no error, nothing outstanding."""
+        with self._lock:
+            self._error = None
+            self._works = []
+            self._futures = []
+
+    def report(self, e: Exception) -> ExceptionWithTraceback:
+        """Records that the step failed.
+
+        Args:
+            e: what failed.
+
+        Returns:
+            the recorded error, with its stack trace.
+        """
+        wrapped = ExceptionWithTraceback(e)
+        self._error = wrapped
+        return wrapped
+
+    def track_work(self, work: _Work) -> None:
+        """Remembers a collective issued in this step.
+
+        Args:
+            work: its handle; ``settle`` waits for it unless someone already did.
+        """
+        with self._lock:
+            self._works.append(work)
+
+    def track_future(self, fut: _Future) -> None:
+        """Remembers a future whose failure is swallowed into :meth:`report`.
+
+        Args:
+            fut: the wrapped future; ``settle`` waits for it.
+        """
+        with self._lock:
+            self._futures.append(fut)
+
+    def settle(self) -> None:
+        """Waits for this step's unwaited collectives, then its wrapped futures.
+
+        A work's ``wait`` and a wrapped future report their own failures here, so once the
+        step has an error the rest is not waited for: the vote is "no" already. Both lists
+        are emptied either way.
+        """
+        with self._lock:
+            works, self._works = self._works, []
+            futures, self._futures = self._futures, []
+        for work in works:
+            if self._error is not None:
+                return
+            if not work._waited:
+                work.wait()
+        for fut in futures:
+            if self._error is not None:
+                return
+            fut.wait()
