@@ -17,8 +17,10 @@ __all__ = [
     "Optimizer",
     "ProcessGroupBabyGloo",
     "ProcessGroupBabyNCCL",
+    "ProcessGroupBabyXCCL",
     "ProcessGroupGloo",
     "ProcessGroupNCCL",
+    "ProcessGroupXCCL",
 ]
 
 # public name -> (module, attribute)
@@ -29,8 +31,10 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "Optimizer": ("torchheal.optim", "OptimizerWrapper"),
     "ProcessGroupBabyGloo": ("torchheal.process_group", "ProcessGroupBabyGloo"),
     "ProcessGroupBabyNCCL": ("torchheal.process_group", "ProcessGroupBabyNCCL"),
+    "ProcessGroupBabyXCCL": ("torchheal.process_group", "ProcessGroupBabyXCCL"),
     "ProcessGroupGloo": ("torchheal.process_group", "ProcessGroupGloo"),
     "ProcessGroupNCCL": ("torchheal.process_group", "ProcessGroupNCCL"),
+    "ProcessGroupXCCL": ("torchheal.process_group", "ProcessGroupXCCL"),
 }
 
 

@@ -26,6 +26,12 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+# The reference's torchft.work also defines the completed no-op work; ours lives with the
+# process groups and is re-exported here so the reference's import path resolves.
+from torchheal.process_group.work import _DummyWork
+
+__all__ = ["_DummyWork", "_ManagedFuture", "_ManagedWork"]
+
 logger: logging.Logger = logging.getLogger(__name__)
 
 

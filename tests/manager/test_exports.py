@@ -15,8 +15,10 @@ def test_top_level_exports() -> None:
         "Optimizer",
         "ProcessGroupBabyGloo",
         "ProcessGroupBabyNCCL",
+        "ProcessGroupBabyXCCL",
         "ProcessGroupGloo",
         "ProcessGroupNCCL",
+        "ProcessGroupXCCL",
     ]
     for name in torchheal.__all__:
         assert getattr(torchheal, name).__name__

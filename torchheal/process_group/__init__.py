@@ -1,7 +1,13 @@
 """Reconfigurable process groups (public import path ``torchheal.process_group``).
 
-Each family lives in its own module; this file only re-exports them.
+Each family lives in its own module; this file only re-exports them. The reference also
+exports its device-mesh helpers from here (``ft_init_device_mesh``, ``extend_device_mesh``,
+``ManagedDeviceMesh``); they live a layer above the process groups, in
+:mod:`torchheal.device_mesh`, so they are resolved on first access instead of imported here.
 """
+
+import importlib
+from typing import Any
 
 from torchheal.process_group.baby import (
     ProcessGroupBaby,
@@ -10,6 +16,7 @@ from torchheal.process_group.baby import (
 )
 from torchheal.process_group.base import ProcessGroup
 from torchheal.process_group.dummy import ProcessGroupDummy
+from torchheal.process_group.flight_recorder import trigger_nccl_fr_trace_through_pipe
 from torchheal.process_group.gloo import ProcessGroupGloo
 from torchheal.process_group.managed import ManagedProcessGroup
 from torchheal.process_group.nccl import ProcessGroupNCCL
@@ -19,7 +26,9 @@ from torchheal.process_group.wrappers import (
     ErrorSwallowingProcessGroupWrapper,
     FakeProcessGroupWrapper,
     ProcessGroupWrapper,
+    _ErrorSwallowingWork,
 )
+from torchheal.process_group.xccl import ProcessGroupBabyXCCL, ProcessGroupXCCL
 
 __all__ = [
     "ErrorSwallowingProcessGroupWrapper",
@@ -29,10 +38,23 @@ __all__ = [
     "ProcessGroupBaby",
     "ProcessGroupBabyGloo",
     "ProcessGroupBabyNCCL",
+    "ProcessGroupBabyXCCL",
     "ProcessGroupDummy",
     "ProcessGroupGloo",
     "ProcessGroupNCCL",
     "ProcessGroupWrapper",
+    "ProcessGroupXCCL",
     "_DummyWork",
+    "_ErrorSwallowingWork",
     "create_store_client",
+    "trigger_nccl_fr_trace_through_pipe",
 ]
+
+# Reference names served lazily from torchheal.device_mesh (a higher layer; see above).
+_DEVICE_MESH_NAMES = ("ManagedDeviceMesh", "extend_device_mesh", "ft_init_device_mesh")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _DEVICE_MESH_NAMES:
+        return getattr(importlib.import_module("torchheal.device_mesh"), name)
+    raise AttributeError(f"module 'torchheal.process_group' has no attribute {name!r}")

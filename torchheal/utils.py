@@ -1,0 +1,62 @@
+"""Accelerator-generic stream helpers (public path ``torchheal.utils``, as the reference's).
+
+One place that knows whether the current accelerator is CUDA or an Intel XPU, so callers that
+overlap work on side streams do not branch on the device type themselves. On a CPU-only
+machine the stream context is a no-op.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
+
+import torch
+
+__all__ = ["get_stream_context", "record_event", "synchronize"]
+
+
+def _xpu_available() -> bool:
+    xpu = getattr(torch, "xpu", None)
+    return xpu is not None and xpu.is_available()
+
+
+def get_stream_context(stream: Any | None) -> AbstractContextManager[Any]:
+    """A context manager that makes ``stream`` current (a no-op for ``None`` or on CPU).
+
+    Args:
+        stream: a ``torch.cuda.Stream`` / ``torch.xpu.Stream``, or ``None``.
+    """
+    if stream is None:
+        return nullcontext()
+    if torch.cuda.is_available():
+        return torch.cuda.stream(stream)
+    if _xpu_available():
+        return torch.xpu.stream(stream)
+    return nullcontext()
+
+
+def record_event() -> Any:
+    """Records an event on the current accelerator stream and returns it.
+
+    On CUDA the event is interprocess, so another process can wait on this stream's work.
+
+    Raises:
+        RuntimeError: no CUDA or XPU device is available.
+    """
+    if _xpu_available():
+        event = torch.xpu.Event()
+        torch.xpu.current_stream().record_event(event)
+        return event
+    if not torch.cuda.is_available():
+        raise RuntimeError("record_event needs a CUDA or XPU device; none is available")
+    event = torch.cuda.Event(interprocess=True)
+    torch.cuda.current_stream().record_event(event)
+    return event
+
+
+def synchronize() -> None:
+    """Waits for the current accelerator stream (a no-op on CPU)."""
+    if torch.cuda.is_available():
+        torch.cuda.current_stream().synchronize()
+    elif _xpu_available():
+        torch.xpu.current_stream().synchronize()
