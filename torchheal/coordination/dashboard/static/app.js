@@ -380,6 +380,8 @@
     for (const c of Object.values(state.charts)) if (c) c.destroy();
     const accent = cssVar("--accent") || "#2f6fde";
     const axis = { stroke: cssVar("--dim"), grid: { stroke: cssVar("--line"), width: 1 }, ticks: { stroke: cssVar("--line") } };
+    // Buckets are whole seconds: no sub-second ticks on the time axis.
+    const timeAxis = Object.assign({ incrs: [1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200], space: 60 }, axis);
     const rateEl = $("rate-chart");
     const sizeEl = $("size-chart");
     rateEl.replaceChildren();
@@ -388,11 +390,13 @@
       width: chartWidth(rateEl), height: 240,
       cursor: { sync: { key: "torchheal" } },
       scales: { x: { time: true }, y: { range: (u, min, max) => [0, Math.max(1, (max || 0) * 1.15)] } },
-      axes: [axis, Object.assign({ label: "steps/s", size: 50 }, axis)],
+      axes: [timeAxis, Object.assign({ label: "steps/s", size: 50 }, axis)],
       series: [
         {},
-        { label: "job", stroke: accent, width: 2.5, value: (u, v) => fmtRate(v) },
-        ...groups.map((g) => ({ label: g, stroke: color(g), width: 1.25, value: (u, v) => fmtRate(v) })),
+        { label: "job", stroke: accent, width: 3, value: (u, v) => fmtRate(v) },
+        // Groups of a synchronous job commit together, so their lines lie on the job's: they
+        // are drawn thin and translucent over it and part from it only around failures.
+        ...groups.map((g) => ({ label: g, stroke: color(g), width: 1.5, alpha: 0.7, value: (u, v) => fmtRate(v) })),
       ],
       plugins: [failureBands()],
     };
@@ -400,7 +404,7 @@
       width: chartWidth(sizeEl), height: 130,
       cursor: { sync: { key: "torchheal" } },
       scales: { x: { time: true }, y: { range: (u, min, max) => [0, Math.max(2, (max || 0) + 1)] } },
-      axes: [axis, Object.assign({ label: "groups", size: 50, incrs: [1, 2, 5, 10, 20, 50, 100] }, axis)],
+      axes: [timeAxis, Object.assign({ label: "groups", size: 50, incrs: [1, 2, 5, 10, 20, 50, 100] }, axis)],
       series: [{}, { label: "quorum size", stroke: accent, width: 2, fill: "rgba(47,111,222,0.10)", paths: uPlot.paths.stepped({ align: 1 }) }],
     };
     state.charts.rate = new uPlot(rateOpts, view.rate, rateEl);
