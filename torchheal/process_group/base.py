@@ -25,6 +25,25 @@ from torch.distributed.distributed_c10d import (
 )
 
 
+def quorum_group_name(
+    quorum_id: int | None, group_rank: int | None, group_world_size: int | None
+) -> str | None:
+    """The name a group rebuilt for a quorum gets: ``torchft_{quorum_id}_rank_{r}``.
+
+    ``r`` is ``group_rank % group_world_size``: the groups of the same group rank in every
+    replica group form one cross-replica group, and they share its name. None when any part
+    is unknown.
+
+    Args:
+        quorum_id: the quorum the group is built for.
+        group_rank: this process's rank within its replica group.
+        group_world_size: the number of ranks in a replica group.
+    """
+    if quorum_id is None or group_rank is None or not group_world_size:
+        return None
+    return f"torchft_{quorum_id}_rank_{group_rank % group_world_size}"
+
+
 class ProcessGroup(dist.ProcessGroup):
     """Base class of the reconfigurable process groups.
 
@@ -43,17 +62,34 @@ class ProcessGroup(dist.ProcessGroup):
 
     # -- lifecycle -------------------------------------------------------------------------
 
-    def configure(self, store_addr: str, replica_id: str, rank: int, world_size: int) -> None:
+    def configure(
+        self,
+        store_addr: str,
+        replica_id: str,
+        rank: int,
+        world_size: int,
+        *,
+        quorum_id: int | None = None,
+        group_rank: int | None = None,
+        group_world_size: int | None = None,
+        global_ranks: list[int] | None = None,
+    ) -> None:
         """Rebuilds the group on a fresh store prefix, blocking until it is usable.
 
         Every call must use a store prefix never used before by this group (the Manager uses
-        ``{store_address}/torchft/{quorum_id}/{group_rank}``).
+        ``{store_address}/torchft/{quorum_id}/{group_rank}``). The keyword arguments (newer
+        reference versions pass them) describe the quorum; groups that build a c10d backend
+        name it after the quorum (:func:`quorum_group_name`) and record ``global_ranks``.
 
         Args:
             store_addr: ``"host:port/prefix"`` of the rendezvous TCPStore.
             replica_id: this replica group's id (for logs and error records).
             rank: this process's rank in the new group.
             world_size: the number of members of the new group.
+            quorum_id: the quorum this configuration is for.
+            group_rank: this process's rank within its replica group.
+            group_world_size: the number of ranks in a replica group.
+            global_ranks: the global rank of each member of the new group, in rank order.
 
         Raises:
             RuntimeError or TimeoutError: if the group could not be formed within its timeout.

@@ -4,6 +4,7 @@ initial broadcast and in tests)."""
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import Any
 
 import torch.distributed as dist
 
@@ -50,8 +51,18 @@ class ProcessGroupDummy(ProcessGroup):
     def _work(self, result: object) -> dist.Work:
         return _CountingWork(self, result)
 
-    def configure(self, store_addr: str, replica_id: str, rank: int, world_size: int) -> None:
-        """Counts the call; nothing to build."""
+    def configure(
+        self, store_addr: str, replica_id: str, rank: int, world_size: int, **quorum: Any
+    ) -> None:
+        """Counts the call; nothing to build.
+
+        Args:
+            store_addr: unused.
+            replica_id: unused.
+            rank: unused.
+            world_size: unused.
+            quorum: the optional quorum keywords of ``ProcessGroup.configure`` (unused).
+        """
         self.configure_count += 1
 
     def set_timeout(self, timeout: timedelta) -> None:

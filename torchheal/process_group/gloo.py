@@ -12,7 +12,12 @@ from torchheal.process_group.wrappers import ProcessGroupWrapper
 
 
 def create_gloo_pg(
-    store: dist.Store, rank: int, world_size: int, timeout: timedelta
+    store: dist.Store,
+    rank: int,
+    world_size: int,
+    timeout: timedelta,
+    group_name: str | None = None,
+    global_ranks: list[int] | None = None,
 ) -> dist.ProcessGroup:
     """Builds a c10d process group backed by a fresh Gloo backend.
 
@@ -24,11 +29,17 @@ def create_gloo_pg(
         rank: this process's rank.
         world_size: number of members.
         timeout: connect timeout and default operation timeout.
+        group_name: the group's name (logs, flight recorder); unnamed when None.
+        global_ranks: each member's global rank, in rank order.
     """
     pg = dist.ProcessGroup(store, rank, world_size)
     pg._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
     backend = _C10dGloo(store, rank, world_size, timeout)
     backend._set_sequence_number_for_group()
+    if global_ranks:
+        backend.options.global_ranks_in_group = list(global_ranks)
+    if group_name:
+        backend.options.group_name = group_name
     pg._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
     if torch.cuda.is_available():
         pg._register_backend(torch.device("cuda"), dist.ProcessGroup.BackendType.GLOO, backend)
@@ -46,7 +57,9 @@ class ProcessGroupGloo(ProcessGroupWrapper):
         super().__init__(timeout=timeout)
 
     def _create_pg(self, store: dist.Store, rank: int, world_size: int) -> dist.ProcessGroup:
-        return create_gloo_pg(store, rank, world_size, self._timeout)
+        return create_gloo_pg(
+            store, rank, world_size, self._timeout, self._c10d_group_name, self._global_ranks
+        )
 
     def getBackendName(self) -> str:
         """``"torchft-gloo"``."""

@@ -121,7 +121,9 @@ class ManagedProcessGroup(ProcessGroup):
 
     # -- everything else goes straight to the manager's group ----------------------------
 
-    def configure(self, store_addr: str, replica_id: str, rank: int, world_size: int) -> None:
+    def configure(
+        self, store_addr: str, replica_id: str, rank: int, world_size: int, **quorum: Any
+    ) -> None:
         """Not supported: the manager reconfigures its own group on every new quorum.
 
         Args:
@@ -129,6 +131,7 @@ class ManagedProcessGroup(ProcessGroup):
             replica_id: unused.
             rank: unused.
             world_size: unused.
+            quorum: unused.
         """
         raise RuntimeError(
             "ManagedProcessGroup is reconfigured by its manager; configure the manager's pg"

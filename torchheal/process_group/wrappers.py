@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import AllreduceOptions, ReduceOp
 from torch.futures import Future
 
-from torchheal.process_group.base import ProcessGroup
+from torchheal.process_group.base import ProcessGroup, quorum_group_name
 from torchheal.process_group.store import create_store_client
 from torchheal.process_group.work import _chain, _DummyWork, _ErrorRecordingWork
 
@@ -54,6 +54,9 @@ class ProcessGroupWrapper(ProcessGroup):
         self._replica_id: str | None = None
         self._rank: int | None = None
         self._errored: Exception | None = None
+        # What the last configure said about its quorum (see ProcessGroup.configure).
+        self._c10d_group_name: str | None = None
+        self._global_ranks: list[int] | None = None
 
     @property
     def parent(self) -> dist.ProcessGroup:
@@ -71,14 +74,36 @@ class ProcessGroupWrapper(ProcessGroup):
         """
         raise NotImplementedError("not implemented")
 
-    def configure(self, store_addr: str, replica_id: str, rank: int, world_size: int) -> None:
+    def configure(
+        self,
+        store_addr: str,
+        replica_id: str,
+        rank: int,
+        world_size: int,
+        *,
+        quorum_id: int | None = None,
+        group_rank: int | None = None,
+        group_world_size: int | None = None,
+        global_ranks: list[int] | None = None,
+    ) -> None:
         """See :meth:`ProcessGroup.configure`; drops (aborts) the previous inner group first."""
         self._replica_id = replica_id
         self._rank = rank
+        self._c10d_group_name = quorum_group_name(quorum_id, group_rank, group_world_size)
+        self._global_ranks = list(global_ranks) if global_ranks else None
         pg = self._pg
         if isinstance(pg, ProcessGroup):
             self._errored = None
-            pg.configure(store_addr, replica_id, rank, world_size)
+            pg.configure(
+                store_addr,
+                replica_id,
+                rank,
+                world_size,
+                quorum_id=quorum_id,
+                group_rank=group_rank,
+                group_world_size=group_world_size,
+                global_ranks=global_ranks,
+            )
             return
         self.abort(errored=False)
         # Cleared after the abort: aborting the old group may itself record an error.
@@ -272,10 +297,20 @@ class ErrorSwallowingProcessGroupWrapper(ProcessGroupWrapper):
         super().__init__(pg=pg)
         self._error: Exception | None = None
 
-    def configure(self, store_addr: str, replica_id: str, rank: int, world_size: int) -> None:
-        """Clears the stored error and configures the inner group."""
+    def configure(
+        self, store_addr: str, replica_id: str, rank: int, world_size: int, **quorum: Any
+    ) -> None:
+        """Clears the stored error and configures the inner group.
+
+        Args:
+            store_addr: see :meth:`ProcessGroup.configure`.
+            replica_id: see :meth:`ProcessGroup.configure`.
+            rank: see :meth:`ProcessGroup.configure`.
+            world_size: see :meth:`ProcessGroup.configure`.
+            quorum: the optional quorum keywords of :meth:`ProcessGroup.configure`.
+        """
         self._error = None
-        super().configure(store_addr, replica_id, rank, world_size)
+        super().configure(store_addr, replica_id, rank, world_size, **quorum)
 
     def report_error(self, e: Exception) -> None:
         """Stores ``e`` (later allreduces complete at once without communicating).
@@ -333,10 +368,20 @@ class FakeProcessGroupWrapper(ProcessGroupWrapper):
         super().__init__(pg=pg)
         self._future_error: Exception | None = None
 
-    def configure(self, store_addr: str, replica_id: str, rank: int, world_size: int) -> None:
-        """Clears any pending injected error and configures the inner group."""
+    def configure(
+        self, store_addr: str, replica_id: str, rank: int, world_size: int, **quorum: Any
+    ) -> None:
+        """Clears any pending injected error and configures the inner group.
+
+        Args:
+            store_addr: see :meth:`ProcessGroup.configure`.
+            replica_id: see :meth:`ProcessGroup.configure`.
+            rank: see :meth:`ProcessGroup.configure`.
+            world_size: see :meth:`ProcessGroup.configure`.
+            quorum: the optional quorum keywords of :meth:`ProcessGroup.configure`.
+        """
         self._future_error = None
-        super().configure(store_addr, replica_id, rank, world_size)
+        super().configure(store_addr, replica_id, rank, world_size, **quorum)
 
     def report_future_error(self, e: Exception) -> None:
         """Makes the next allreduce's ``wait()`` and future raise ``e``.
