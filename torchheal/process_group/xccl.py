@@ -16,6 +16,7 @@ import contextlib
 import logging
 import os
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -85,13 +86,29 @@ class ProcessGroupXCCL(ProcessGroupWrapper):
             logger.warning("%s unset; setting it to %d", NONBLOCKING_TIMEOUT_ENV, seconds)
             os.environ[NONBLOCKING_TIMEOUT_ENV] = str(seconds)
 
-    def configure(self, store_addr: str, replica_id: str, rank: int, world_size: int) -> None:
-        """See :meth:`ProcessGroup.configure`; raises ``RuntimeError`` at once without an XPU."""
+    def configure(
+        self, store_addr: str, replica_id: str, rank: int, world_size: int, **quorum: Any
+    ) -> None:
+        """See :meth:`ProcessGroup.configure`; raises ``RuntimeError`` at once without an XPU.
+
+        Args:
+            store_addr: see :meth:`ProcessGroup.configure`.
+            replica_id: see :meth:`ProcessGroup.configure`.
+            rank: see :meth:`ProcessGroup.configure`.
+            world_size: see :meth:`ProcessGroup.configure`.
+            quorum: the optional quorum keywords of :meth:`ProcessGroup.configure`.
+        """
         _require_xpu("ProcessGroupXCCL")
-        super().configure(store_addr, replica_id, rank, world_size)
+        super().configure(store_addr, replica_id, rank, world_size, **quorum)
 
     def _create_pg(self, store: dist.Store, rank: int, world_size: int) -> dist.ProcessGroup:
-        return create_xccl_pg(store, rank, world_size, self._timeout)
+        pg = create_xccl_pg(store, rank, world_size, self._timeout)
+        backend = pg._get_backend(torch.device("xpu"))
+        if self._global_ranks:
+            backend.options.global_ranks_in_group = list(self._global_ranks)
+        if self._c10d_group_name:
+            backend.options.group_name = self._c10d_group_name
+        return pg
 
     def abort(self, errored: bool = True) -> None:
         """Aborts the group; :meth:`errored` reports ``"aborted"`` afterwards.
@@ -129,8 +146,19 @@ class ProcessGroupBabyXCCL(ProcessGroupBaby):
     ) -> dist.ProcessGroup:
         return create_xccl_pg(store, rank, world_size, timeout)
 
-    def configure(self, store_addr: str, replica_id: str, rank: int, world_size: int) -> None:
-        """See :meth:`ProcessGroupBaby.configure`; raises ``RuntimeError`` at once without an XPU."""
+    def configure(
+        self, store_addr: str, replica_id: str, rank: int, world_size: int, **quorum: Any
+    ) -> None:
+        """See :meth:`ProcessGroupBaby.configure`; raises ``RuntimeError`` at once without an XPU.
+
+        Args:
+            store_addr: see :meth:`ProcessGroup.configure`.
+            replica_id: see :meth:`ProcessGroup.configure`.
+            rank: see :meth:`ProcessGroup.configure`.
+            world_size: see :meth:`ProcessGroup.configure`.
+            quorum: the optional quorum keywords of :meth:`ProcessGroup.configure` (the child
+                process's group is not named).
+        """
         _require_xpu("ProcessGroupBabyXCCL")
         super().configure(store_addr, replica_id, rank, world_size)
 
