@@ -251,6 +251,40 @@ def checkpoint_token(environ: Mapping[str, str] | None = None) -> str | None:
     return _environ(environ).get(CHECKPOINT_TOKEN_ENV) or None
 
 
+#: The job's shared secret for actions (the dashboard's kill today); generalised by the auth work.
+JOB_TOKEN_ENV: str = "TORCHHEAL_TOKEN"
+#: The lighthouse dashboard's HTTP port (``torchheal lighthouse --dashboard_port``).
+DASHBOARD_PORT_ENV: str = "TORCHHEAL_DASHBOARD_PORT"
+
+
+def job_token(environ: Mapping[str, str] | None = None) -> str | None:
+    """The job token (``TORCHHEAL_TOKEN``), or None when unset or blank.
+
+    Args:
+        environ: the environment to read; ``os.environ`` when None.
+    """
+    value = _environ(environ).get(JOB_TOKEN_ENV, "").strip()
+    return value or None
+
+
+def dashboard_port(environ: Mapping[str, str] | None = None) -> int | None:
+    """The dashboard port from ``TORCHHEAL_DASHBOARD_PORT`` (0: any free port), or None.
+
+    Args:
+        environ: the environment to read; ``os.environ`` when None.
+
+    Raises:
+        ValueError: the value is not a port number; the message names the variable.
+    """
+    value = _environ(environ).get(DASHBOARD_PORT_ENV, "").strip()
+    if not value:
+        return None
+    port = _parse_int(DASHBOARD_PORT_ENV, value, minimum=0)
+    if port > 65535:
+        raise ValueError(f"{DASHBOARD_PORT_ENV}={value!r} is not a valid port")
+    return port
+
+
 def get_timeout(env_value: str | None, default: timedelta) -> timedelta:
     """Returns the timeout given by an environment value, or ``default``.
 

@@ -2,6 +2,7 @@
 
     torchheal lighthouse --min_replicas 2      # run the job's lighthouse
     torchheal launch --replicas 3 -- python train.py
+    torchheal status lighthouse-host:29511      # one screen about a running job
 
 Adding a subcommand: write ``torchheal/cli/<name>.py`` with ``build_parser(parser) -> parser``
 (adds the subcommand's arguments to the given parser) and ``run(args) -> int`` (the exit code),
@@ -31,6 +32,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "launch": (
         "torchheal.cli.launch",
         "run N replica groups of a training command locally, optionally killing some",
+    ),
+    "status": (
+        "torchheal.cli.status",
+        "one screen about a running job (members, steps, rates, failures) from its lighthouse",
     ),
 }
 

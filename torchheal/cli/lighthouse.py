@@ -5,6 +5,10 @@
 Flags and defaults are the reference's ``torchft_lighthouse`` ones (underscore spellings), with
 dash spellings accepted too. Logs every change of the quorum status and every issued quorum to
 stderr; SIGINT or SIGTERM stops it cleanly with exit code 0.
+
+It also serves its dashboard, ``/metrics`` and ``/api/status`` on ``--dashboard_port`` (default
+29511, or ``TORCHHEAL_DASHBOARD_PORT``) and prints ``dashboard: http://HOST:PORT/``; killing a
+replica group from the page needs ``TORCHHEAL_TOKEN`` when that is set.
 """
 
 from __future__ import annotations
@@ -74,7 +78,31 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default="[::]:29510",
         help="address to listen on; port 0 picks a free port (default: %(default)s)",
     )
+    parser.add_argument(
+        "--dashboard_port",
+        "--dashboard-port",
+        dest="dashboard_port",
+        type=int,
+        default=None,
+        help="HTTP port of the dashboard, /metrics and /api/status, on the --bind host; 0 picks "
+        "a free port (default: $TORCHHEAL_DASHBOARD_PORT, else 29511; 0 when --bind's port is 0)",
+    )
     return parser
+
+
+def _dashboard_port(args: argparse.Namespace, bind_port: int) -> int:
+    """The flag, else the environment, else 29511 (any free port when the gRPC port is too)."""
+    from torchheal._base.config import dashboard_port
+    from torchheal.coordination.dashboard import DEFAULT_DASHBOARD_PORT
+
+    if args.dashboard_port is not None:
+        if not 0 <= args.dashboard_port <= 65535:
+            raise ValueError(f"--dashboard_port must be in 0..65535, got {args.dashboard_port}")
+        return args.dashboard_port
+    from_env = dashboard_port()
+    if from_env is not None:
+        return from_env
+    return 0 if bind_port == 0 else DEFAULT_DASHBOARD_PORT
 
 
 def run(args: argparse.Namespace) -> int:
@@ -87,7 +115,10 @@ def run(args: argparse.Namespace) -> int:
         0 after a clean stop, 2 when the options are invalid or the address cannot be bound.
     """
     # Imported here so that building the parser (for --help) stays cheap.
+    from torchheal._base.config import job_token
+    from torchheal.coordination.dashboard import DashboardServer, LighthouseRecorder
     from torchheal.coordination.lighthouse import LighthouseServer
+    from torchheal.coordination.rpc.addresses import parse_address
 
     if not logging.getLogger().handlers:
         logging.basicConfig(
@@ -103,24 +134,37 @@ def run(args: argparse.Namespace) -> int:
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
+        recorder = LighthouseRecorder()
         try:
+            host, bind_port = parse_address(args.bind)
+            port = _dashboard_port(args, bind_port)
             server = LighthouseServer(
                 bind=args.bind,
                 min_replicas=args.min_replicas,
                 join_timeout_ms=args.join_timeout_ms,
                 quorum_tick_ms=args.quorum_tick_ms,
                 heartbeat_timeout_ms=args.heartbeat_timeout_ms,
+                observer=recorder,
             )
         except (ValueError, RuntimeError) as e:
             print(f"torchheal lighthouse: {e}", file=sys.stderr)
             return 2
-        # A stable line on stdout for scripts and launchers that need the address.
+        try:
+            dashboard = DashboardServer(server, recorder, host=host, port=port, token=job_token())
+        except RuntimeError as e:
+            server.shutdown()
+            print(f"torchheal lighthouse: {e}", file=sys.stderr)
+            return 2
+        # Stable lines on stdout for scripts and launchers that need the addresses.
         print(f"torchheal lighthouse: serving on {server.address()}", flush=True)
+        wildcard = host in ("::", "0.0.0.0", "")
+        print(f"dashboard: {dashboard.url(None if wildcard else host)}", flush=True)
         try:
             # A timed wait keeps the main thread responsive to signals on every platform.
             while not stop.wait(1.0):
                 pass
         finally:
+            dashboard.shutdown()
             server.shutdown()
         return 0
     finally:

@@ -66,6 +66,15 @@ class LighthouseObserver(Protocol):
     Every method is called on the lighthouse's event-loop thread, some under its state lock, so
     an observer must be quick, must not block and must not call back into the lighthouse. Times
     are ``time.monotonic()`` seconds. Exceptions are logged and otherwise ignored.
+
+    Args:
+        replica_id: (of the methods) the replica group's full id.
+        member: the requester, as it asked to join.
+        quorum: the issued quorum.
+        reason: the lighthouse's reason string for its decision.
+        round_s: seconds from the round's first request to the issued quorum.
+        last_seen: when the expired replica's last heartbeat arrived.
+        now: when the lighthouse saw the event.
     """
 
     def heartbeat(self, replica_id: str) -> None:
