@@ -10,6 +10,8 @@ from datetime import timedelta
 from multiprocessing.connection import Connection
 from typing import Any
 
+from torchheal._base.timeouts import to_seconds
+
 
 class _MonitoredPipe:
     """Wraps a :class:`multiprocessing.connection.Connection` with timeouts and error passing.
@@ -38,7 +40,7 @@ class _MonitoredPipe:
                 ``EOFError``.
         """
         if timeout is not None:
-            seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
+            seconds = to_seconds(timeout)
             if not self._pipe.poll(seconds):
                 raise TimeoutError(f"pipe.recv() timed out after {seconds} seconds")
         out = self._pipe.recv()

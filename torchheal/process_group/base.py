@@ -2,12 +2,18 @@
 
 A :class:`ProcessGroup` is a ``torch.distributed.ProcessGroup`` (so stock DDP, DeviceMesh and
 functional collectives accept it) that can be rebuilt in place with :meth:`ProcessGroup.configure`
-whenever the set of replica groups changes. The base class only defines the surface; the
-collectives raise ``NotImplementedError``.
+whenever the set of replica groups changes.
+
+Every collective is written once, here, and routed through :meth:`ProcessGroup._collective`
+with its name and its arguments in torch's order. A group that forwards collectives elsewhere
+(an inner group, a child process, the manager's group) overrides that one method instead of
+eleven; a group that implements a collective itself overrides the collective. The base's
+``_collective`` raises ``NotImplementedError``.
 """
 
 from __future__ import annotations
 
+import inspect
 from datetime import timedelta
 from typing import Any
 
@@ -42,6 +48,64 @@ def quorum_group_name(
     if quorum_id is None or group_rank is None or not group_world_size:
         return None
     return f"torchft_{quorum_id}_rank_{group_rank % group_world_size}"
+
+
+#: The collectives every process group offers, in the order the class defines them.
+COLLECTIVES: tuple[str, ...] = (
+    "allgather",
+    "allgather_into_tensor_coalesced",
+    "allreduce",
+    "allreduce_coalesced",
+    "alltoall_base",
+    "barrier",
+    "broadcast",
+    "recv",
+    "reduce_scatter",
+    "reduce_scatter_tensor_coalesced",
+    "send",
+)
+
+# Parameter names that hold lists of tensors, whatever the collective.
+_LIST_PARAMETERS = frozenset(
+    {"tensors", "tensor_list", "output_tensors", "input_tensor", "input_tensors"}
+)
+
+
+def allreduce_options(opts: AllreduceOptions | ReduceOp) -> AllreduceOptions:
+    """Accepts options or a bare reduce op, as torch's own bindings do.
+
+    Args:
+        opts: ``AllreduceOptions``, or the reduce op alone.
+    """
+    if isinstance(opts, AllreduceOptions):
+        return opts
+    out = AllreduceOptions()
+    out.reduceOp = opts
+    return out
+
+
+def check_list_arguments(name: str, args: tuple[Any, ...]) -> None:
+    """Raises ``TypeError`` when an argument that must be a list of tensors is not a list.
+
+    A group that ships arguments elsewhere checks them first, so the mistake is reported at
+    the call instead of inside a child process or a peer.
+
+    Args:
+        name: the collective (one of :data:`COLLECTIVES`).
+        args: its arguments, in the order :class:`ProcessGroup` declares them.
+    """
+    for param, value in zip(_PARAMETERS[name], args, strict=False):
+        if param in _LIST_PARAMETERS and not isinstance(value, list):
+            raise TypeError(f"{param} must be a list, got {type(value).__name__}")
+
+
+def takes_options(name: str) -> bool:
+    """Whether the collective's last argument is an options object (all but send/recv).
+
+    Args:
+        name: the collective (one of :data:`COLLECTIVES`).
+    """
+    return _PARAMETERS[name][-1] == "opts"
 
 
 class ProcessGroup(dist.ProcessGroup):
@@ -140,7 +204,7 @@ class ProcessGroup(dist.ProcessGroup):
             input_tensor: the local tensors.
             opts: gather options.
         """
-        raise NotImplementedError("not implemented")
+        return self._collective("allgather", output_tensors, input_tensor, opts)
 
     def allgather_into_tensor_coalesced(
         self,
@@ -155,7 +219,9 @@ class ProcessGroup(dist.ProcessGroup):
             input_tensors: local inputs.
             opts: gather options.
         """
-        raise NotImplementedError("not implemented")
+        return self._collective(
+            "allgather_into_tensor_coalesced", output_tensors, input_tensors, opts
+        )
 
     def allreduce(
         self, tensors: list[torch.Tensor], opts: AllreduceOptions | ReduceOp
@@ -166,7 +232,7 @@ class ProcessGroup(dist.ProcessGroup):
             tensors: tensors reduced in place.
             opts: options or just the reduce op.
         """
-        raise NotImplementedError("not implemented")
+        return self._collective("allreduce", tensors, allreduce_options(opts))
 
     def allreduce_coalesced(
         self, tensors: list[torch.Tensor], opts: AllreduceCoalescedOptions
@@ -177,7 +243,7 @@ class ProcessGroup(dist.ProcessGroup):
             tensors: tensors reduced in place.
             opts: coalesced reduce options.
         """
-        raise NotImplementedError("not implemented")
+        return self._collective("allreduce_coalesced", tensors, opts)
 
     def alltoall_base(
         self,
@@ -196,7 +262,14 @@ class ProcessGroup(dist.ProcessGroup):
             input_split_sizes: slice sizes sent (empty = equal).
             opts: all-to-all options.
         """
-        raise NotImplementedError("not implemented")
+        return self._collective(
+            "alltoall_base",
+            output_buffer,
+            input_buffer,
+            output_split_sizes,
+            input_split_sizes,
+            opts,
+        )
 
     def barrier(self, opts: BarrierOptions) -> dist.Work:
         """Waits until every rank reaches the barrier.
@@ -204,7 +277,7 @@ class ProcessGroup(dist.ProcessGroup):
         Args:
             opts: barrier options.
         """
-        raise NotImplementedError("not implemented")
+        return self._collective("barrier", opts)
 
     def broadcast(self, tensor_list: list[torch.Tensor], opts: BroadcastOptions) -> dist.Work:
         """Copies the root's tensors to every rank.
@@ -213,7 +286,7 @@ class ProcessGroup(dist.ProcessGroup):
             tensor_list: tensors sent (root) or overwritten (others).
             opts: options naming the root rank.
         """
-        raise NotImplementedError("not implemented")
+        return self._collective("broadcast", tensor_list, opts)
 
     def broadcast_one(self, tensor: torch.Tensor, root: int) -> dist.Work:
         """Broadcasts one tensor from ``root``.
@@ -234,7 +307,7 @@ class ProcessGroup(dist.ProcessGroup):
             src_rank: the sender.
             tag: message tag matching the sender's.
         """
-        raise NotImplementedError("not implemented")
+        return self._collective("recv", tensors, src_rank, tag)
 
     def reduce_scatter(
         self,
@@ -249,7 +322,7 @@ class ProcessGroup(dist.ProcessGroup):
             input_tensors: one list of ``size()`` tensors per output.
             opts: reduce-scatter options.
         """
-        raise NotImplementedError("not implemented")
+        return self._collective("reduce_scatter", output_tensors, input_tensors, opts)
 
     def reduce_scatter_tensor_coalesced(
         self,
@@ -264,7 +337,9 @@ class ProcessGroup(dist.ProcessGroup):
             input_tensors: flat inputs.
             opts: reduce-scatter options.
         """
-        raise NotImplementedError("not implemented")
+        return self._collective(
+            "reduce_scatter_tensor_coalesced", output_tensors, input_tensors, opts
+        )
 
     def send(self, tensors: list[torch.Tensor], dst_rank: int, tag: int) -> dist.Work:
         """Sends ``tensors`` to ``dst_rank``.
@@ -273,6 +348,15 @@ class ProcessGroup(dist.ProcessGroup):
             tensors: the data.
             dst_rank: the receiver.
             tag: message tag.
+        """
+        return self._collective("send", tensors, dst_rank, tag)
+
+    def _collective(self, name: str, *args: Any) -> dist.Work:
+        """Where every collective of this class goes; forwarding groups override it.
+
+        Args:
+            name: the collective (one of :data:`COLLECTIVES`).
+            args: its arguments, in the order this class declares them.
         """
         raise NotImplementedError("not implemented")
 
@@ -315,3 +399,10 @@ class ProcessGroup(dist.ProcessGroup):
         if self._group_name is None:
             raise ValueError("ProcessGroup name not set (call register() first)")
         return self._group_name
+
+
+# collective -> its parameter names after ``self``, read from the declarations above.
+_PARAMETERS: dict[str, tuple[str, ...]] = {
+    name: tuple(inspect.signature(getattr(ProcessGroup, name)).parameters)[1:]
+    for name in COLLECTIVES
+}

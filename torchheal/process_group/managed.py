@@ -17,14 +17,8 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import (
-    AllgatherOptions,
-    AllreduceCoalescedOptions,
     AllreduceOptions,
-    AllToAllOptions,
-    BarrierOptions,
-    BroadcastOptions,
     ReduceOp,
-    ReduceScatterOptions,
 )
 
 from torchheal.process_group.base import ProcessGroup
@@ -137,131 +131,6 @@ class ManagedProcessGroup(ProcessGroup):
             "ManagedProcessGroup is reconfigured by its manager; configure the manager's pg"
         )
 
-    def allgather(
-        self,
-        output_tensors: list[list[torch.Tensor]],
-        input_tensor: list[torch.Tensor],
-        opts: AllgatherOptions,
-    ) -> dist.Work:
-        """See :meth:`ProcessGroup.allgather`; issued on the manager's group.
-
-        Args:
-            output_tensors: one list of ``size()`` tensors per input tensor.
-            input_tensor: the local tensors.
-            opts: gather options.
-        """
-        return self._inner().allgather(output_tensors, input_tensor, opts)
-
-    def allgather_into_tensor_coalesced(
-        self,
-        output_tensors: list[torch.Tensor],
-        input_tensors: list[torch.Tensor],
-        opts: AllgatherOptions,
-    ) -> dist.Work:
-        """See :meth:`ProcessGroup.allgather_into_tensor_coalesced`; on the manager's group.
-
-        Args:
-            output_tensors: flat outputs.
-            input_tensors: local inputs.
-            opts: gather options.
-        """
-        return self._inner().allgather_into_tensor_coalesced(output_tensors, input_tensors, opts)
-
-    def allreduce_coalesced(
-        self, tensors: list[torch.Tensor], opts: AllreduceCoalescedOptions
-    ) -> dist.Work:
-        """See :meth:`ProcessGroup.allreduce_coalesced`; on the manager's group (not managed).
-
-        Args:
-            tensors: tensors reduced in place.
-            opts: coalesced reduce options.
-        """
-        return self._inner().allreduce_coalesced(tensors, opts)
-
-    def alltoall_base(
-        self,
-        output_buffer: torch.Tensor,
-        input_buffer: torch.Tensor,
-        output_split_sizes: list[int],
-        input_split_sizes: list[int],
-        opts: AllToAllOptions,
-    ) -> dist.Work:
-        """See :meth:`ProcessGroup.alltoall_base`; on the manager's group.
-
-        Args:
-            output_buffer: receives the slices.
-            input_buffer: holds the slices to send.
-            output_split_sizes: slice sizes received.
-            input_split_sizes: slice sizes sent.
-            opts: all-to-all options.
-        """
-        return self._inner().alltoall_base(
-            output_buffer, input_buffer, output_split_sizes, input_split_sizes, opts
-        )
-
-    def barrier(self, opts: BarrierOptions) -> dist.Work:
-        """See :meth:`ProcessGroup.barrier`; on the manager's group.
-
-        Args:
-            opts: barrier options.
-        """
-        return self._inner().barrier(opts)
-
-    def broadcast(self, tensor_list: list[torch.Tensor], opts: BroadcastOptions) -> dist.Work:
-        """See :meth:`ProcessGroup.broadcast`; on the manager's group.
-
-        Args:
-            tensor_list: tensors sent (root) or overwritten (others).
-            opts: options naming the root rank.
-        """
-        return self._inner().broadcast(tensor_list, opts)
-
-    def recv(self, tensors: list[torch.Tensor], src_rank: int, tag: int) -> dist.Work:
-        """See :meth:`ProcessGroup.recv`; on the manager's group.
-
-        Args:
-            tensors: overwritten with the received data.
-            src_rank: the sender.
-            tag: message tag.
-        """
-        return self._inner().recv(tensors, src_rank, tag)
-
-    def reduce_scatter(
-        self,
-        output_tensors: list[torch.Tensor],
-        input_tensors: list[list[torch.Tensor]],
-        opts: ReduceScatterOptions,
-    ) -> dist.Work:
-        """See :meth:`ProcessGroup.reduce_scatter`; on the manager's group.
-
-        Args:
-            output_tensors: per-rank results.
-            input_tensors: one list of ``size()`` tensors per output.
-            opts: reduce-scatter options.
-        """
-        return self._inner().reduce_scatter(output_tensors, input_tensors, opts)
-
-    def reduce_scatter_tensor_coalesced(
-        self,
-        output_tensors: list[torch.Tensor],
-        input_tensors: list[torch.Tensor],
-        opts: ReduceScatterOptions,
-    ) -> dist.Work:
-        """See :meth:`ProcessGroup.reduce_scatter_tensor_coalesced`; on the manager's group.
-
-        Args:
-            output_tensors: per-rank results.
-            input_tensors: flat inputs.
-            opts: reduce-scatter options.
-        """
-        return self._inner().reduce_scatter_tensor_coalesced(output_tensors, input_tensors, opts)
-
-    def send(self, tensors: list[torch.Tensor], dst_rank: int, tag: int) -> dist.Work:
-        """See :meth:`ProcessGroup.send`; on the manager's group.
-
-        Args:
-            tensors: the data.
-            dst_rank: the receiver.
-            tag: message tag.
-        """
-        return self._inner().send(tensors, dst_rank, tag)
+    def _collective(self, name: str, *args: Any) -> dist.Work:
+        # Everything but allreduce (and size) is the manager's own group's business.
+        return getattr(self._inner(), name)(*args)

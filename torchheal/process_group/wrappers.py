@@ -10,30 +10,21 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.distributed_c10d import AllreduceOptions, ReduceOp
 from torch.futures import Future
 
-from torchheal.process_group.base import ProcessGroup, quorum_group_name
+from torchheal.process_group.base import ProcessGroup, quorum_group_name, takes_options
 from torchheal.process_group.store import create_store_client
 from torchheal.process_group.work import _chain, _DummyWork, _ErrorRecordingWork
 
 logger = logging.getLogger(__name__)
 # Structured failure records, named as the reference's so existing log pipelines match them.
 errors_logger = logging.getLogger("torchft_errors")
-
-
-def _allreduce_opts(opts: AllreduceOptions | ReduceOp) -> AllreduceOptions:
-    """Accepts either options or a bare reduce op, as torch's own bindings do."""
-    if isinstance(opts, AllreduceOptions):
-        return opts
-    out = AllreduceOptions()
-    out.reduceOp = opts
-    return out
 
 
 class ProcessGroupWrapper(ProcessGroup):
@@ -194,100 +185,73 @@ class ProcessGroupWrapper(ProcessGroup):
         """Wraps the inner group's work (records errors for :meth:`errored`)."""
         return _ErrorRecordingWork(work, self._record_error)
 
-    def _call(self, name: str, *args: Any, opts: Any = None) -> dist.Work:
+    def _collective(self, name: str, *args: Any) -> dist.Work:
+        # Every collective goes to the inner group, inside the subclass's run context, with
+        # its options rewritten by the subclass and its work wrapped to record errors.
         with self._run_context():
-            fn = getattr(self.parent, name)
-            if opts is None:
-                work = fn(*args)
-            else:
-                work = fn(*args, self._opts_hook(opts))
-            return self._wrap_work(work, opts)
-
-    # -- collectives -----------------------------------------------------------------------
-
-    def allgather(self, output_tensors, input_tensor, opts) -> dist.Work:
-        return self._call("allgather", output_tensors, input_tensor, opts=opts)
-
-    def allgather_into_tensor_coalesced(self, output_tensors, input_tensors, opts) -> dist.Work:
-        return self._call(
-            "allgather_into_tensor_coalesced", output_tensors, input_tensors, opts=opts
-        )
-
-    def allreduce(self, tensors, opts) -> dist.Work:
-        return self._call("allreduce", tensors, opts=_allreduce_opts(opts))
-
-    def allreduce_coalesced(self, tensors, opts) -> dist.Work:
-        return self._call("allreduce_coalesced", tensors, opts=opts)
-
-    def alltoall_base(
-        self, output_buffer, input_buffer, output_split_sizes, input_split_sizes, opts
-    ) -> dist.Work:
-        return self._call(
-            "alltoall_base",
-            output_buffer,
-            input_buffer,
-            output_split_sizes,
-            input_split_sizes,
-            opts=opts,
-        )
-
-    def barrier(self, opts) -> dist.Work:
-        return self._call("barrier", opts=opts)
-
-    def broadcast(self, tensor_list, opts) -> dist.Work:
-        return self._call("broadcast", tensor_list, opts=opts)
-
-    def recv(self, tensors, src_rank, tag) -> dist.Work:
-        return self._call("recv", tensors, src_rank, tag)
-
-    def reduce_scatter(self, output_tensors, input_tensors, opts) -> dist.Work:
-        return self._call("reduce_scatter", output_tensors, input_tensors, opts=opts)
-
-    def reduce_scatter_tensor_coalesced(self, output_tensors, input_tensors, opts) -> dist.Work:
-        return self._call(
-            "reduce_scatter_tensor_coalesced", output_tensors, input_tensors, opts=opts
-        )
-
-    def send(self, tensors, dst_rank, tag) -> dist.Work:
-        return self._call("send", tensors, dst_rank, tag)
+            issue = getattr(self.parent, name)
+            if not takes_options(name):
+                return self._wrap_work(issue(*args), None)
+            *leading, opts = args
+            return self._wrap_work(issue(*leading, self._opts_hook(opts)), opts)
 
 
-class _ErrorSwallowingWork(dist.Work):
-    """A work whose failures are reported to the wrapper instead of raised."""
+class _SettledWork(dist.Work):
+    """A work whose outcome passes through ``settle`` before its waiter or its future sees it.
+
+    ``settle(finish, fallback)`` runs once the inner work is done: ``finish()`` returns the
+    inner outcome or raises its error; ``settle`` may return it, return ``fallback`` instead
+    (``True`` for ``wait``, the input tensors for the future) or raise.
+
+    Args:
+        work: the inner work.
+        settle: the policy, shared by ``wait`` and the future.
+        result: what the future resolves to when ``settle`` falls back.
+    """
+
+    def __init__(
+        self,
+        work: dist.Work,
+        settle: Callable[[Callable[[], Any], Any], Any],
+        result: object,
+    ) -> None:
+        super().__init__()
+        self._work = work
+        self._settle = settle
+        self._result = result
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        """Waits for the inner work, then applies the policy."""
+
+        def finish() -> bool:
+            return self._work.wait() if timeout is None else self._work.wait(timeout)
+
+        return self._settle(finish, True)
+
+    def get_future(self) -> Future[object]:
+        """The inner work's future, with the policy applied to its outcome."""
+        return _chain(self._work.get_future(), lambda fut: self._settle(fut.value, self._result))
+
+
+class _ErrorSwallowingWork(_SettledWork):
+    """An allreduce of :class:`ErrorSwallowingProcessGroupWrapper`: failures are stored, not raised.
+
+    Args:
+        pg: the wrapper that stores the error.
+        work: the inner allreduce.
+        default_result: what the future resolves to after a failure (the input tensors).
+    """
 
     def __init__(
         self, pg: ErrorSwallowingProcessGroupWrapper, work: dist.Work, default_result: object
     ) -> None:
-        super().__init__()
-        self._pg = pg
-        self._work = work
-        self._default_result = default_result
-
-    def wait(self, timeout: timedelta | None = None) -> bool:
-        """Waits; a failure is stored on the wrapper and ``True`` is returned."""
-        try:
-            self._work.wait() if timeout is None else self._work.wait(timeout)
-        except Exception as e:
-            self._pg.report_error(e)
-        return True
-
-    def get_future(self) -> Future[object]:
-        """A future that resolves to the inputs when the underlying work fails."""
-
-        def _swallow(fut: Future[object]) -> object:
-            try:
-                return fut.value()
-            except Exception as e:
-                self._pg.report_error(e)
-                return self._default_result
-
-        return _chain(self._work.get_future(), _swallow)
+        super().__init__(work, pg._keep_error, default_result)
 
 
 class ErrorSwallowingProcessGroupWrapper(ProcessGroupWrapper):
-    """Stores allreduce errors instead of raising them; later allreduces become no-ops.
+    """Turns allreduce failures into a stored error; after one, allreduces do not communicate.
 
-    Only ``allreduce`` is protected (as in the reference).
+    Only ``allreduce`` is protected, as in the reference.
 
     Args:
         pg: the group to wrap.
@@ -300,7 +264,7 @@ class ErrorSwallowingProcessGroupWrapper(ProcessGroupWrapper):
     def configure(
         self, store_addr: str, replica_id: str, rank: int, world_size: int, **quorum: Any
     ) -> None:
-        """Clears the stored error and configures the inner group.
+        """Forgets the stored error and configures the inner group.
 
         Args:
             store_addr: see :meth:`ProcessGroup.configure`.
@@ -313,7 +277,7 @@ class ErrorSwallowingProcessGroupWrapper(ProcessGroupWrapper):
         super().configure(store_addr, replica_id, rank, world_size, **quorum)
 
     def report_error(self, e: Exception) -> None:
-        """Stores ``e`` (later allreduces complete at once without communicating).
+        """Stores ``e``: until the next ``configure``, allreduces complete without communicating.
 
         Args:
             e: the error.
@@ -324,41 +288,25 @@ class ErrorSwallowingProcessGroupWrapper(ProcessGroupWrapper):
         """The stored error, if any."""
         return self._error
 
-    def allreduce(self, tensors: list[torch.Tensor], opts: Any) -> dist.Work:
-        if self._error is not None:
-            return _DummyWork(tensors)
+    def _keep_error(self, finish: Callable[[], Any], fallback: Any) -> Any:
         try:
-            work = super().allreduce(tensors, opts)
+            return finish()
         except Exception as e:
             self.report_error(e)
-            return _DummyWork(tensors)
-        return _ErrorSwallowingWork(self, work, tensors)
+            return fallback
 
-
-class _InjectedErrorWork(dist.Work):
-    """A work that raises a given error from ``wait()`` and its future."""
-
-    def __init__(self, work: dist.Work, error: Exception) -> None:
-        super().__init__()
-        self._work = work
-        self._error = error
-
-    def wait(self, timeout: timedelta | None = None) -> bool:
-        """Raises the injected error."""
-        raise self._error
-
-    def get_future(self) -> Future[object]:
-        """A future that fails with the injected error once the real work completes."""
-        error = self._error
-
-        def _fail(fut: Future[object]) -> object:
-            raise error
-
-        return _chain(self._work.get_future(), _fail)
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any) -> dist.Work:
+        if self._error is None:
+            try:
+                return _ErrorSwallowingWork(self, super().allreduce(tensors, opts), tensors)
+            except Exception as e:
+                self.report_error(e)
+        # The step has failed already: reducing more would only move garbage.
+        return _DummyWork(tensors)
 
 
 class FakeProcessGroupWrapper(ProcessGroupWrapper):
-    """Test helper: makes the next allreduce fail with a chosen error (one shot).
+    """Test helper: the next allreduce fails with a chosen error (once).
 
     Args:
         pg: the group to wrap.
@@ -371,7 +319,7 @@ class FakeProcessGroupWrapper(ProcessGroupWrapper):
     def configure(
         self, store_addr: str, replica_id: str, rank: int, world_size: int, **quorum: Any
     ) -> None:
-        """Clears any pending injected error and configures the inner group.
+        """Disarms a pending injected error and configures the inner group.
 
         Args:
             store_addr: see :meth:`ProcessGroup.configure`.
@@ -384,7 +332,7 @@ class FakeProcessGroupWrapper(ProcessGroupWrapper):
         super().configure(store_addr, replica_id, rank, world_size, **quorum)
 
     def report_future_error(self, e: Exception) -> None:
-        """Makes the next allreduce's ``wait()`` and future raise ``e``.
+        """Arms ``e``: the next allreduce completes, then its ``wait()`` and future raise it.
 
         Args:
             e: the error to inject.
@@ -393,7 +341,12 @@ class FakeProcessGroupWrapper(ProcessGroupWrapper):
 
     def allreduce(self, tensors: list[torch.Tensor], opts: Any) -> dist.Work:
         work = super().allreduce(tensors, opts)
-        error, self._future_error = self._future_error, None
-        if error is None:
+        armed, self._future_error = self._future_error, None
+        if armed is None:
             return work
-        return _InjectedErrorWork(work, error)
+
+        def fail(finish: Callable[[], Any], fallback: Any) -> Any:
+            finish()  # the collective itself went through; only its outcome is replaced
+            raise armed
+
+        return _SettledWork(work, fail, tensors)
