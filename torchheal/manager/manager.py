@@ -331,6 +331,7 @@ class Manager:
             timeout=timeout or self._quorum_timeout,
             captured=captured,
             device=torch.cuda.current_device() if torch.cuda.is_available() else -1,
+            can_load=not self._state.empty,
         )
         self._quorum_future = self._executor.submit(self._async_quorum, request)
         if not self._use_async_quorum:

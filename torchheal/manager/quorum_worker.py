@@ -78,6 +78,8 @@ class StepRequest:
         timeout: the quorum's deadline.
         captured: the state a healing peer would receive (references to live tensors).
         device: the training thread's CUDA device (-1 without CUDA).
+        can_load: a ``load_state_dict`` function is registered, so this replica can heal
+            (torchtitan registers them only after building the Manager).
     """
 
     step: int
@@ -88,6 +90,7 @@ class StepRequest:
     timeout: timedelta
     captured: dict[str, Any] | None
     device: int = -1
+    can_load: bool = True
 
 
 class QuorumWorker:
@@ -178,7 +181,7 @@ class QuorumWorker:
                 outcome.errors.append(e)
                 return outcome
         if request.allow_heal:
-            self._move_state(outcome, request.captured)
+            self._move_state(outcome, request.captured, request.can_load)
         return outcome
 
     def _reconfigure(self, outcome: QuorumOutcome) -> None:
@@ -194,7 +197,9 @@ class QuorumWorker:
         )
         outcome.reconfigured = True
 
-    def _move_state(self, outcome: QuorumOutcome, captured: dict[str, Any] | None) -> None:
+    def _move_state(
+        self, outcome: QuorumOutcome, captured: dict[str, Any] | None, can_load: bool = True
+    ) -> None:
         quorum = outcome.quorum
         stream = self._recovery_stream
         with torch.cuda.stream(stream) if stream is not None else nullcontext():
@@ -208,6 +213,14 @@ class QuorumWorker:
                     self._recovery.send(quorum, self._snapshot(captured))
                 if quorum.heal:
                     outcome.healing = True
+                    if not can_load:
+                        # Fail the step now rather than fetch state nobody can load.
+                        raise RuntimeError(
+                            "this replica must heal from replica rank "
+                            f"{quorum.recover_src_replica_rank} but has no load_state_dict "
+                            "function: pass Manager(load_state_dict=..., state_dict=...) or "
+                            "call register_state_dict_fn() before the first step"
+                        )
                     outcome.received = self._recovery.receive(quorum)
             except Exception as e:
                 self._log.exception(f"recovery failed: {e}")
