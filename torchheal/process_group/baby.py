@@ -113,8 +113,13 @@ class ProcessGroupBaby(ProcessGroup):
 
     # -- lifecycle ---------------------------------------------------------------------------
 
-    def configure(self, store_addr: str, replica_id: str, rank: int, world_size: int) -> None:
+    def configure(
+        self, store_addr: str, replica_id: str, rank: int, world_size: int, **quorum: Any
+    ) -> None:
         """Kills the old child and starts a new one that joins the group at ``store_addr``.
+
+        The optional quorum keywords of :meth:`ProcessGroup.configure` are accepted; the
+        child's group is not named after the quorum.
 
         Raises:
             TimeoutError: if the child did not report ready within the timeout.
@@ -350,8 +355,18 @@ class ProcessGroupBabyNCCL(ProcessGroupBaby):
         pg._register_backend(torch.device("cuda"), dist.ProcessGroup.BackendType.NCCL, backend)
         return pg
 
-    def configure(self, store_addr: str, replica_id: str, rank: int, world_size: int) -> None:
-        """See :meth:`ProcessGroupBaby.configure`; raises ``RuntimeError`` at once without CUDA."""
+    def configure(
+        self, store_addr: str, replica_id: str, rank: int, world_size: int, **quorum: Any
+    ) -> None:
+        """See :meth:`ProcessGroupBaby.configure`; raises ``RuntimeError`` at once without CUDA.
+
+        Args:
+            store_addr: see :meth:`ProcessGroup.configure`.
+            replica_id: see :meth:`ProcessGroup.configure`.
+            rank: see :meth:`ProcessGroup.configure`.
+            world_size: see :meth:`ProcessGroup.configure`.
+            quorum: the optional quorum keywords of :meth:`ProcessGroup.configure`.
+        """
         if not torch.cuda.is_available():
             raise RuntimeError(
                 "ProcessGroupBabyNCCL.configure needs a CUDA device; none is available"

@@ -101,18 +101,30 @@ class ProcessGroupNCCL(ProcessGroupWrapper):
         super().__init__(timeout=timeout)
         self._use_abort = _nccl_supports_abort()
 
-    def configure(self, store_addr: str, replica_id: str, rank: int, world_size: int) -> None:
-        """See :meth:`ProcessGroup.configure`; raises ``RuntimeError`` at once without CUDA."""
+    def configure(
+        self, store_addr: str, replica_id: str, rank: int, world_size: int, **quorum: Any
+    ) -> None:
+        """See :meth:`ProcessGroup.configure`; raises ``RuntimeError`` at once without CUDA.
+
+        Args:
+            store_addr: see :meth:`ProcessGroup.configure`.
+            replica_id: see :meth:`ProcessGroup.configure`.
+            rank: see :meth:`ProcessGroup.configure`.
+            world_size: see :meth:`ProcessGroup.configure`.
+            quorum: the optional quorum keywords of :meth:`ProcessGroup.configure`.
+        """
         if not torch.cuda.is_available():
             raise RuntimeError("ProcessGroupNCCL.configure needs a CUDA device; none is available")
-        super().configure(store_addr, replica_id, rank, world_size)
+        super().configure(store_addr, replica_id, rank, world_size, **quorum)
 
     def _create_pg(self, store: dist.Store, rank: int, world_size: int) -> dist.ProcessGroup:
         from torch.distributed.distributed_c10d import ProcessGroupNCCL as _C10dNCCL
 
         opts = _C10dNCCL.Options()
         opts.config.blocking = False
-        opts.global_ranks_in_group = list(range(world_size))
+        opts.global_ranks_in_group = list(self._global_ranks or range(world_size))
+        if self._c10d_group_name:
+            opts.group_name = self._c10d_group_name
         opts._timeout = self._timeout
         pg = dist.ProcessGroup(store, rank, world_size)
         pg._set_default_backend(dist.ProcessGroup.BackendType.NCCL)
