@@ -12,7 +12,13 @@ from typing import Any
 
 import torch
 
-__all__ = ["get_stream_context", "record_event", "synchronize"]
+__all__ = [
+    "extract_trailing_digits",
+    "get_stream_context",
+    "quorum_global_ranks",
+    "record_event",
+    "synchronize",
+]
 
 
 def _xpu_available() -> bool:
@@ -60,3 +66,33 @@ def synchronize() -> None:
         torch.cuda.current_stream().synchronize()
     elif _xpu_available():
         torch.xpu.current_stream().synchronize()
+
+
+def extract_trailing_digits(s: str) -> int:
+    """The number at the end of ``s`` (``"torchtitan_ft_12"`` -> 12), 0 when there is none.
+
+    Args:
+        s: a replica id or any string.
+    """
+    digits = len(s) - len(s.rstrip("0123456789"))
+    return int(s[-digits:]) if digits else 0
+
+
+def quorum_global_ranks(
+    replica_ids: list[str], group_rank: int, group_world_size: int
+) -> list[int] | None:
+    """Global rank of this group rank in each replica of a quorum, in replica-rank order.
+
+    A replica id's number (before the ``:uuid`` suffix the Manager adds) is its replica-group
+    index ``i``; its rank ``group_rank`` has global rank ``i * group_world_size + group_rank``.
+    None when the ids do not give distinct numbers (ranks would collide).
+
+    Args:
+        replica_ids: the quorum's replica ids, in replica-rank order.
+        group_rank: this process's rank within its replica group.
+        group_world_size: the number of ranks in a replica group.
+    """
+    indices = [extract_trailing_digits(rid.split(":", 1)[0]) for rid in replica_ids]
+    if not indices or len(set(indices)) != len(indices):
+        return None
+    return [i * group_world_size + group_rank for i in indices]

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.distributed import TCPStore
 
-from tests.manager.cluster import TIMEOUT, lighthouse, run_parallel
+from tests.cluster import TIMEOUT, lighthouse, run_parallel, url
 from torchheal import Optimizer
 from torchheal.coordination.lighthouse import LighthouseServer
 from torchheal.local_sgd import DiLoCo, LocalSGD
@@ -47,7 +47,7 @@ def titan_manager(lh: LighthouseServer, name: str, **kwargs: Any) -> Iterator[Ma
         store_port=store.port,
         rank=0,
         world_size=1,
-        lighthouse_addr=lh.address(),
+        lighthouse_addr=url(lh),
         timeout=TIMEOUT,
         quorum_timeout=TIMEOUT,
         connect_timeout=TIMEOUT,
@@ -248,3 +248,28 @@ def test_semi_sync_context_managers_over_shared_fragments(kind: str, steps: int)
     p0, p1 = _semi_sync_run(kind, steps)
     for a, b in zip(p0, p1, strict=True):
         torch.testing.assert_close(a, b)
+
+
+def test_manager_names_the_rebuilt_group_after_the_quorum() -> None:
+    """The Manager passes the newer reference's configure keywords (replica ids give the
+    global ranks: ``torchtitan_ft_{i}`` is replica group ``i``)."""
+    with (
+        lighthouse(min_replicas=2) as lh,
+        titan_manager(lh, "0") as m0,
+        titan_manager(lh, "1") as m1,
+    ):
+        models = [_model(0), _model(0)]
+        opts = []
+        for m, model in zip((m0, m1), models, strict=True):
+            _set_fns(m, model)
+            opts.append(FTContainer(m, [model]))
+        run_parallel(
+            *(
+                lambda m=m, model=model, o=o: _train_step(m, model, o, 1.0)
+                for m, model, o in zip((m0, m1), models, opts, strict=True)
+            )
+        )
+        for m in (m0, m1):
+            options = m._pg.parent._get_backend(torch.device("cpu")).options
+            assert options.group_name == f"torchft_{m._quorum_id}_rank_0"
+            assert options.global_ranks_in_group == [0, 1]

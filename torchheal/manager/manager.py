@@ -199,6 +199,7 @@ class Manager:
             world_size_mode=world_size_mode,
             min_replica_size=min_replica_size,
             log=self._logger,
+            group_world_size=self._group_world_size,
         )
 
         self._quorum_id = -1

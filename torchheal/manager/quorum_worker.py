@@ -24,6 +24,8 @@ from torchheal.coordination.plan import Participation, WorldSizeMode, participat
 from torchheal.coordination.types import QuorumResult
 from torchheal.manager.log import ManagerLogger, describe_quorum
 from torchheal.manager.recovery import Recovery
+from torchheal.process_group.base import accepts_quorum_keywords
+from torchheal.utils import quorum_global_ranks
 
 __all__ = ["QuorumOutcome", "QuorumWorker"]
 
@@ -110,6 +112,8 @@ class QuorumWorker:
         world_size_mode: DYNAMIC or FIXED_WITH_SPARES.
         min_replica_size: the Manager's ``min_replica_size``.
         log: the Manager's prefixed logger.
+        group_world_size: the number of ranks in this replica group (names the rebuilt
+            process group after the quorum).
     """
 
     def __init__(
@@ -127,6 +131,7 @@ class QuorumWorker:
         world_size_mode: WorldSizeMode,
         min_replica_size: int,
         log: ManagerLogger,
+        group_world_size: int = 1,
     ) -> None:
         self._quorum_call = quorum_call
         self._process_group = process_group
@@ -134,6 +139,7 @@ class QuorumWorker:
         self._snapshot = snapshot
         self._metadata = metadata
         self._group_rank = group_rank
+        self._group_world_size = group_world_size
         self._replica_name = replica_name or "0"
         self._use_async_quorum = use_async_quorum
         self._init_sync = init_sync
@@ -189,11 +195,24 @@ class QuorumWorker:
         self._log.info(describe_quorum(quorum, outcome.participation))
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-        self._process_group().configure(
+        pg = self._process_group()
+        quorum_keywords: dict[str, Any] = {}
+        if accepts_quorum_keywords(pg):
+            # Newer reference versions pass these; older four-argument groups still work.
+            quorum_keywords = dict(
+                quorum_id=quorum.quorum_id,
+                group_rank=self._group_rank,
+                group_world_size=self._group_world_size,
+                global_ranks=quorum_global_ranks(
+                    list(quorum.replica_ids), self._group_rank, self._group_world_size
+                ),
+            )
+        pg.configure(
             f"{quorum.store_address}/torchft/{quorum.quorum_id}/{self._group_rank}",
             self._replica_name,
             quorum.replica_rank,
             quorum.replica_world_size,
+            **quorum_keywords,
         )
         outcome.reconfigured = True
 

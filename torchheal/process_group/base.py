@@ -108,6 +108,23 @@ def takes_options(name: str) -> bool:
     return _PARAMETERS[name][-1] == "opts"
 
 
+def accepts_quorum_keywords(pg: Any) -> bool:
+    """Whether ``pg.configure`` takes the optional quorum keywords of :meth:`ProcessGroup.configure`.
+
+    Process groups written for the older four-argument ``configure`` keep working: callers
+    pass the keywords only to groups that accept them.
+
+    Args:
+        pg: any process group with a ``configure`` method.
+    """
+    try:
+        params = inspect.signature(pg.configure).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    names = {p.name for p in params}
+    return any(p.kind is p.VAR_KEYWORD for p in params) or "quorum_id" in names
+
+
 class ProcessGroup(dist.ProcessGroup):
     """Base class of the reconfigurable process groups.
 
