@@ -12,9 +12,10 @@ this test must not import torchft, and it must fail when torchheal drifts.
 
 Left out for now, on purpose (each arrives with other work, and is then added here):
 * ``torchft.otel``, ``torchft.torchx`` and ``torchft.examples.slurm.*`` - the operations work;
-* ``torchft.torchcomms`` (``ProcessGroupTorchComms``, needs the ``torchcomms`` package) and the
+* ``torchft.torchcomms`` (``ProcessGroupTorchComms``, needs the ``torchcomms`` package), the
   wheel's handle-based rendezvous (``process_group.ReconfigureOptions``,
-  ``process_group.reconfigure_with_store``): newer-wheel features torchheal does not have yet.
+  ``process_group.reconfigure_with_store``) and its per-quorum flight-recorder dump path
+  (``manager.TORCH_FR_DUMP_TEMP_FILE_ENV``): newer-wheel features torchheal does not have yet.
 """
 
 from __future__ import annotations
@@ -79,6 +80,7 @@ REFERENCE_PUBLIC_NAMES: dict[str, tuple[str, ...]] = {
         "ExceptionWithTraceback",
         "Manager",
         "WorldSizeMode",
+        "extract_trailing_digits",
         "get_timeout",
     ),
     "multiprocessing": ("_MonitoredPipe",),

@@ -35,6 +35,7 @@ from torchheal.coordination.plan import WorldSizeMode
 from torchheal.manager.endpoints import MANAGER_ADDR_KEY, REPLICA_ID_KEY
 from torchheal.manager.manager import IS_TRITON_AVAILABLE, Manager
 from torchheal.manager.step import ExceptionWithTraceback
+from torchheal.utils import extract_trailing_digits
 
 __all__ = [
     "CONNECT_TIMEOUT_SEC_ENV",
@@ -48,5 +49,6 @@ __all__ = [
     "ExceptionWithTraceback",
     "Manager",
     "WorldSizeMode",
+    "extract_trailing_digits",
     "get_timeout",
 ]
