@@ -1,12 +1,14 @@
 # Two entry points, each self-sufficient on a fresh machine with only Python 3.10+:
 #   make demo   - local fault-tolerant training demo with an injected failure
 #   make test   - the whole test suite
+# Not part of `make test` (needs two ~2.4 GB venvs, ~10 min on 2 cores):
+#   make torchtitan - torchtitan 0.3.0 on torchheal, side by side with the reference (CPU)
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.torchheal-installed
 
-.PHONY: demo test lint bench setup clean
+.PHONY: demo test lint bench setup clean torchtitan
 
 setup: $(STAMP)
 
@@ -26,6 +28,18 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python bench/quorum.py
+
+# Every scenario on torchheal (must pass), then on the reference (its crash is reported, not
+# failed), then both as one table. The exit status is torchheal's.
+torchtitan:
+	PY=$(PY) bash examples/torchtitan/setup_venvs.sh all
+	status=0; \
+	.venv-titan/bin/python examples/torchtitan/run_scenarios.py --venv .venv-titan || status=$$?; \
+	.venv-titan/bin/python examples/torchtitan/run_scenarios.py --venv .venv-titan-ref \
+		--expect_crash || status=$$?; \
+	.venv-titan/bin/python examples/torchtitan/run_scenarios.py \
+		--table .venv-titan .venv-titan-ref; \
+	exit $$status
 
 clean:
 	rm -rf $(VENV) build *.egg-info

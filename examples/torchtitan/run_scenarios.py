@@ -364,6 +364,58 @@ def run_scenario(sc: Scenario, venv: Path, out: Path, assets: Path, deadline_s: 
     return result
 
 
+def _run_cell(run: dict) -> str:
+    crash = " CRASH(mixed Tensor/DTensor)" if run["crash_mixed_dtensor"] else ""
+    rc = "killed" if run["rc"] == -9 else f"rc {run['rc']}"
+    loss = ""
+    if run["first_loss"] is not None:
+        loss = f", loss {run['first_loss']:.2f}->{run['last_loss']:.2f}"
+    return (
+        f"g{run['group']}.{run['incarnation']}: {rc}, steps {run['first_step']}-"
+        f"{run['last_step']}{loss}{crash}"
+    )
+
+
+def print_table(paths: list[Path]) -> None:
+    """Prints every scenario of the given results.json files side by side (markdown)."""
+    print(
+        "| library | scenario | wall s | groups (incarnation: exit, steps logged, loss) "
+        "| grad_norm equal | checks |"
+    )
+    print("|---|---|---|---|---|---|")
+    for path in paths:
+        if not path.exists():
+            continue
+        for res in json.loads(path.read_text()):
+            runs = "<br>".join(_run_cell(r) for r in res["runs"])
+            failed = [k for k, ok in res["checks"].items() if not ok]
+            checks = "all pass" if not failed else "FAIL: " + "; ".join(failed)
+            gn = res.get("grad_norm_equal_steps", "-")
+            print(
+                f"| {res['library']} | {res['scenario']} | {res['wall_s']} | {runs} | {gn} "
+                f"| {checks} |"
+            )
+
+
+def check_import_name(venv: Path) -> str:
+    """Which library ``import torchft`` is in ``venv`` (and, for torchheal, that it is the same
+    objects: the compat distribution is an alias, not a copy)."""
+    code = (
+        "import torchft\n"
+        "try:\n"
+        "    import torchheal, torchft.process_group as p\n"
+        "    assert torchft.Manager is torchheal.Manager\n"
+        "    assert p is torchheal.process_group\n"
+        "    print('torchheal')\n"
+        "except ImportError:\n"
+        "    print('reference')\n"
+    )
+    out = subprocess.run([venv / "bin/python", "-c", code], capture_output=True, text=True)
+    if out.returncode != 0:
+        raise RuntimeError(f"`import torchft` fails in {venv}: {out.stderr[-2000:]}")
+    return out.stdout.strip()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--venv", default=".venv-titan")
@@ -374,13 +426,22 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="reference mode: report whether the healthy peer crashed",
     )
+    parser.add_argument(
+        "--table",
+        nargs="*",
+        metavar="VENV",
+        help="only print the results of these venvs' last runs as a table",
+    )
     args = parser.parse_args(argv)
+    if args.table is not None:
+        print_table([REPO / "runs-titan" / Path(v).name / "results.json" for v in args.table])
+        return 0
     venv = (REPO / args.venv).resolve()
     names = args.scenario or ["per_step", "diloco", "local_sgd", "kill"]
     out_root = REPO / "runs-titan" / venv.name
     assets = REPO / "runs-titan" / "assets"
     subprocess.run([venv / "bin/python", HERE / "make_assets.py", assets], check=True)
-    lib = library_of(venv)
+    lib = f"{library_of(venv)} (import torchft -> {check_import_name(venv)})"
     results = []
     for name in names:
         print(f"== {name} ({lib}) ...", flush=True)
