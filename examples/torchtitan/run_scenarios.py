@@ -117,8 +117,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_for(cond, deadline: float, what: str, poll: float = 0.2) -> None:
+def wait_for(cond, deadline: float, what: str, poll: float = 0.2, job: Job | None = None) -> None:
     while not cond():
+        if job is not None and job.lighthouse.poll() is not None:
+            raise RuntimeError(f"the lighthouse exited ({job.lighthouse.returncode}); see its log")
         if time.monotonic() > deadline:
             raise TimeoutError(f"timed out waiting for {what}")
         time.sleep(poll)
@@ -282,6 +284,7 @@ def run_scenario(sc: Scenario, venv: Path, out: Path, assets: Path, deadline_s: 
                 lambda: g1.last_step >= sc.kill_at or g1.proc.poll() is not None,
                 deadline,
                 f"group 1 to reach step {sc.kill_at}",
+                job=job,
             )
             job.kill(g1)
             killed_at = g0.last_step
@@ -291,15 +294,19 @@ def run_scenario(sc: Scenario, venv: Path, out: Path, assets: Path, deadline_s: 
                 lambda: g0.last_step >= killed_at + sc.alone_steps or g0.proc.poll() is not None,
                 deadline,
                 "group 0 to train alone",
+                job=job,
             )
             result["notes"].append(f"restart group 1 when group 0 is at step {g0.last_step}")
             g1b = job.group(sc, 1, 1)
             runs.append(g1b)
-        for r in runs:
-            if r.proc.poll() is None:
-                r.proc.wait(max(1.0, deadline - time.monotonic()))
-    except (TimeoutError, subprocess.TimeoutExpired) as e:
-        result["notes"].append(f"TIMEOUT: {e}")
+        wait_for(
+            lambda: all(r.proc.poll() is not None for r in runs),
+            deadline,
+            "every group to finish",
+            job=job,
+        )
+    except (TimeoutError, RuntimeError) as e:
+        result["notes"].append(f"ABORTED: {e}")
     finally:
         job.close()
     result["wall_s"] = round(time.monotonic() - started, 1)

@@ -25,7 +25,7 @@ TITAN_DEPS=(tyro einops safetensors "tokenizers>=0.15" tensorboard "datasets>=3.
 # Installed without their dependencies: each would otherwise pull or pin another torch.
 # triton: torchtitan imports it unconditionally (blocker B1); 3.9.0 imports without a GPU.
 TITAN_NODEPS=("spmd_types==0.2.3" "torchdata==0.11.0" "torch_checkpointing==0.1.1" "triton==3.9.0")
-STAMP_TEXT="$TORCH $TORCHTITAN ${TITAN_DEPS[*]} ${TITAN_NODEPS[*]} v1"
+STAMP_TEXT="$TORCH $TORCHTITAN ${TITAN_DEPS[*]} ${TITAN_NODEPS[*]} v2"
 
 constraints=$(mktemp)
 trap 'rm -f "$constraints"' EXIT
@@ -53,7 +53,8 @@ setup_titan() {
   echo "setting up $venv (torchtitan on torchheal)..."
   base_venv "$venv"
   local pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check -c "$constraints")
-  "${pip[@]}" -e .
+  # The metrics extra: `torchheal lighthouse` serves its dashboard's Prometheus page.
+  "${pip[@]}" -e ".[metrics]"
   "${pip[@]}" -e compat
   echo "$STAMP_TEXT heal" >"$venv/.torchtitan-example"
 }
