@@ -251,8 +251,17 @@ def test_page_follows_three_live_groups_through_a_kill_and_a_heal(
                 30,
                 "the recovery timeline to show the heal",
             )
-            size = js(driver, "return torchhealDashboard.charts.size.data[1]")
-            assert 2 in size and size[-1] == 3  # the quorum-size chart saw the dip
+            # The quorum-size chart saw the dip and, once the current second is complete, the
+            # return.
+            size = wait_until(
+                lambda: (
+                    (s := js(driver, "return torchhealDashboard.charts.size.data[1]"))[-1] == 3
+                    and s
+                ),
+                10,
+                "the quorum-size chart to show the group back",
+            )
+            assert 2 in size
 
             shot = tmp_path / "dashboard.png"
             assert driver.save_screenshot(str(shot))
