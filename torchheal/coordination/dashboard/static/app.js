@@ -150,7 +150,8 @@
     const found = /^(Fast quorum found|Valid quorum found)/.test(s.reason || "");
     const hb = s.config.heartbeat_timeout_ms / 1000;
     const age = s.quorum.age_s;
-    const level = found || (age !== null && age < hb) ? "" : age !== null && age < 2 * hb ? " waiting" : " stuck";
+    // Before the first quorum the job is starting, not stuck.
+    const level = found || (age !== null && age < hb) ? "" : age === null || age < 2 * hb ? " waiting" : " stuck";
     box.className = "reason" + level;
     const waitedS = s.reason_since ? s.now - s.reason_since : 0;
     $("reason-since").textContent = level && waitedS > 2 ? "for " + fmtDuration(waitedS) : "";
