@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.manager.cluster import TIMEOUT, Replica, lighthouse, replica, run_parallel
+from tests.cluster import TIMEOUT, Replica, lighthouse, replica, run_parallel
 from torchheal import DistributedDataParallel
 from torchheal.ddp import PureDistributedDataParallel
 from torchheal.process_group.gloo import ProcessGroupGloo

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.hsdp._cluster import load, run_ft_with_restart, tensors
+from tests.hsdp.jobs import load, run_ft_with_restart, tensors
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.hsdp._cluster import load, run_ft_with_restart, run_plain_job, tensors
+from tests.hsdp.jobs import load, run_ft_with_restart, run_plain_job, tensors
 
 pytestmark = pytest.mark.slow
 

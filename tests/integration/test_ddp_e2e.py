@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.integration.harness import GroupPlan, JobSpec, run_job
+from tests.integration.jobs import GroupPlan, JobSpec, run_job
 from tests.integration.workers import train_ddp, train_plain_ddp
 
 pytestmark = pytest.mark.slow

@@ -1,4 +1,4 @@
-"""Per-rank entry points for the end-to-end tests (run in spawned processes by ``harness.py``).
+"""Per-rank entry points for the end-to-end tests (run in spawned processes by ``jobs.py``).
 
 Each rank trains a small MLP with Adam through torchheal's DDP wrapper on data that depends on
 (group, rank, step), so the cross-group average is real, and writes its final state to a file.
@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tests.integration.harness import GroupPlan, JobSpec
+from tests.integration.jobs import GroupPlan, JobSpec
 
 IN, HIDDEN, OUT = 8, 16, 4
 

@@ -1,6 +1,6 @@
 """LocalSGD, DiLoCo and Streaming DiLoCo survive a SIGKILLed replica group (real processes).
 
-Two replica groups run as separate processes (``tests/integration/harness.py``); group 1
+Two replica groups run as separate processes (``tests/integration/jobs.py`` on ``tests/cluster.py``); group 1
 SIGKILLs itself in the middle of a sync window, is restarted with a different random model,
 heals from group 0 at its first quorum, and both must end at the same step with identical
 state: the model for LocalSGD, the global weights and outer-optimizer state for DiLoCo.
@@ -13,7 +13,7 @@ import functools
 import pytest
 import torch
 
-from tests.integration.harness import GroupPlan, JobSpec, run_job
+from tests.integration.jobs import GroupPlan, JobSpec, run_job
 from tests.local_sgd_integ.test_threads import assert_same_global_state
 from tests.local_sgd_integ.workers import TrainConfig, process_worker
 

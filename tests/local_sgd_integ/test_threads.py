@@ -21,7 +21,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.local_sgd_integ.replicas import GroupSpec, run_threads
+from tests.local_sgd_integ.jobs import GroupSpec, run_threads
 from tests.local_sgd_integ.workers import Faults, TrainConfig, batch, make_model
 
 GRID = list(itertools.product([1, 2], [0, 1], [0.0, 0.5, 1.0]))

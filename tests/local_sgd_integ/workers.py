@@ -6,8 +6,8 @@ injected) and the default HTTP checkpoint transport, and returns the replica's f
 model, and for DiLoCo every fragment's global weights and outer-optimizer state.
 
 How a replica "dies" is left to the caller (``on_fail``): a thread raises and is restarted in
-the same process (``replicas.py``); a process SIGKILLs itself and the harness restarts it
-(:func:`process_worker`, run by ``tests/integration/harness.py``).
+the same process (``jobs.py``); a process SIGKILLs itself and the harness restarts it
+(:func:`process_worker`, run by ``tests/integration/jobs.py``).
 """
 
 from __future__ import annotations
@@ -249,7 +249,7 @@ def process_worker(
     incarnation: int,
     out_path: str,
 ) -> None:
-    """Entry point for ``tests.integration.harness.run_job`` (bind ``cfg`` with partial).
+    """Entry point for ``tests.integration.jobs.run_job`` (bind ``cfg`` with partial).
 
     ``plan.kill_at_step`` is the inner step before which the process SIGKILLs itself.
     """

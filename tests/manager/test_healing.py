@@ -8,7 +8,7 @@ from datetime import timedelta
 import pytest
 import torch
 
-from tests.manager.cluster import Replica, lighthouse, replica, run_parallel
+from tests.cluster import Replica, lighthouse, replica, run_parallel
 from torchheal.manager import WorldSizeMode
 from torchheal.process_group.gloo import ProcessGroupGloo
 

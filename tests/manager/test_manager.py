@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.distributed import ReduceOp
 
-from tests.manager.cluster import TIMEOUT, lighthouse, replica
+from tests.cluster import TIMEOUT, lighthouse, replica
 from torchheal._base.config import TimeoutBudgetWarning
 from torchheal.manager import ExceptionWithTraceback, Manager
 from torchheal.process_group.dummy import ProcessGroupDummy
