@@ -125,3 +125,27 @@ def test_commit_rules() -> None:
     assert retry_limit_error(3, 2) == (
         "should_commit failed 3 times consecutively, exceeding max_retries=2"
     )
+
+
+def test_every_other_reader_of_the_environment() -> None:
+    from torchheal._base.config import (
+        LauncherEnv,
+        checkpoint_token,
+        nccl_debug_pipe_prefix,
+        use_bucketization,
+        watchdog_timeout_s,
+    )
+
+    assert watchdog_timeout_s({}) == 30.0
+    assert watchdog_timeout_s({"TORCHFT_WATCHDOG_TIMEOUT_SEC": "2.5"}) == 2.5
+    with pytest.raises(ValueError, match="TORCHHEAL_WATCHDOG_TIMEOUT_SEC"):
+        watchdog_timeout_s({"TORCHHEAL_WATCHDOG_TIMEOUT_SEC": "-1"})
+    assert use_bucketization({"TORCHFT_USE_BUCKETIZATION": "True"})
+    assert not use_bucketization({"TORCHHEAL_USE_BUCKETIZATION": "1"})  # only "True", as ref
+    assert checkpoint_token({"TORCHHEAL_CHECKPOINT_TOKEN": ""}) is None
+    assert nccl_debug_pipe_prefix({"TORCH_NCCL_DEBUG_INFO_PIPE_FILE": "/tmp/fr"}) == "/tmp/fr"
+    assert LauncherEnv.from_env({}) == LauncherEnv()
+    got = LauncherEnv.from_env({"REPLICA_GROUP_ID": "2", "NUM_REPLICA_GROUPS": "3"})
+    assert (got.replica_group_id, got.num_replica_groups) == (2, 3)
+    with pytest.raises(ValueError, match="REPLICA_GROUP_ID"):
+        LauncherEnv.from_env({"REPLICA_GROUP_ID": "x"})

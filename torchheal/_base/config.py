@@ -8,6 +8,8 @@ the launcher only *passes* an environment to the processes it starts). What is r
 * :func:`watchdog_timeout_s` - how long one timeout callback may run (``torchheal.futures``).
 * :func:`use_bucketization` - DiLoCo's flat-bucket allreduce switch.
 * :func:`checkpoint_token` - the shared secret of the HTTP checkpoint transport.
+* :class:`LauncherEnv` - what a launcher tells a replica group (group id, group count, log level).
+* :func:`nccl_debug_pipe_prefix` - where NCCL's flight recorder listens for dump requests.
 
 The reference reads its environment overrides in several places and then forgets to use the
 adjusted values in some of them (the checkpoint transport, the state-dict lock and the RPC
@@ -283,6 +285,53 @@ def dashboard_port(environ: Mapping[str, str] | None = None) -> int | None:
     if port > 65535:
         raise ValueError(f"{DASHBOARD_PORT_ENV}={value!r} is not a valid port")
     return port
+
+
+@dataclass(frozen=True)
+class LauncherEnv:
+    """What a launcher (``torchheal launch``, torchx, Slurm) tells a replica group's processes.
+
+    Attributes:
+        replica_group_id: this group's index (``REPLICA_GROUP_ID``, default 0).
+        num_replica_groups: how many groups the job has (``NUM_REPLICA_GROUPS``), or None.
+        log_level: the logging level name to use (``LOGLEVEL``, default ``WARNING``).
+    """
+
+    replica_group_id: int = 0
+    num_replica_groups: int | None = None
+    log_level: str = "WARNING"
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> LauncherEnv:
+        """Reads and validates the three variables.
+
+        Args:
+            environ: the environment to read; ``os.environ`` when None.
+
+        Raises:
+            ValueError: a number is malformed; the message names the variable.
+        """
+        env = _environ(environ)
+        group = env.get("REPLICA_GROUP_ID", "").strip()
+        groups = env.get("NUM_REPLICA_GROUPS", "").strip()
+        return cls(
+            replica_group_id=_parse_int("REPLICA_GROUP_ID", group, 0) if group else 0,
+            num_replica_groups=_parse_int("NUM_REPLICA_GROUPS", groups, 1) if groups else None,
+            log_level=env.get("LOGLEVEL", "").strip() or "WARNING",
+        )
+
+
+#: torch's variable naming the prefix of NCCL's flight-recorder pipes.
+NCCL_DEBUG_PIPE_ENV: str = "TORCH_NCCL_DEBUG_INFO_PIPE_FILE"
+
+
+def nccl_debug_pipe_prefix(environ: Mapping[str, str] | None = None) -> str:
+    """The prefix of NCCL's flight-recorder pipes (``TORCH_NCCL_DEBUG_INFO_PIPE_FILE``), or "".
+
+    Args:
+        environ: the environment to read; ``os.environ`` when None.
+    """
+    return _environ(environ).get(NCCL_DEBUG_PIPE_ENV, "")
 
 
 def get_timeout(env_value: str | None, default: timedelta) -> timedelta:

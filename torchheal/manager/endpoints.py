@@ -19,8 +19,8 @@ from datetime import timedelta
 from torch.distributed import TCPStore
 
 from torchheal.coordination.client import ManagerClient
-from torchheal.coordination.rpc.addresses import format_target
 from torchheal.coordination.manager_server import ManagerServer
+from torchheal.coordination.rpc.addresses import format_target
 from torchheal.coordination.types import QuorumResult
 
 __all__ = ["MANAGER_ADDR_KEY", "REPLICA_ID_KEY", "GroupEndpoints", "open_endpoints"]

@@ -8,8 +8,9 @@ abort that follows tears the communicator down, so the caller waits before going
 from __future__ import annotations
 
 import logging
-import os
 import time
+
+from torchheal._base.config import NCCL_DEBUG_PIPE_ENV, nccl_debug_pipe_prefix
 
 __all__ = [
     "TORCHFT_TRIGGER_FR_ON_ABORT",
@@ -19,7 +20,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-TORCH_NCCL_DEBUG_INFO_PIPE_FILE_ENV_VAR = "TORCH_NCCL_DEBUG_INFO_PIPE_FILE"
+TORCH_NCCL_DEBUG_INFO_PIPE_FILE_ENV_VAR = NCCL_DEBUG_PIPE_ENV
 # "true" asks NCCL process groups to dump a flight-recorder trace before aborting.
 TORCHFT_TRIGGER_FR_ON_ABORT = "TORCHFT_TRIGGER_FR_ON_ABORT"
 
@@ -37,7 +38,7 @@ def trigger_nccl_fr_trace_through_pipe(rank: int, wait_s: float = _DUMP_WAIT_S) 
     Returns:
         False (nothing done) when ``TORCH_NCCL_DEBUG_INFO_PIPE_FILE`` is unset, else True.
     """
-    prefix = os.environ.get(TORCH_NCCL_DEBUG_INFO_PIPE_FILE_ENV_VAR, "")
+    prefix = nccl_debug_pipe_prefix()
     if not prefix:
         logger.info("[rank %d] no flight-recorder pipe configured; no trace dump", rank)
         return False

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 from datetime import timedelta
 from typing import Any
 
@@ -81,10 +80,9 @@ class ProcessGroupXCCL(ProcessGroupWrapper):
     def __init__(self, timeout: timedelta = timedelta(seconds=60)) -> None:
         super().__init__(timeout=timeout)
         self._use_abort = _xpu_available()
-        if self._use_abort and NONBLOCKING_TIMEOUT_ENV not in os.environ:
-            seconds = max(1, int(timeout.total_seconds()))
-            logger.warning("%s unset; setting it to %d", NONBLOCKING_TIMEOUT_ENV, seconds)
-            os.environ[NONBLOCKING_TIMEOUT_ENV] = str(seconds)
+        # Unlike the reference, NONBLOCKING_TIMEOUT_ENV is left to the user (torchheal never
+        # writes the environment): every call, the first one that waits on the communicator's
+        # init included, runs under our own timer that aborts the group (_run_context).
 
     def configure(
         self, store_addr: str, replica_id: str, rank: int, world_size: int, **quorum: Any

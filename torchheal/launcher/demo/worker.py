@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from torchheal._base.config import LauncherEnv
 from torchheal.launcher.events import emit
 
 
@@ -75,9 +76,10 @@ def main(argv: list[str] | None = None) -> int:
     from torchheal import DistributedDataParallel, Manager, Optimizer, ProcessGroupGloo
 
     args = parse_args(argv)
-    group = int(os.environ.get("REPLICA_GROUP_ID", "0"))
+    launcher = LauncherEnv.from_env()
+    group = launcher.replica_group_id
     logging.basicConfig(
-        level=os.environ.get("LOGLEVEL", "WARNING"),
+        level=launcher.log_level,
         format=f"[group {group}] %(levelname)s %(name)s: %(message)s",
     )
 
