@@ -128,8 +128,25 @@ def _patch_flex_attention() -> None:
     attention._compiled_create_block_mask = create_block_mask
 
 
+def _log_commit_decisions() -> None:
+    """Opt-in (``FT_LOG_COMMITS=1``, set by ``run_scenarios.py``): print torchheal's per-step
+    commit decisions, which it logs at DEBUG, so the scenarios can count the syncs that
+    committed with both groups. torchtitan's handler only passes INFO and above."""
+    import logging
+
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setLevel(logging.DEBUG)
+    handler.addFilter(lambda record: record.levelno < logging.INFO)
+    handler.setFormatter(logging.Formatter("[ft] %(name)s - %(message)s"))
+    manager_logger = logging.getLogger("torchheal.manager")
+    manager_logger.setLevel(logging.DEBUG)
+    manager_logger.addHandler(handler)
+
+
 def main() -> None:
     """Applies the patches this machine needs, then runs ``torchtitan.train`` as ``__main__``."""
+    if os.environ.get("FT_LOG_COMMITS") == "1":
+        _log_commit_decisions()
     _patch_set_timeout()
     if ON_CPU:
         _patch_device_is_cpu()

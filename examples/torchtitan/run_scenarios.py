@@ -49,6 +49,8 @@ HERE = Path(__file__).resolve().parent
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 STEP_LINE = re.compile(r"step:\s+(\d+)\s+loss:\s+([-\d.naninf]+)\s+grad_norm:\s+([-\d.naninf]+)")
 CRASH_TEXT = "mixed torch.Tensor and DTensor"
+# torchheal's commit decision (printed by cpu_train.py with FT_LOG_COMMITS=1).
+COMMIT_LINE = re.compile(r"should_commit=True \(local vote \w+: (\d+) participants")
 
 
 @dataclass
@@ -154,6 +156,7 @@ class Job:
             HF_HUB_OFFLINE="1",
             RUST_LOG="warn",
             TORCHFT_LIGHTHOUSE=f"http://127.0.0.1:{self.port}",
+            FT_LOG_COMMITS="1",
         )
         self.procs: list[subprocess.Popen[bytes]] = []
         lh_log = open(out / "lighthouse.log", "wb")
@@ -322,6 +325,9 @@ def run_scenario(sc: Scenario, venv: Path, out: Path, assets: Path, deadline_s: 
             "first_loss": r.steps[min(r.steps)][0] if r.steps else None,
             "last_loss": r.steps[max(r.steps)][0] if r.steps else None,
             "crash_mixed_dtensor": CRASH_TEXT in r.text(),
+            # torchheal only: commits, and those both groups took part in.
+            "commits": len(COMMIT_LINE.findall(r.text())),
+            "commits_with_2": sum(p == "2" for p in COMMIT_LINE.findall(r.text())),
             "log": str(r.log.relative_to(REPO)) if r.log.is_relative_to(REPO) else str(r.log),
         }
         for r in runs
@@ -333,6 +339,12 @@ def run_scenario(sc: Scenario, venv: Path, out: Path, assets: Path, deadline_s: 
     checks["all finish rc 0"] = all(r.proc.returncode == 0 for r in final)
     checks[f"all reach step {sc.steps}"] = all(r.last_step == sc.steps for r in final)
     checks["losses fall"] = all(_falls(r.steps) for r in final)
+    if sc.semi_sync is not None and "torchheal" in library_of(job.venv):
+        # Each sync is one manager step; both groups must have synced together.
+        want = sc.steps // (sc.sync_steps or 1)
+        checks[f">= {want} syncs committed with both groups"] = all(
+            r["commits_with_2"] >= want for r in result["runs"]
+        )
     if sc.semi_sync is None:
         # Per-step: both groups average gradients, so both log the same norm at shared steps.
         both = [r for r in runs if r.group == 0], [r for r in runs if r.group == 1]
@@ -377,9 +389,12 @@ def _run_cell(run: dict) -> str:
     loss = ""
     if run["first_loss"] is not None:
         loss = f", loss {run['first_loss']:.2f}->{run['last_loss']:.2f}"
+    commits = ""
+    if run.get("commits"):
+        commits = f", {run['commits']} commits ({run['commits_with_2']} with both)"
     return (
         f"g{run['group']}.{run['incarnation']}: {rc}, steps {run['first_step']}-"
-        f"{run['last_step']}{loss}{crash}"
+        f"{run['last_step']}{loss}{commits}{crash}"
     )
 
 
@@ -405,19 +420,19 @@ def print_table(paths: list[Path]) -> None:
 
 
 def check_import_name(venv: Path) -> str:
-    """Which library ``import torchft`` is in ``venv`` (and, for torchheal, that it is the same
-    objects: the compat distribution is an alias, not a copy)."""
+    """Which library ``import torchft`` gives in ``venv``; for torchheal, also that it is the same
+    objects (the compat distribution is an alias, not a copy). Run outside the repository, so
+    the checkout's own ``torchheal`` folder is not importable by accident."""
     code = (
-        "import torchft\n"
-        "try:\n"
-        "    import torchheal, torchft.process_group as p\n"
-        "    assert torchft.Manager is torchheal.Manager\n"
-        "    assert p is torchheal.process_group\n"
-        "    print('torchheal')\n"
-        "except ImportError:\n"
-        "    print('reference')\n"
+        "import torchft, torchft.process_group as p\n"
+        "if not torchft.Manager.__module__.startswith('torchheal.'):\n"
+        "    print('reference'); raise SystemExit\n"
+        "import torchheal\n"
+        "assert torchft.Manager is torchheal.Manager\n"
+        "assert p is torchheal.process_group\n"
+        "print('torchheal')\n"
     )
-    out = subprocess.run([venv / "bin/python", "-c", code], capture_output=True, text=True)
+    out = subprocess.run([venv / "bin/python", "-c", code], capture_output=True, text=True, cwd="/")
     if out.returncode != 0:
         raise RuntimeError(f"`import torchft` fails in {venv}: {out.stderr[-2000:]}")
     return out.stdout.strip()
