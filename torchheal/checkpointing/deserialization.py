@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from torchheal.checkpointing._dtensor import parse_dtensor, rebuild_dtensor
 from torchheal.checkpointing._format import (
     DTYPES,
     FORMAT,
@@ -177,9 +178,8 @@ def _parse_tensor(i: int, t: Any, nbytes: Sequence[int]) -> TensorSpec:
                 f"invalid checkpoint description: {what} view {list(shape)} exceeds its storage"
             )
     dt = t.get("dtensor")
-    if dt is not None and type(dt) is not dict:
-        raise CheckpointError(f"invalid checkpoint description: {what}.dtensor")
-    return TensorSpec(s, dtype, shape, stride, offset, dt)
+    spec = None if dt is None else parse_dtensor(f"{what}.dtensor", dt)
+    return TensorSpec(s, dtype, shape, stride, offset, spec)
 
 
 def _decode(node: Any, tensor: Callable[[Any], Any], depth: int) -> Any:
@@ -394,47 +394,10 @@ def rebuild(
         )
         out = typed.as_strided(spec.shape, spec.stride, spec.offset)
         if spec.dtensor is not None:
-            out = _rebuild_dtensor(out, spec.dtensor)
+            out = rebuild_dtensor(out, spec.dtensor)
         return out
 
     return _decode(desc.tree, tensor, 0)
-
-
-def _rebuild_dtensor(local: torch.Tensor, spec: Mapping[str, Any]) -> Any:
-    """Rebuilds a DTensor from its local shard and JSON spec (needs torch.distributed)."""
-    try:
-        from torch.distributed.device_mesh import DeviceMesh
-        from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
-
-        placements = []
-        for p in spec["placements"]:
-            if p[0] == "shard":
-                placements.append(Shard(_int(p[1], "shard dim", 0, MAX_DIMS)))
-            elif p[0] == "replicate":
-                placements.append(Replicate())
-            elif p[0] == "partial":
-                placements.append(Partial(str(p[1])))
-            else:
-                raise CheckpointError(f"unknown DTensor placement {p!r}")
-        names = spec.get("dim_names")
-        mesh = DeviceMesh(
-            str(spec["device_type"]),
-            torch.tensor(spec["mesh"], dtype=torch.int64),
-            mesh_dim_names=tuple(str(n) for n in names) if names else None,
-            _init_backend=False,
-        )
-        return DTensor.from_local(
-            local,
-            mesh,
-            placements,
-            run_check=False,
-            shape=torch.Size(_int_list(spec["shape"], "dtensor shape")),
-            stride=_int_list(spec["stride"], "dtensor stride"),
-        )
-    except CheckpointError:
-        raise
-    except Exception as e:  # broad: any failure to rebuild is this transfer's error
-        raise CheckpointError(f"cannot rebuild DTensor from checkpoint: {e}") from e
 
 
 def decode_bytes(data: bytes | memoryview, template: Any = None) -> Any:

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from torchheal.checkpointing._dtensor import describe_dtensor
 from torchheal.checkpointing._format import (
     DEFAULT_BLOCK_BYTES,
     DTYPE_NAMES,
@@ -182,7 +183,7 @@ class _Encoder:
     def tensor(self, t: torch.Tensor, path: str) -> int:
         entry: dict[str, Any] = {}
         if self._dtensor is not None and isinstance(t, self._dtensor):
-            entry["dtensor"] = _dtensor_spec(t)
+            entry["dtensor"] = describe_dtensor(t)
             t = t.to_local()
         if t.layout != torch.strided or t.is_quantized or t.device.type == "meta":
             raise CheckpointError(f"cannot send tensor at {path}: layout {t.layout} on {t.device}")
@@ -210,29 +211,6 @@ class _Encoder:
         )
         self.tensors.append(entry)
         return len(self.tensors) - 1
-
-
-def _dtensor_spec(t: Any) -> dict[str, Any]:
-    """Describes a DTensor's mesh and placements as plain JSON data."""
-    placements = []
-    for p in t.placements:
-        if p.is_shard():
-            placements.append(["shard", int(p.dim)])
-        elif p.is_replicate():
-            placements.append(["replicate"])
-        elif p.is_partial():
-            placements.append(["partial", str(getattr(p, "reduce_op", "sum"))])
-        else:
-            raise CheckpointError(f"unsupported DTensor placement {p!r}")
-    mesh = t.device_mesh
-    return {
-        "device_type": mesh.device_type,
-        "mesh": mesh.mesh.tolist(),
-        "dim_names": list(mesh.mesh_dim_names) if mesh.mesh_dim_names else None,
-        "placements": placements,
-        "shape": list(t.shape),
-        "stride": list(t.stride()),
-    }
 
 
 def _checksums(buffers: Sequence[torch.Tensor], block_bytes: int) -> list[list[int]]:
