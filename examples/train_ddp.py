@@ -98,10 +98,13 @@ def main() -> None:
         model.load_state_dict(sd["model"])
         inner_optimizer.load_state_dict(sd["optim"])
 
+    # NCCL between replica groups on GPUs, Gloo on CPU. REPLICA_PG=gloo forces Gloo, e.g. when
+    # several replica groups share one GPU (NCCL refuses two ranks on one device).
+    use_nccl = device.type == "cuda" and os.environ.get("REPLICA_PG", "nccl") == "nccl"
     pg = (
         ProcessGroupNCCL(timeout=timedelta(seconds=30))
-        if device.type == "cuda"
-        else ProcessGroupGloo(timeout=timedelta(seconds=5))
+        if use_nccl
+        else ProcessGroupGloo(timeout=timedelta(seconds=5 if device.type == "cpu" else 30))
     )
     manager = Manager(
         pg=pg,

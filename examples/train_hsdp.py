@@ -125,7 +125,10 @@ def main() -> None:
         load_local_state(model, optimizer, state)
 
     timeout = timedelta(seconds=30)
-    pg = ProcessGroupNCCL(timeout=timeout) if use_cuda else ProcessGroupGloo(timeout=timeout)
+    # Between replica groups: NCCL on GPUs, Gloo on CPU; REPLICA_PG=gloo forces Gloo (several
+    # replica groups sharing one GPU: NCCL refuses two ranks of one communicator on one device).
+    use_nccl = use_cuda and os.environ.get("REPLICA_PG", "nccl") == "nccl"
+    pg = ProcessGroupNCCL(timeout=timeout) if use_nccl else ProcessGroupGloo(timeout=timeout)
     manager = Manager(
         pg=pg,
         load_state_dict=load_state_dict,

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# What to run on a machine with a CUDA GPU (the device tool's lent machine, or any GPU box):
+# the tests marked gpu, then the DDP and HSDP examples on CUDA with two replica groups sharing the
+# GPU, one of them SIGKILLed mid-run and restarted so it heals live from the other.
+#   bash scripts/gpu_check.sh [OUTDIR]
+set -uo pipefail
+OUT=${1:-/tmp/gpu_check}
+mkdir -p "$OUT"
+PY=${PY:-python3}
+export PYTHONPATH=${PYTHONPATH:-$PWD} PYTHONUNBUFFERED=1 OMP_NUM_THREADS=2
+nvidia-smi -L
+$PY -c "import torch, grpc, google.protobuf as pb; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), 'nccl', torch.cuda.nccl.version() if torch.cuda.is_available() else None, 'grpc', grpc.__version__, 'protobuf', pb.__version__)"
+echo "== pytest -m gpu"
+$PY -m pytest -m gpu tests/ -q -p no:cacheprovider -x 2>&1 | tail -25
+
+run_example() {  # name script steps
+  local name=$1 script=$2 steps=$3
+  echo "== $name: 2 replica groups on one GPU (REPLICA_PG=gloo between groups), group 1 killed and restarted"
+  $PY -m torchheal.cli lighthouse --bind 127.0.0.1:29510 --min_replicas 1 --join_timeout_ms 1000 \
+      --dashboard_port 0 > "$OUT/$name-lighthouse.log" 2>&1 &
+  local lh=$!
+  sleep 3
+  local common="env REPLICA_PG=gloo STEPS=$steps NUM_REPLICA_GROUPS=2 TORCHHEAL_LIGHTHOUSE=http://127.0.0.1:29510"
+  $common REPLICA_GROUP_ID=0 torchrun --master_port=29600 --nnodes=1 --nproc_per_node=1 "$script" > "$OUT/$name-g0.log" 2>&1 &
+  local g0=$!
+  $common REPLICA_GROUP_ID=1 setsid torchrun --master_port=29601 --nnodes=1 --nproc_per_node=1 "$script" > "$OUT/$name-g1a.log" 2>&1 &
+  local g1=$!
+  sleep 25
+  echo "killing group 1 (process group of pid $g1)"; kill -9 -- -$g1 2>/dev/null || kill -9 $g1
+  sleep 3
+  $common REPLICA_GROUP_ID=1 torchrun --master_port=29602 --nnodes=1 --nproc_per_node=1 "$script" > "$OUT/$name-g1b.log" 2>&1 &
+  local g1b=$!
+  wait $g0; echo "group 0 exit $?"; wait $g1b; echo "group 1 (restarted) exit $?"
+  kill $lh 2>/dev/null; wait $lh 2>/dev/null
+  for f in "$OUT/$name"-g*.log; do echo "-- $f"; grep -E "step|heal|Error|error|Traceback" "$f" | grep -v Warning | tail -8; done
+}
+run_example ddp examples/train_ddp.py 300
+run_example hsdp examples/train_hsdp.py 300
