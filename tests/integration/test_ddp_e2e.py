@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from tests.integration.jobs import GroupPlan, JobSpec, run_job
-from tests.integration.workers import train_ddp, train_plain_ddp
+from tests.integration.workers import failure_free, train_ddp, train_plain_ddp
 
 pytestmark = pytest.mark.slow
 
@@ -29,10 +29,24 @@ def assert_groups_identical(states: dict, groups: list[int], ranks: int = 1) -> 
                 )
 
 
+def assert_failure_free(
+    states: dict, groups: list[int], steps: int, ranks: int = 1, async_init_sync: bool = True
+) -> None:
+    """Every group ends with exactly the weights of a run in which nothing failed."""
+    for rank in range(ranks):
+        expected = failure_free(steps, rank, len(groups), async_init_sync=async_init_sync)
+        for g in groups:
+            for key, value in expected.items():
+                torch.testing.assert_close(
+                    states[(g, rank)]["model"][key], value, rtol=0, atol=0, msg=f"g{g}r{rank} {key}"
+                )
+
+
 def test_healthy_two_groups_end_identical(tmp_path):
     spec = JobSpec(steps=4)
     result = run_job(train_ddp, spec, [GroupPlan(0), GroupPlan(1)], tmp_path)
     assert_groups_identical(result.states, [0, 1])
+    assert_failure_free(result.states, [0, 1], steps=4)
     assert result.failures == {0: 0, 1: 0}
     for key in [(0, 0), (1, 0)]:
         assert result.states[key]["step"] == 4
@@ -45,7 +59,11 @@ def test_killed_group_restarts_heals_and_ends_identical(tmp_path, use_async_quor
     result = run_job(train_ddp, spec, [GroupPlan(0), GroupPlan(1, kill_at_step=2)], tmp_path)
     assert result.failures == {0: 0, 1: 1}
     assert_groups_identical(result.states, [0, 1])
+    # min_replica_size=2: no step commits without both groups' data, so the kill only
+    # delayed steps, and the result is the failure-free one.
+    assert_failure_free(result.states, [0, 1], steps=5, async_init_sync=use_async_quorum)
     assert result.states[(0, 0)]["step"] == result.states[(1, 0)]["step"] == 5
+    assert result.states[(1, 0)]["received_steps"], "the restarted group never healed"
 
 
 def test_group_of_two_ranks_both_die_and_heal(tmp_path):
@@ -58,6 +76,7 @@ def test_group_of_two_ranks_both_die_and_heal(tmp_path):
     )
     assert result.failures == {0: 0, 1: 1}
     assert_groups_identical(result.states, [0, 1], ranks=2)
+    assert_failure_free(result.states, [0, 1], steps=4, ranks=2)
 
 
 def test_recovery_over_pg_transport(tmp_path):
@@ -65,12 +84,17 @@ def test_recovery_over_pg_transport(tmp_path):
     result = run_job(train_ddp, spec, [GroupPlan(0), GroupPlan(1, kill_at_step=2)], tmp_path)
     assert result.failures == {0: 0, 1: 1}
     assert_groups_identical(result.states, [0, 1])
+    assert_failure_free(result.states, [0, 1], steps=4)
 
 
 def test_skip_init_sync_with_equal_seeds(tmp_path):
     spec = JobSpec(steps=4, init_sync=False, same_seed=True)
     result = run_job(train_ddp, spec, [GroupPlan(0), GroupPlan(1)], tmp_path)
     assert_groups_identical(result.states, [0, 1])
+    # Equal seeds and no init_sync: nothing may move between the groups, at step 0 or later.
+    for key in [(0, 0), (1, 0)]:
+        assert result.states[key]["sent_steps"] == [], key
+        assert result.states[key]["received_steps"] == [], key
 
 
 def test_injected_allreduce_error_skips_exactly_that_step_on_the_group(tmp_path):
@@ -82,6 +106,7 @@ def test_injected_allreduce_error_skips_exactly_that_step_on_the_group(tmp_path)
     assert result.states[(1, 0)]["failed_steps"] == [2]
     # The failing group skipped step 2 and was behind, so it healed from group 0 and caught up.
     assert_groups_identical(result.states, [0, 1])
+    assert_failure_free(result.states, [0, 1], steps=4)
 
 
 def test_matches_plain_torch_ddp_without_failures(tmp_path):

@@ -70,6 +70,7 @@ def train_ddp(
             if spec.transport == "pg"
             else HTTPTransport(timeout=timeout, num_chunks=0)
         )
+    transport = CountingTransport(transport)
     manager = Manager(
         pg=pg,
         load_state_dict=load_state_dict,
@@ -98,7 +99,8 @@ def train_ddp(
         step = manager.current_step()
         if plan.kill_at_step == step:
             os.kill(os.getpid(), signal.SIGKILL)
-        optimizer.zero_grad()
+        optimizer.zero_grad()  # starts the quorum: a synchronous heal moves the step here
+        step = manager.current_step()
         if plan.fail_allreduce_at_step == step:
             pg.report_future_error(RuntimeError("injected allreduce failure"))
         x, y = batch(plan.group, group_rank, step)
@@ -116,10 +118,84 @@ def train_ddp(
             "batches_committed": manager.batches_committed(),
             "commits": commits,
             "failed_steps": failed_steps,
+            "sent_steps": transport.sent_steps,
+            "received_steps": transport.received_steps,
         },
         out_path,
     )
     manager.shutdown()
+
+
+class CountingTransport:
+    """Wraps a checkpoint transport and records the steps it sent and received state for.
+
+    Args:
+        inner: the real transport.
+    """
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.sent_steps: list[int] = []
+        self.received_steps: list[int] = []
+
+    def metadata(self) -> str:
+        return self.inner.metadata()
+
+    def send_checkpoint(
+        self, dst_ranks: list[int], step: int, state_dict: Any, timeout: Any
+    ) -> None:
+        self.sent_steps.append(step)
+        self.inner.send_checkpoint(dst_ranks, step, state_dict, timeout)
+
+    def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: Any) -> Any:
+        self.received_steps.append(step)
+        return self.inner.recv_checkpoint(src_rank, metadata, step, timeout)
+
+    def disallow_checkpoint(self) -> None:
+        self.inner.disallow_checkpoint()
+
+    def shutdown(self, wait: bool = True) -> None:
+        self.inner.shutdown(wait=wait)
+
+
+def failure_free(
+    steps: int, rank: int = 0, groups: int = 2, *, async_init_sync: bool = True
+) -> dict[str, torch.Tensor]:
+    """The weights rank ``rank`` of every group ends with when nothing ever fails.
+
+    With ``init_sync`` every group starts from the model of group rank ``rank``'s primary
+    (group ``rank % groups``). A committed step averages the gradients of every group's batch
+    of that step, except step 0 under an asynchronous quorum: the other groups are still
+    receiving the primary's state during that forward pass, so they send zeros (the divisor
+    stays ``groups``). Failures only delay steps (a failed step is retried with the same data,
+    and no step commits without every group when ``min_replica_size`` is the group count), so
+    a job with failures must end exactly here.
+
+    Args:
+        steps: committed steps.
+        rank: the group rank.
+        groups: replica groups.
+        async_init_sync: asynchronous quorum with ``init_sync`` (the step-0 rule above).
+    """
+    primary = rank % groups
+    model = make_model(1 + primary * 10)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    params = list(model.parameters())
+    for step in range(steps):
+        total: list[torch.Tensor] | None = None
+        for group in range(groups):
+            model.zero_grad()
+            x, y = batch(group, rank, step)
+            nn.functional.mse_loss(model(x), y).backward()
+            grads = [p.grad.detach().clone() for p in params]
+            if step == 0 and async_init_sync and group != primary:
+                grads = [torch.zeros_like(g) for g in grads]
+            total = grads if total is None else [t + g for t, g in zip(total, grads, strict=True)]
+        assert total is not None
+        for p, g in zip(params, total, strict=True):
+            p.grad = g.div_(groups)
+        optimizer.step()
+    return {k: v.clone() for k, v in model.state_dict().items()}
 
 
 def corrupting_http_transport(timeout: timedelta) -> Any:

@@ -56,6 +56,29 @@ def test_sync_heal_loads_on_the_training_thread() -> None:
         assert b.manager.batches_committed() == 42
 
 
+@pytest.mark.parametrize("init_sync", [True, False])
+def test_init_sync_decides_whether_step_0_transfers_state(init_sync: bool) -> None:
+    # Two groups at step 0 with different weights. With init_sync one heals from the other;
+    # without it nothing moves at all: no load, no heal, and no state read for a peer.
+    with (
+        lighthouse(min_replicas=2) as lh,
+        replica(lh, "a", weight=3.0, use_async_quorum=False, init_sync=init_sync) as a,
+        replica(lh, "b", weight=0.0, use_async_quorum=False, init_sync=init_sync) as b,
+    ):
+        results = run_parallel(lambda: _step(a, 1.0), lambda: _step(b, 1.0))
+        assert all(res["committed"] for res in results)
+        healed = [r.name for r in (a, b) if r.loads]
+        if init_sync:
+            assert len(healed) == 1
+            assert torch.equal(a.weight, b.weight)
+        else:
+            assert healed == []
+            assert a.manager._pending_state_dict is None and b.manager._pending_state_dict is None
+            assert torch.equal(a.weight, torch.full((3,), 3.0))
+            assert torch.equal(b.weight, torch.zeros(3))
+        assert a.manager.current_step() == b.manager.current_step() == 1
+
+
 def test_async_heal_zero_grad_commit() -> None:
     with (
         lighthouse(min_replicas=2) as lh,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 from datetime import timedelta
 
 import pytest
@@ -88,6 +87,22 @@ def test_allreduce_error_skips_the_step_and_next_quorum_clears_it() -> None:
         assert m.current_step() == 1 and m._commit_failures == 0
 
 
+def test_should_commit_waits_for_a_collective_nobody_waited_on() -> None:
+    # The training loop issues an allreduce and never waits on it (nor on its future); the
+    # collective fails. The vote must still see the failure and reject the step.
+    pg = FakeProcessGroupWrapper(ProcessGroupGloo(timeout=TIMEOUT))
+    with lighthouse() as lh, replica(lh, "a", pg=pg) as r:
+        m = r.manager
+        m.start_quorum()
+        m.wait_quorum()
+        pg.report_future_error(RuntimeError("late collective failure"))
+        m.allreduce(torch.ones(2))  # the work is dropped on the floor
+        assert m.errored() is None  # nothing has surfaced it yet
+        assert m.should_commit() is False
+        assert "late collective failure" in str(m.errored())
+        assert m.current_step() == 0
+
+
 def test_pg_errored_is_surfaced_at_should_commit() -> None:
     pg = FakeProcessGroupWrapper(ProcessGroupGloo(timeout=TIMEOUT))
     with lighthouse() as lh, replica(lh, "a", pg=pg) as r:
@@ -124,10 +139,8 @@ def test_wrap_future_error_and_timeout() -> None:
         m.start_quorum()
         assert m.errored() is None
         never: torch.futures.Future[int] = torch.futures.Future()
-        start = time.monotonic()
         wrapped = m.wrap_future(never, default=5, timeout=timedelta(milliseconds=10))
-        assert wrapped.wait() == 5
-        assert time.monotonic() - start < 5
+        assert wrapped.wait() == 5  # a future that never completes: only the timeout ends it
         assert isinstance(m.errored().original_exception, TimeoutError)
 
 
@@ -244,18 +257,16 @@ def test_registry() -> None:
         assert m._manager_state_dict()["user"]["set_state_dict_fns"] == {"x": 1}
 
 
-def test_quorum_timeout_is_raised_quickly() -> None:
-    # min_replicas=2 with a single group: no quorum can form.
+def test_quorum_and_commit_timeouts_are_the_ones_given() -> None:
+    # min_replicas=2 with a single group: no quorum can form. The message names the deadline
+    # that was applied (the call's 10 ms, not the manager's 10 s); how fast is bench/'s job.
+    applied = r"status: Cancelled, message: \"Timeout expired\".*deadline of 0\.01s"
     with lighthouse(min_replicas=2) as lh:
         with replica(lh, "a", pg=ProcessGroupDummy(), use_async_quorum=False) as r:
-            start = time.monotonic()
-            with pytest.raises(TimeoutError):
+            with pytest.raises(TimeoutError, match=applied):
                 r.manager.start_quorum(timeout=timedelta(milliseconds=10))
-            assert time.monotonic() - start < 1.0
-            start = time.monotonic()
-            with pytest.raises(TimeoutError):
+            with pytest.raises(TimeoutError, match=applied):
                 r.manager.should_commit(timeout=timedelta(milliseconds=10))
-            assert time.monotonic() - start < 1.0
     # A fresh lighthouse: "a" stays registered on the old one until its heartbeat expires.
     with lighthouse(min_replicas=2) as lh, replica(lh, "b", pg=ProcessGroupDummy()) as r:
         r.manager.start_quorum(timeout=timedelta(milliseconds=10))  # async: returns
