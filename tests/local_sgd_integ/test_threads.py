@@ -71,6 +71,13 @@ def assert_global_moved(state: dict[str, Any], seed: int) -> None:
         assert not torch.equal(flat[name], init[name].detach()), f"global {name} never moved"
 
 
+def assert_model_moved(model: dict[str, torch.Tensor], seed: int) -> None:
+    """The trained model is not the initial one."""
+    init = make_model(seed).state_dict()
+    for name, tensor in model.items():
+        assert not torch.equal(tensor, init[name]), f"{name} never moved"
+
+
 @pytest.mark.parametrize(("n_fragments", "delay", "alpha"), GRID, ids=GRID_IDS)
 def test_recovery_mid_window(n_fragments: int, delay: int, alpha: float) -> None:
     cfg = TrainConfig(
@@ -171,6 +178,7 @@ def test_localsgd_healthy_models_equal() -> None:
     cfg = TrainConfig(algorithm="localsgd", sync_every=2, outer_steps=3, use_async_quorum=True)
     out = run_threads(cfg, [GroupSpec(), GroupSpec()])
     models = [o.state["model"] for o in out]
+    assert_model_moved(models[0], seed=1)  # equal because synced, not because untouched
     for name, tensor in models[0].items():
         torch.testing.assert_close(models[1][name], tensor, rtol=0, atol=0, msg=name)
     assert [o.state["step"] for o in out] == [3, 3]
@@ -190,4 +198,8 @@ def test_http_transport_heal_with_streaming_delay() -> None:
         max_inner_steps=2,
     )
     out = run_threads(cfg, [GroupSpec(), GroupSpec()])
-    assert [o.state["failed_steps"] for o in out] == [[], []]
+    states = [o.state for o in out]
+    assert [s["failed_steps"] for s in states] == [[], []]
+    # A short run: make sure it got as far as a committed sync (not only "nothing failed").
+    assert [s["step"] for s in states] == [1, 1]
+    assert_same_global_state(states)  # also: the outer optimizer stepped
