@@ -15,6 +15,7 @@ sender keeps training while its peer downloads.
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -203,3 +204,24 @@ def test_http_transport_heal_with_streaming_delay() -> None:
     # A short run: make sure it got as far as a committed sync (not only "nothing failed").
     assert [s["step"] for s in states] == [1, 1]
     assert_same_global_state(states)  # also: the outer optimizer stepped
+
+
+def test_quantized_diloco_two_replicas_through_the_real_manager() -> None:
+    # Pseudo-gradients travel as int8 rows (Gloo has no alltoall: the allgather fallback).
+    # Both groups must agree bit for bit, and land near the unquantized result.
+    base = TrainConfig(outer_steps=2, init_sync=False, same_seed=True, transport="pg")
+    quantized = [
+        o.state for o in run_threads(replace(base, should_quantize=True), [GroupSpec()] * 2)
+    ]
+    plain = [o.state for o in run_threads(base, [GroupSpec()] * 2)]
+    assert [s["step"] for s in quantized] == [2, 2]
+    assert all(s["failed_steps"] == [] for s in quantized)
+    assert_same_global_state(quantized)
+    assert_global_moved(quantized[0], seed=0)
+    got = quantized[0]["fragments"][0]["original_parameters"]
+    want = plain[0]["fragments"][0]["original_parameters"]
+    differs = False
+    for name, tensor in want.items():
+        torch.testing.assert_close(got[name], tensor, rtol=0.05, atol=5e-3, msg=name)
+        differs |= not torch.equal(got[name], tensor)
+    assert differs, "quantized and full-precision syncs gave identical bits: not quantized?"

@@ -49,6 +49,7 @@ class TrainConfig:
         same_seed: every group and incarnation starts from the same model.
         max_inner_steps: stop after this many inner steps even if not done (bounds a run
             that is expected to fail).
+        should_quantize: DiLoCo allreduces its pseudo-gradients through 8-bit quantization.
     """
 
     algorithm: str = "diloco"
@@ -66,6 +67,7 @@ class TrainConfig:
     init_sync: bool = True
     same_seed: bool = False
     max_inner_steps: int | None = None
+    should_quantize: bool = False
 
 
 @dataclass(frozen=True)
@@ -179,6 +181,7 @@ def train_replica(
                 sync_every=cfg.sync_every,
                 fragment_sync_delay=cfg.fragment_sync_delay,
                 fragment_update_alpha=cfg.alpha,
+                should_quantize=cfg.should_quantize,
             )
         elif cfg.algorithm == "localsgd":
             algo = LocalSGD(manager, model, inner, sync_every=cfg.sync_every)
