@@ -16,9 +16,10 @@ import pytest
 
 import torchheal.coordination as heal_mod
 from tests.interop.helpers import CONNECT, Cluster, Impl, gather, loopback, manager_quorum
+from tests.reference import import_reference
 from torchheal._wire import torchft_pb2 as pb
 
-ref_mod = pytest.importorskip("torchft.coordination")
+ref_mod = import_reference("torchft.coordination")
 
 pytestmark = [pytest.mark.interop, pytest.mark.timeout(60)]
 

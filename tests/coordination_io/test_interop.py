@@ -1,7 +1,8 @@
 """Wire compatibility with the reference (torchft's compiled extension), both directions.
 
 Loads only ``torchft._torchft`` (the Rust extension) by file path, so the reference's Python
-package and its optional dependencies are not imported. Skipped when torchft is not installed.
+package and its optional dependencies are not imported. Without torchft: a loud skip, or a
+failure in CI (``tests/reference.py``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from types import ModuleType
 
 import pytest
 
+from tests.reference import missing_reference
 from torchheal.coordination import LighthouseClient, ManagerClient
 
 from .helpers import Background, loopback
@@ -40,7 +42,7 @@ def _load_reference() -> ModuleType | None:
 def ref() -> ModuleType:
     module = _load_reference()
     if module is None:
-        pytest.skip("torchft (reference) is not installed")
+        missing_reference("torchft (reference) is not installed")
     return module
 
 

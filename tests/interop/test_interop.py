@@ -36,8 +36,9 @@ from tests.interop.helpers import (
     norm_result,
     wait_registered,
 )
+from tests.reference import import_reference
 
-ref_mod = pytest.importorskip("torchft.coordination")
+ref_mod = import_reference("torchft.coordination")
 
 pytestmark = [pytest.mark.interop, pytest.mark.timeout(60)]
 
