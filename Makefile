@@ -16,8 +16,9 @@ $(STAMP): pyproject.toml scripts/setup_env.sh scripts/dashboard_assets.sh torchh
 	PY=$(PY) VENV=$(VENV) bash scripts/setup_env.sh
 	touch $@
 
+# DEMO_ARGS passes options through, e.g. DEMO_ARGS="--steps 20 --kill-at-step 8".
 demo: $(STAMP)
-	$(BIN)/torchheal demo
+	$(BIN)/torchheal demo $(DEMO_ARGS)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import sys
 import textwrap
+from typing import Any
 
 import pytest
 
 from torchheal.cli.launch import parse_duration
 from torchheal.launcher import KillPlan, Launcher
-from torchheal.launcher.demo.summary import summarize
+from torchheal.launcher.demo.summary import render, summarize
 from torchheal.launcher.events import parse
 
 CHILD = textwrap.dedent(
@@ -104,3 +105,24 @@ def test_parse_duration_rejects(text):
 
     with pytest.raises(argparse.ArgumentTypeError):
         parse_duration(text)
+
+
+def _finished(digests: dict[int, str], groups: int = 2) -> Any:
+    from torchheal.launcher.events import Event
+    from torchheal.launcher.local import GroupProcess, RunResult
+
+    events = [Event("done", g, 1.0, {"step": 6, "digest": d}) for g, d in digests.items()]
+    return RunResult(events, {g: GroupProcess(g) for g in range(groups)}, 0.0, 1.0, False)
+
+
+def test_identical_weights_verdict_follows_the_digests() -> None:
+    same = summarize(_finished({0: "a" * 64, 1: "a" * 64}))
+    assert same.identical
+    assert "identical weights      yes, bit-identical on every group" in render(same)
+    differ = summarize(_finished({0: "a" * 64, 1: "b" * 64}))
+    assert not differ.identical
+    text = render(differ)
+    assert "identical weights      NO" in text
+    assert "group 0: sha256 aaaaaaaaaaaaaaaa" in text and "group 1: sha256 bbbbbbbbbbbbbbbb" in text
+    # A group that never reported its weights cannot be called identical either.
+    assert not summarize(_finished({0: "a" * 64}, groups=2)).identical
