@@ -42,6 +42,7 @@ class _MonitoredPipe:
         if timeout is not None:
             seconds = to_seconds(timeout)
             if not self._pipe.poll(seconds):
+                # Worded as the reference's; its tests match this text.
                 raise TimeoutError(f"pipe.recv() timed out after {seconds} seconds")
         out = self._pipe.recv()
         if isinstance(out, BaseException):

@@ -486,6 +486,7 @@ class ManagerServer:
     ) -> pb.CheckpointMetadataResponse:
         metadata = self._checkpoint_metadata.get(request.rank)
         if metadata is None:
+            # Worded as the reference's; its tests match this text.
             raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, "rank not found")
         return pb.CheckpointMetadataResponse(checkpoint_metadata=metadata)
 

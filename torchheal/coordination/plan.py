@@ -32,6 +32,7 @@ class NotParticipatingError(LookupError):
     """
 
     def __init__(self, replica_id: str) -> None:
+        # Worded as the reference's; its tests match this text.
         super().__init__(f"replica {replica_id} not participating in returned quorum")
         self.replica_id = replica_id
 

@@ -102,6 +102,7 @@ class StateRegistry:
         """
         with self.lock.r_lock():
             if self.empty:
+                # Worded as the reference's; its tests match this text.
                 raise AssertionError("user state_dict is not initialized.")
             user = {key: read_fn() for key, read_fn in self._readers.items()}
             return {"user": user, "torchft": dict(counters())}
