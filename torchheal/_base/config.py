@@ -10,6 +10,7 @@ the launcher only *passes* an environment to the processes it starts). What is r
 * :func:`checkpoint_token` - the shared secret of the HTTP checkpoint transport.
 * :class:`LauncherEnv` - what a launcher tells a replica group (group id, group count, log level).
 * :func:`nccl_debug_pipe_prefix` - where NCCL's flight recorder listens for dump requests.
+* :class:`TelemetryEnv` - a trainer's metrics port, the job id of its log records, OpenTelemetry.
 
 The reference reads its environment overrides in several places and then forgets to use the
 adjusted values in some of them (the checkpoint transport, the state-dict lock and the RPC
@@ -455,3 +456,73 @@ def timeout_budget_problems(
             f"({lighthouse_heartbeat_timeout}): this replica group would look dead while alive"
         )
     return problems
+
+
+# -- telemetry: trainer metrics, structured logs, OpenTelemetry --------------------------------
+
+#: Port of a replica group's Prometheus ``/metrics`` (group rank 0 only; unset: off).
+METRICS_PORT_ENV: str = "TORCHHEAL_METRICS_PORT"
+#: Address the trainer's ``/metrics`` listens on (default: every address).
+METRICS_HOST_ENV: str = "TORCHHEAL_METRICS_HOST"
+#: The job's name in structured log records, as the reference reads it.
+JOB_ID_ENV: str = "JOB_ID"
+#: The reference's OpenTelemetry switch and resource-attribute file (torchheal names first).
+USE_OTEL_ENVS: tuple[str, str] = ("TORCHHEAL_USE_OTEL", "TORCHFT_USE_OTEL")
+OTEL_RESOURCE_ATTRIBUTES_JSON_ENVS: tuple[str, str] = (
+    "TORCHHEAL_OTEL_RESOURCE_ATTRIBUTES_JSON",
+    "TORCHFT_OTEL_RESOURCE_ATTRIBUTES_JSON",
+)
+_OFF = frozenset({"", "false", "0", "no", "off"})
+
+
+@dataclass(frozen=True)
+class TelemetryEnv:
+    """What a trainer exports about itself: metrics port, job id, OpenTelemetry.
+
+    Attributes:
+        metrics_port: ``TORCHHEAL_METRICS_PORT``: serve ``/metrics`` on group rank 0 at this
+            port (0: any free port); None (unset): no metrics server.
+        metrics_host: ``TORCHHEAL_METRICS_HOST``: the address it listens on ("" : every one).
+        job_id: ``JOB_ID`` (default ``"unknown"``), put in every structured log record.
+        use_otel: ``TORCHHEAL_USE_OTEL`` / ``TORCHFT_USE_OTEL``: export the structured log
+            records over OpenTelemetry. The reference enables it for any value but ``false``;
+            here ``false``, ``0``, ``no``, ``off`` (any case) and empty all mean off.
+        otel_resource_attributes_json: ``TORCHHEAL_OTEL_RESOURCE_ATTRIBUTES_JSON`` /
+            ``TORCHFT_OTEL_RESOURCE_ATTRIBUTES_JSON``: a JSON file ``{logger name: {attribute:
+            value}}`` of OpenTelemetry resource attributes, or None.
+    """
+
+    metrics_port: int | None = None
+    metrics_host: str = ""
+    job_id: str = "unknown"
+    use_otel: bool = False
+    otel_resource_attributes_json: str | None = None
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> TelemetryEnv:
+        """Reads and validates the variables.
+
+        Args:
+            environ: the environment to read; ``os.environ`` when None.
+
+        Raises:
+            ValueError: the metrics port is not a port number; the message names the variable.
+        """
+        env = _environ(environ)
+        port: int | None = None
+        raw = env.get(METRICS_PORT_ENV, "").strip()
+        if raw:
+            port = _parse_int(METRICS_PORT_ENV, raw, minimum=0)
+            if port > 65535:
+                raise ValueError(f"{METRICS_PORT_ENV}={raw!r} is not a valid port")
+        use_otel = next((env[n] for n in USE_OTEL_ENVS if n in env), "false")
+        attributes = next(
+            (env[n] for n in OTEL_RESOURCE_ATTRIBUTES_JSON_ENVS if env.get(n, "").strip()), None
+        )
+        return cls(
+            metrics_port=port,
+            metrics_host=env.get(METRICS_HOST_ENV, "").strip(),
+            job_id=env.get(JOB_ID_ENV, "unknown"),
+            use_otel=use_otel.strip().lower() not in _OFF,
+            otel_resource_attributes_json=attributes,
+        )
