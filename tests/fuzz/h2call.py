@@ -1,0 +1,123 @@
+"""A raw gRPC-over-HTTP/2 call with every header and byte under the caller's control (h2).
+
+The ``grpc`` client library only sends well-formed calls: it builds the ``grpc-timeout``
+header itself, frames each message with a correct 5-byte prefix and refuses reserved metadata.
+To feed a server absurd timeouts, wrong content types, unknown encodings or broken framing we
+speak HTTP/2 ourselves with the ``h2`` state machine over a plain socket.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+from dataclasses import dataclass
+
+import h2.config
+import h2.connection
+import h2.events
+import h2.exceptions
+
+
+@dataclass(frozen=True)
+class RawResult:
+    """What came back from a raw call.
+
+    Args:
+        http_status: the ``:status`` pseudo-header, or None when no headers arrived.
+        grpc_status: the ``grpc-status`` value (trailers or trailers-only), or None.
+        grpc_message: the ``grpc-message`` value ("" when absent).
+        body: the response's DATA bytes (a framed message on success).
+        reset: the stream or the connection was reset or closed without a status.
+    """
+
+    http_status: int | None
+    grpc_status: int | None
+    grpc_message: str
+    body: bytes
+    reset: bool
+
+
+def frame(message: bytes, compressed: bool = False) -> bytes:
+    """The gRPC length-prefixed message framing: flag byte, 4-byte big-endian length, bytes."""
+    return struct.pack(">BI", 1 if compressed else 0, len(message)) + message
+
+
+def raw_call(
+    addr: tuple[str, int],
+    path: str,
+    headers: list[tuple[str, str]],
+    body: bytes,
+    timeout: float = 5.0,
+) -> RawResult:
+    """One HTTP/2 POST on a fresh connection; returns the status however the server ends it.
+
+    Args:
+        addr: (host, port) of the gRPC server.
+        path: the ``:path``, e.g. ``/torchft.LighthouseService/Heartbeat``.
+        headers: regular headers after the pseudo-headers (content-type, te, grpc-timeout...).
+        body: the raw DATA bytes (use :func:`frame` for a well-framed message).
+        timeout: socket timeout for the whole exchange.
+
+    Raises:
+        TimeoutError: the server did not end the stream within ``timeout``.
+    """
+    sock = socket.create_connection(addr, timeout=timeout)
+    try:
+        conn = h2.connection.H2Connection(
+            h2.config.H2Configuration(client_side=True, header_encoding="utf-8")
+        )
+        conn.initiate_connection()
+        stream = conn.get_next_available_stream_id()
+        pseudo = [(":method", "POST"), (":scheme", "http"), (":path", path)]
+        pseudo.append((":authority", f"{addr[0]}:{addr[1]}"))
+        conn.send_headers(stream, pseudo + headers, end_stream=not body)
+        sock.sendall(conn.data_to_send())
+        sent = 0
+        status: int | None = None
+        grpc_status: int | None = None
+        message = ""
+        data = bytearray()
+        while True:
+            # Send as much of the body as the peer's flow-control window allows.
+            while sent < len(body):
+                window = min(conn.local_flow_control_window(stream), conn.max_outbound_frame_size)
+                if window <= 0:
+                    break
+                piece = body[sent : sent + window]
+                sent += len(piece)
+                conn.send_data(stream, piece, end_stream=sent == len(body))
+            pending = conn.data_to_send()
+            if pending:
+                sock.sendall(pending)
+            try:
+                chunk = sock.recv(65536)
+            except TimeoutError:
+                raise
+            except OSError:
+                return RawResult(status, grpc_status, message, bytes(data), True)
+            if not chunk:
+                return RawResult(status, grpc_status, message, bytes(data), True)
+            try:
+                events = conn.receive_data(chunk)
+            except h2.exceptions.ProtocolError:
+                return RawResult(status, grpc_status, message, bytes(data), True)
+            for event in events:
+                if isinstance(event, h2.events.ResponseReceived | h2.events.TrailersReceived):
+                    for k, v in event.headers:
+                        if k == ":status":
+                            status = int(v)
+                        elif k == "grpc-status":
+                            grpc_status = int(v)
+                        elif k == "grpc-message":
+                            message = v
+                elif isinstance(event, h2.events.DataReceived):
+                    data += event.data
+                    conn.acknowledge_received_data(event.flow_controlled_length, stream)
+                elif isinstance(event, h2.events.StreamReset | h2.events.ConnectionTerminated):
+                    return RawResult(status, grpc_status, message, bytes(data), True)
+                if isinstance(event, h2.events.StreamEnded):
+                    return RawResult(status, grpc_status, message, bytes(data), False)
+    except h2.exceptions.ProtocolError:
+        return RawResult(None, None, "", b"", True)
+    finally:
+        sock.close()
