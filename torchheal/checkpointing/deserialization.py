@@ -2,10 +2,10 @@
 
 The description is parsed with ``json`` and validated in full (dtypes from an allowlist,
 non-negative sizes, every view inside its storage, tree depth, indices in range) before a byte
-of tensor data is accepted. Storage bytes are read straight into preallocated buffers (or a
-template's own storages, for in-place receive); every block is checked against its CRC-32
-before the state is rebuilt with ``view``/``as_strided``. Any problem raises
-``CheckpointError`` and nothing is returned.
+of tensor data is accepted. Storage bytes are read straight into preallocated buffers; every
+block is checked against its CRC-32 before the state is rebuilt with ``view``/``as_strided``,
+and a template's own storages (in-place receive) only ever get verified bytes. Any problem
+raises ``CheckpointError`` and nothing is returned.
 """
 
 from __future__ import annotations
@@ -276,8 +276,9 @@ def allocate_buffers(
     """Allocates one receive buffer per storage, reusing template storages where they fit.
 
     A template tensor at the same key path is written in place when its dtype, device and
-    storage byte size match the incoming tensor's. In-place targets are overwritten before
-    the checksums are known: if verification fails the caller must treat them as garbage.
+    storage byte size match the incoming tensor's. Such a buffer is the caller's live tensor:
+    write only verified bytes into it (``decode_bytes`` checks every block first,
+    ``PGTransport`` receives into a staging buffer and copies after verification).
 
     Args:
         desc: the validated description.
@@ -420,6 +421,13 @@ def decode_bytes(data: bytes | memoryview, template: Any = None) -> Any:
         raise CheckpointError(
             f"checkpoint stream has {len(view) - end} data bytes, description says {desc.data_bytes}"
         )
+    # Every block is checked where it lies before any is copied: a template's tensors are
+    # the caller's live state and must never hold unverified bytes.
+    pos = end
+    for seg in desc.segments:
+        base = pos - seg.start  # where the segment's storage would begin in the stream
+        verify_segment(view[base : base + seg.end], seg)
+        pos += seg.end - seg.start
     buffers, used = allocate_buffers(desc, template)
     pos = end
 
@@ -430,8 +438,12 @@ def decode_bytes(data: bytes | memoryview, template: Any = None) -> Any:
         pos += n
         return n
 
-    read_segments(readinto, buffers, desc.segments)
+    read_segments(readinto, buffers, desc.segments, verify=_verified)
     return rebuild(desc, buffers, used)
+
+
+def _verified(view: memoryview, seg: Segment) -> None:
+    """``read_segments``' check for blocks already verified in place."""
 
 
 def verify_buffers(buffers: Sequence[torch.Tensor], segments: Sequence[Segment]) -> None:

@@ -10,9 +10,9 @@ Wire protocol, per destination rank (tags are the PG's point-to-point tags):
 * tag ``4 + i``: the raw bytes of each larger storage ``i``.
 
 Unlike the reference, nothing is pickled: the receiver parses and validates the description,
-receives every storage into a preallocated buffer (a template tensor's own storage when a
-``state_dict`` template fits: in place) and verifies every block's CRC before returning.
-Every wait is bounded by the timeout.
+receives every storage into a preallocated buffer and verifies every block's CRC before
+returning; a ``state_dict`` template's tensors are written only with verified bytes. Every wait
+is bounded by the timeout.
 """
 
 from __future__ import annotations
@@ -87,9 +87,9 @@ class PGTransport(CheckpointTransport[T]):
         device: where tensors travel (``cpu`` for gloo); received tensors without an
             in-place target end up on CPU.
         state_dict: optional callable returning a template state dict; tensors at the same
-            key path with the same dtype, device type and storage size are received into in
-            place. If verification then fails they hold garbage and a ``CheckpointError`` is
-            raised: the caller must fail the step (the replica is still healing).
+            key path with the same dtype, device type and storage size are filled in place,
+            but only once every block has been verified (their bytes arrive in a staging
+            buffer first, at the cost of one copy): a failed transfer leaves them untouched.
     """
 
     def __init__(
@@ -193,8 +193,15 @@ class PGTransport(CheckpointTransport[T]):
         if desc.step != step:
             raise CheckpointError(f"received checkpoint for step {desc.step}, wanted step {step}")
         template = self._state_dict() if self._state_dict is not None else None
-        buffers, used = allocate_buffers(desc, template, self._device)
+        targets, used = allocate_buffers(desc, template, self._device)
         offsets, packed_bytes = _packed_layout(desc.storage_nbytes)
+        # A template's storage is the caller's live tensor: a large storage arrives in a
+        # staging buffer and is copied in after verification (a small one is unpacked from
+        # the verified packed message).
+        buffers = [
+            torch.empty_like(t) if i not in offsets and _is_template(t, used) else t
+            for i, t in enumerate(targets)
+        ]
         works: list[tuple[Any, int | None]] = []
         packed = torch.empty(packed_bytes, dtype=torch.uint8, device=self._device)
         if packed_bytes:
@@ -233,8 +240,11 @@ class PGTransport(CheckpointTransport[T]):
         for s, off in offsets.items():  # verified: unpack (into templates too)
             buffers[s].copy_(packed[off : off + desc.storage_nbytes[s]])
             cpu[s] = buffers[s] if buffers[s].device.type == "cpu" else buffers[s].cpu()
+        for target, staged in zip(targets, buffers, strict=True):
+            if target is not staged:  # verified: fill the template
+                target.copy_(staged)
         # Fresh device buffers move to CPU (as the reference); in-place targets stay put.
-        final = [b if _is_template(b, used) else c for b, c in zip(buffers, cpu, strict=True)]
+        final = [t if _is_template(t, used) else c for t, c in zip(targets, cpu, strict=True)]
         return rebuild(desc, final, used)
 
 

@@ -64,7 +64,8 @@ def data_from_wire(text: str) -> dict[str, Any] | None:
         return None
     try:
         value = json.loads(text)
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, RecursionError) as e:
+        # RecursionError: nesting deeper than the parser's stack (a hostile or broken peer).
         raise ValueError(f"QuorumMember.data is not valid JSON: {e}") from e
     if not isinstance(value, dict):
         raise ValueError(f"QuorumMember.data must be a JSON object, got {type(value).__name__}")

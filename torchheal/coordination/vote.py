@@ -142,7 +142,7 @@ class CommitVote:
             The :class:`Decision` if this vote completed the round, else None.
 
         Raises:
-            ValueError: ``group_rank`` is outside ``[0, world_size)``.
+            ValueError: ``group_rank`` is outside ``[0, world_size)``, or ``step`` < 0.
             StaleVoteError: ``step`` is not the step being decided, or was already settled.
         """
         if isinstance(group_rank, bool) or not isinstance(group_rank, int):
@@ -152,6 +152,9 @@ class CommitVote:
                 f"group_rank {group_rank} is outside [0, {self._world_size}) "
                 f"for a replica group of world_size {self._world_size}"
             )
+        if step < 0:
+            # Impossible, as for a quorum request (round.QuorumRound.check).
+            raise ValueError(f"step must be >= 0, got {step}")
         if self._step is None:
             self._check_not_settled(group_rank, step)
             self._step = step

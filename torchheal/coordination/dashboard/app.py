@@ -152,10 +152,14 @@ class DashboardApp:
 
     async def static(self, request: web.Request) -> web.StreamResponse:
         name = request.match_info["path"]
-        path = (self._static / name).resolve()
-        if not path.is_relative_to(self._static):
-            raise web.HTTPNotFound(text="not found")
-        if not path.is_file():
+        try:
+            path = (self._static / name).resolve()
+            if not path.is_relative_to(self._static):
+                raise web.HTTPNotFound(text="not found")
+            found = path.is_file()
+        except (ValueError, OSError):  # a NUL byte, a name too long for the file system
+            found = False
+        if not found:
             hint = ASSETS_HINT if name in REQUIRED_ASSETS else ""
             raise web.HTTPNotFound(text=f"dashboard asset {name!r} is not installed. {hint}")
         return web.FileResponse(path)
@@ -223,7 +227,7 @@ class DashboardApp:
         # A browser always names the page's origin on a cross-site POST: refuse those, so a
         # page elsewhere cannot make a visitor's browser kill groups of an open dashboard.
         origin = request.headers.get("Origin")
-        if origin is not None and urlsplit(origin).netloc != request.host:
+        if origin is not None and _netloc(origin) != request.host:
             return _error(403, "refused: cross-origin request")
         if self._token is None:
             return None
@@ -235,8 +239,19 @@ class DashboardApp:
                 "refused: this lighthouse requires the job token for actions; enter it in the "
                 "token field (it is the TORCHHEAL_TOKEN the job was started with)",
             )
-        if not hmac.compare_digest(given.strip().encode(), self._token.encode()):
+        # Header bytes that are not UTF-8 arrive as surrogates: compare the bytes as sent.
+        if not hmac.compare_digest(
+            given.strip().encode("utf-8", "surrogateescape"), self._token.encode()
+        ):
             return _error(403, "refused: wrong job token")
+        return None
+
+
+def _netloc(origin: str) -> str | None:
+    """The host:port of an ``Origin`` header; None when it does not parse (never our host)."""
+    try:
+        return urlsplit(origin).netloc
+    except ValueError:  # e.g. "http://[": an unterminated IPv6 literal
         return None
 
 

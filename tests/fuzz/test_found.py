@@ -1,0 +1,210 @@
+"""One test per bug the fuzzers found, each written (and seen failing) before its fix.
+
+The fuzzers (``tests/fuzz/test_*_fuzz.py``, ``bench/fuzz.py``) look for inputs that crash a
+server, get an unclear answer, or change state although they were refused; what they found is
+pinned here with the smallest input that showed it.
+"""
+
+from __future__ import annotations
+
+import http.client
+import socket
+import threading
+import zlib
+from datetime import timedelta
+from typing import Any
+
+import grpc
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.coordination_io.helpers import Background, loopback, raw_call
+from tests.dashboard.helpers import lighthouse_with_dashboard
+from tests.fuzz import h2call
+from torchheal._wire import methods
+from torchheal._wire import torchft_pb2 as pb
+from torchheal.checkpointing import CheckpointError
+from torchheal.checkpointing.pg_transport import (
+    _TAG_DATA,
+    _TAG_DESCRIPTION,
+    _TAG_LENGTH,
+    PGTransport,
+)
+from torchheal.checkpointing.serialization import decode_bytes, encode_bytes, stage
+from torchheal.coordination import LighthouseClient, LighthouseServer, ManagerServer
+from torchheal.coordination.convert import data_from_wire
+
+T = timedelta(seconds=10)
+DEEP_JSON = "[" * 100_000  # json.loads raises RecursionError, not a ValueError, on this
+
+
+@pytest.fixture
+def lighthouse():
+    server = LighthouseServer("127.0.0.1:0", min_replicas=1)
+    yield server
+    server.shutdown()
+
+
+@pytest.fixture
+def manager(lighthouse):
+    server = ManagerServer(
+        replica_id="rep:fuzz",
+        lighthouse_addr=loopback(lighthouse),
+        hostname="127.0.0.1",
+        bind="127.0.0.1:0",
+        store_addr="store:1",
+        world_size=1,
+        heartbeat_interval=timedelta(milliseconds=100),
+        connect_timeout=T,
+    )
+    yield server
+    server.shutdown()
+
+
+def test_deeply_nested_member_data_is_echoed_not_an_internal_error(lighthouse):
+    # Found by the Quorum fuzzer: INTERNAL "maximum recursion depth exceeded" from the
+    # lighthouse's conversion of the opaque ``data`` field.
+    with pytest.raises(ValueError, match="not valid JSON"):
+        data_from_wire(DEEP_JSON)
+    request = pb.LighthouseQuorumRequest(
+        requester=pb.QuorumMember(replica_id="deep", step=1, data=DEEP_JSON)
+    )
+    code, payload = raw_call(
+        loopback(lighthouse), methods.LIGHTHOUSE_QUORUM.path, request.SerializeToString()
+    )
+    assert code == grpc.StatusCode.OK, payload
+    (echoed,) = pb.LighthouseQuorumResponse.FromString(payload).quorum.participants
+    assert echoed.data == DEEP_JSON
+    # A client receiving that quorum (another group) reads it too, with data=None.
+    quorum = LighthouseClient(loopback(lighthouse), T).quorum("deep", timeout=T, data=None)
+    assert [m.replica_id for m in quorum.participants] == ["deep"]
+
+
+@pytest.mark.parametrize("grpc_timeout", ["99999999H", "9999999H", "99999999M"])
+def test_absurdly_long_grpc_timeout_still_runs_the_quorum(manager, grpc_timeout):
+    # Found by the raw HTTP/2 fuzzer: a deadline beyond ~7e9 s (valid on the wire: 8 digits and
+    # a unit) made the manager's own lighthouse call expire at once ("DeadlineExceeded"),
+    # because the gRPC client overflows computing its deadline.
+    request = pb.ManagerQuorumRequest(group_rank=0, step=3, checkpoint_metadata="m")
+    headers = [
+        ("content-type", "application/grpc"),
+        ("te", "trailers"),
+        ("grpc-timeout", grpc_timeout),
+    ]
+    result = h2call.raw_call(
+        ("127.0.0.1", manager.port()),
+        methods.MANAGER_QUORUM.path,
+        headers,
+        h2call.frame(request.SerializeToString()),
+    )
+    assert (result.grpc_status, result.grpc_message) == (0, "")
+    answer = pb.ManagerQuorumResponse.FromString(result.body[5:])
+    assert answer.max_step == 3 and answer.replica_ids == ["rep:fuzz"]
+    # Group rank 0 calls in-process; 10**5 days (8.6e9 s) is past the gRPC client's limit.
+    in_process = manager.quorum_in_process(0, 4, "m", False, False, 0, timedelta(days=10**5))
+    assert in_process.max_step == 4
+
+
+def test_should_commit_refuses_a_negative_step_like_quorum_does(manager):
+    # Found by the ShouldCommit fuzzer: a vote for step -5 was accepted (and settled), while a
+    # quorum request for a negative step is refused as impossible.
+    request = pb.ShouldCommitRequest(group_rank=0, step=-5, should_commit=True)
+    code, details = raw_call(
+        loopback(manager), methods.MANAGER_SHOULD_COMMIT.path, request.SerializeToString()
+    )
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert details == "step must be >= 0, got -5"
+    # Nothing was settled: the first real vote, for step 0, commits.
+    assert manager.should_commit_in_process(0, 0, True, T) is True
+
+
+def _http(port: int, request: bytes) -> tuple[int, bytes]:
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(request)
+        response = http.client.HTTPResponse(sock, method=request.split(b" ", 1)[0].decode())
+        response.begin()
+        return response.status, response.read()
+
+
+@pytest.mark.parametrize(
+    ("request_", "status", "message"),
+    [
+        # Found by the dashboard fuzzer: each of these was a 500 "Server got itself in trouble".
+        (b"GET /static/%00 HTTP/1.1\r\nHost: x\r\n\r\n", 404, b"not installed"),
+        (b"GET /static/" + b"a" * 5000 + b" HTTP/1.1\r\nHost: x\r\n\r\n", 404, b"not installed"),
+        (
+            b"POST /api/replicas/a/kill HTTP/1.1\r\nHost: x\r\nOrigin: http://[\r\n"
+            b"Authorization: Bearer tok\r\nContent-Length: 0\r\n\r\n",
+            403,
+            b"cross-origin",
+        ),
+        (
+            b"POST /api/replicas/a/kill HTTP/1.1\r\nHost: x\r\n"
+            b"Authorization: Bearer \xff\xfe\r\nContent-Length: 0\r\n\r\n",
+            403,
+            b"wrong job token",
+        ),
+    ],
+    ids=["nul-in-asset", "long-asset-name", "unparsable-origin", "non-utf8-token"],
+)
+def test_dashboard_answers_hostile_requests_with_a_client_error(request_, status, message):
+    calls: list[Any] = []
+    dashboard = {"token": "tok", "kill": lambda address, msg: calls.append(address)}
+    with lighthouse_with_dashboard(dashboard=dashboard) as (lh, dash, _):
+        LighthouseClient(loopback(lh), T).quorum("a", timeout=T, address="http://127.0.0.1:1")
+        got_status, body = _http(dash.port, request_)
+        assert (got_status, message in body) == (status, True), body
+        assert calls == []
+
+
+def test_decode_into_template_leaves_it_untouched_when_a_later_block_is_corrupt():
+    # In-place receive wrote each block into the template before checking it, so a corrupt
+    # block after the first left the template half overwritten.
+    sent = {"w": torch.arange(4096, dtype=torch.float32)}  # 16 KiB: 4 blocks of 4 KiB
+    data = bytearray(encode_bytes(sent, step=1, block_bytes=4096))
+    data[-10] ^= 0xFF  # in the last block
+    template = {"w": torch.full((4096,), -1.0)}
+    with pytest.raises(CheckpointError, match="checksum mismatch"):
+        decode_bytes(bytes(data), template)
+    assert torch.equal(template["w"], torch.full((4096,), -1.0))
+
+
+def _gloo_pair() -> tuple[Any, Any, Any]:
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=T)
+    groups: list[Any] = [None, None]
+
+    def make(rank: int) -> None:
+        client = dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=T)
+        groups[rank] = dist.ProcessGroupGloo(dist.PrefixStore("found", client), rank, 2, T)
+
+    threads = [threading.Thread(target=make, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return groups[0], groups[1], store
+
+
+def test_pg_receive_into_template_never_writes_unverified_bytes():
+    # PGTransport received large storages straight into the template's tensors, so a
+    # corrupted transfer left the live model holding the corrupt bytes.
+    sender, receiver, _store = _gloo_pair()
+    big = torch.randn(300_000)  # > 1 MiB: its own message, received in place
+    staged = stage({"w": big}, 1, block_bytes=1 << 16)
+    corrupt = staged.buffers[0].clone()
+    corrupt[-1] ^= 1
+
+    def send() -> None:
+        desc = torch.frombuffer(bytearray(staged.description), dtype=torch.uint8)
+        head = torch.tensor([len(staged.description), zlib.crc32(staged.description)])
+        for tensor, tag in ((head, _TAG_LENGTH), (desc, _TAG_DESCRIPTION), (corrupt, _TAG_DATA)):
+            sender.send([tensor], 1, tag).wait(T)
+
+    template = {"w": torch.zeros(300_000)}
+    job = Background(send)
+    transport: PGTransport = PGTransport(receiver, T, "cpu", state_dict=lambda: template)
+    with pytest.raises(CheckpointError, match="checksum mismatch in storage 0"):
+        transport.recv_checkpoint(0, "<n/a>", 1, T)
+    job.join()
+    assert torch.count_nonzero(template["w"]) == 0
