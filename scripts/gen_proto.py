@@ -1,9 +1,9 @@
 #!/usr/bin/env python
 """Regenerate (or check) the Python modules of torchheal's wire protocol.
 
-The generated ``torchft_pb2.py`` and ``torchft_pb2_grpc.py`` are committed
-so that installing torchheal never needs protoc. Run this after editing
-``torchheal/_wire/torchft.proto``::
+The generated ``*_pb2.py`` and ``*_pb2_grpc.py`` modules are committed so that installing
+torchheal never needs protoc. Run this after editing ``torchheal/_wire/torchft.proto`` (the
+reference's protocol) or ``torchheal/_wire/session.proto`` (torchheal's own)::
 
     python scripts/gen_proto.py          # rewrite the committed modules
     python scripts/gen_proto.py --check  # exit 1 if they are stale
@@ -23,8 +23,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 WIRE_DIR = Path("torchheal") / "_wire"
-PROTO = WIRE_DIR / "torchft.proto"
-GENERATED = ("torchft_pb2.py", "torchft_pb2_grpc.py")
+PROTOS = (WIRE_DIR / "torchft.proto", WIRE_DIR / "session.proto")
+GENERATED = ("torchft_pb2.py", "torchft_pb2_grpc.py", "session_pb2.py", "session_pb2_grpc.py")
 
 
 def generate(out_dir: Path) -> list[Path]:
@@ -54,7 +54,7 @@ def generate(out_dir: Path) -> list[Path]:
         f"-I{well_known}",
         f"--python_out={out_dir}",
         f"--grpc_python_out={out_dir}",
-        str(REPO / PROTO),
+        *(str(REPO / proto) for proto in PROTOS),
     ]
     rc = protoc.main(args)
     if rc != 0:

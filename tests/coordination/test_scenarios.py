@@ -14,13 +14,18 @@ Script commands (one per line; ``#`` starts a comment; names are replica ids):
 ``join a step=3 [shrink_only] [commit_failures=1]``
                          a (alive from now on) asks for a quorum; replaces its pending request.
 ``heartbeat a b``        one explicit heartbeat each (also for replicas not alive).
-``kill a``               a stops heartbeating; its pending request has nobody to receive it.
+``kill a``               a stops heartbeating; its pending request has nobody to receive it (a
+                         reference peer dying: the lighthouse learns it only from the heartbeats).
+``connect a b``          a and b open torchheal sessions (alive from now on, heartbeating).
+``crash a``              a dies and its session ends: the lighthouse knows at once.
+``freeze a``             a stops heartbeating but its session stays open (SIGSTOP, a hung host).
 ``advance 5s``           time passes; live replicas heartbeat along the way.
 ``tick [500ms]``         (optionally advance first, then) one lighthouse tick.
 ``expect quorum 2 a,b``  the last tick issued quorum id 2 with exactly a and b.
 ``expect none "text"``   the last tick issued nothing, and its reason contains ``text``.
 ``expect reason "text"`` the last tick's reason contains ``text``.
 ``expect waiting a,c``   the requests still waiting (``-`` for none).
+``expect lost c``        the members of the last quorum that are gone or expired (``-``: none).
 ``expect plan a g=0 init_sync=true rank=0 heal=false src=- dst=1,2 max_step=3 store=a``
                          a's result for the quorum a last received; ``g``/``init_sync``
                          (default 0/true) are inputs, every other key is checked: ``rank``,
@@ -42,7 +47,10 @@ from torchheal.coordination.quorum import (
     LighthouseState,
     heartbeat,
     join,
+    lost_members,
     requeue,
+    session_ended,
+    session_opened,
     tick,
 )
 from torchheal.coordination.types import Quorum, QuorumMember, Timestamp
@@ -180,6 +188,18 @@ def run_command(cluster: Cluster, words: list[str]) -> None:
         for name in args:
             cluster.alive.discard(name)
             cluster.waiting.pop(name, None)
+    elif cmd == "connect":
+        cluster.alive.update(args)
+        for name in args:
+            session_opened(cluster.state, name, cluster.now)
+    elif cmd == "crash":
+        for name in args:
+            cluster.alive.discard(name)
+            cluster.waiting.pop(name, None)
+            session_ended(cluster.state, name)
+    elif cmd == "freeze":
+        for name in args:
+            cluster.alive.discard(name)
     elif cmd == "advance":
         cluster.advance(parse_duration_ms(args[0]))
     elif cmd == "tick":
@@ -218,6 +238,11 @@ def check_expectation(cluster: Cluster, args: list[str]) -> None:
         want = sorted(parse_names(rest[0]))
         if sorted(cluster.waiting) != want:
             raise ScriptError(f"expected waiting {want}, got {sorted(cluster.waiting)}")
+    elif what == "lost":
+        want = sorted(parse_names(rest[0]))
+        got = lost_members(cluster.state, cluster.config, cluster.now)
+        if got != want:
+            raise ScriptError(f"expected lost {want}, got {got}")
     elif what == "plan":
         check_plan(cluster, rest)
     else:

@@ -1,4 +1,7 @@
-"""Table of the RPC methods of the ``torchft`` protocol: full path, request and response types.
+"""Table of the RPC methods: full path, request and response types.
+
+The reference's ``torchft`` protocol (unary methods) and torchheal's own ``torchheal``
+session protocol (streams; see ``session.proto``).
 
 One place names every method, so servers, clients and tests agree on paths without importing
 the generated grpc module (see the package docstring for why).
@@ -10,14 +13,22 @@ from dataclasses import dataclass
 
 from google.protobuf.message import Message
 
+from torchheal._wire import session_pb2 as spb
 from torchheal._wire import torchft_pb2 as pb
 
-__all__ = ["LIGHTHOUSE_SERVICE", "MANAGER_SERVICE", "Method"]
+__all__ = [
+    "LIGHTHOUSE_SERVICE",
+    "MANAGER_SERVICE",
+    "NOTICES_SERVICE",
+    "SESSION_PROTOCOL",
+    "SESSION_SERVICE",
+    "Method",
+]
 
 
 @dataclass(frozen=True)
 class Method:
-    """One unary RPC method.
+    """One RPC method (unary, or a stream where its service defines one).
 
     Args:
         service: fully qualified service name, e.g. ``torchft.LighthouseService``.
@@ -59,3 +70,11 @@ MANAGER_SHOULD_COMMIT = Method(
     MANAGER_SERVICE, "ShouldCommit", pb.ShouldCommitRequest, pb.ShouldCommitResponse
 )
 MANAGER_KILL = Method(MANAGER_SERVICE, "Kill", pb.KillRequest, pb.KillResponse)
+
+# torchheal's own services (session.proto). Bump SESSION_PROTOCOL on an incompatible change.
+SESSION_PROTOCOL = 1
+SESSION_SERVICE = "torchheal.LighthouseSession"
+NOTICES_SERVICE = "torchheal.ManagerNotices"
+
+LIGHTHOUSE_SESSION = Method(SESSION_SERVICE, "Session", spb.SessionRequest, spb.SessionEvent)
+MANAGER_WATCH = Method(NOTICES_SERVICE, "Watch", spb.WatchRequest, spb.Notice)

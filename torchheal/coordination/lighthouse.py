@@ -10,6 +10,13 @@ Wire detail: the lighthouse keeps each requester's protobuf ``QuorumMember`` exa
 arrived and puts that message in the quorum it sends back, so fields unknown to us (added by a
 newer peer) are echoed untouched.
 
+torchheal's manager servers talk to the lighthouse over one long-lived session each
+(``lighthouse_session.py``): heartbeats and quorum requests go up, quorums and notices come
+down, and the session's end tells the lighthouse at once that the group is gone. When a member of
+the current quorum is lost (its session ended, or its heartbeat expired), every session hears a
+``MemberLost`` notice, so the other groups can abort a collective they are blocked in with it.
+Reference peers keep using the unary ``Heartbeat``/``Quorum``, served unchanged.
+
 Observing: an optional :class:`LighthouseObserver` hears what happens (heartbeats, requests,
 issued quorums, expired heartbeats, reason changes) so dashboards and metrics can be built on top
 without this module knowing about them (lower layers never import higher ones).
@@ -28,21 +35,28 @@ import grpc
 import grpc.aio
 
 from torchheal._wire import methods
+from torchheal._wire import session_pb2 as spb
 from torchheal._wire import torchft_pb2 as pb
+from torchheal._wire.splice import message_field, uint_field
 from torchheal.coordination import convert
+from torchheal.coordination.lighthouse_session import SessionPeer, session_handler, validated_member
 from torchheal.coordination.quorum import (
     LighthouseConfig,
     LighthouseState,
     forget_stale_heartbeats,
     heartbeat,
     join,
+    lost_members,
     quorum_compute,
     requeue,
+    session_ended,
+    session_opened,
     tick,
+    withdraw,
 )
 from torchheal.coordination.rpc.addresses import format_target
 from torchheal.coordination.rpc.errors import StatusError
-from torchheal.coordination.rpc.server import AioServerThread, unary_handler
+from torchheal.coordination.rpc.server import SERVER_OPTIONS, AioServerThread, unary_handler
 from torchheal.coordination.types import Quorum, QuorumMember, Timestamp
 
 __all__ = ["LighthouseObserver", "LighthouseServer"]
@@ -91,6 +105,9 @@ class LighthouseObserver(Protocol):
 
     def reason_changed(self, reason: str, now: float) -> None:
         """The quorum status (the reason string of the latest decision) changed."""
+
+    def lost(self, replica_id: str, reason: str, now: float) -> None:
+        """A member of the current quorum is gone (``reason``: why the lighthouse knows)."""
 
 
 class LighthouseServer:
@@ -147,10 +164,18 @@ class LighthouseServer:
         # Each waiting Quorum call's queue; an issued quorum is delivered to all of them as
         # (quorum id, member ids, serialized response), the response serialized once.
         self._subscribers: set[asyncio.Queue[_Issued]] = set()
+        # replica_id -> its live session (loop thread only), and the members of the current
+        # quorum already announced lost (quorum id, ids), so each is announced once.
+        self._sessions: dict[str, SessionPeer] = {}
+        self._announced_lost: tuple[int, set[str]] = (0, set())
         self._tick_scheduled = False
         self._last_reason: str | None = None
         self._last_prune = 0.0
         self._created_at = time.monotonic()
+        # A connection that went silent without a FIN (a partition, a frozen host) is ended by
+        # HTTP/2 keep-alive pings within about the heartbeat timeout, never sooner: a session
+        # must not be more eager to declare a group gone than its heartbeats are.
+        keepalive_ms = max(1000, self._config.heartbeat_timeout_ms // 2)
         self._server = AioServerThread(
             "torchheal-lighthouse",
             bind,
@@ -158,8 +183,14 @@ class LighthouseServer:
                 methods.LIGHTHOUSE_SERVICE: {
                     "Quorum": unary_handler(methods.LIGHTHOUSE_QUORUM, self._quorum),
                     "Heartbeat": unary_handler(methods.LIGHTHOUSE_HEARTBEAT, self._heartbeat),
-                }
+                },
+                methods.SESSION_SERVICE: {"Session": session_handler(self)},
             },
+            options=[
+                *SERVER_OPTIONS,
+                ("grpc.keepalive_time_ms", keepalive_ms),
+                ("grpc.keepalive_timeout_ms", keepalive_ms),
+            ],
         )
         self._server.submit(self._start_ticking()).result()
         logger.info(
@@ -237,8 +268,48 @@ class LighthouseServer:
         while True:
             await asyncio.sleep(period)
             self._tick()
+            self._announce_lost("heartbeat expired")
             if self._observer is not None:
                 self._report_expired()
+
+    def _announce_lost(self, reason: str) -> None:
+        """Tell every session about members of the current quorum that are gone (once each).
+
+        Loop thread only. A member whose session ended is announced at once by
+        :meth:`end_session`; this catches the rest on the periodic tick: members whose heartbeat
+        expired (a frozen process keeps its session but stops heartbeating) and reference peers.
+        """
+        now = time.monotonic()
+        with self._lock:
+            prev = self._state.prev_quorum
+            if prev is None:
+                return
+            lost = lost_members(self._state, self._config, now)
+        announced_id, announced = self._announced_lost
+        if announced_id != prev.quorum_id:
+            announced = set()
+            self._announced_lost = (prev.quorum_id, announced)
+        for replica_id in lost:
+            if replica_id in announced:
+                continue
+            announced.add(replica_id)
+            self._broadcast_lost(replica_id, prev.quorum_id, reason, now)
+
+    def _broadcast_lost(self, replica_id: str, quorum_id: int, reason: str, now: float) -> None:
+        logger.warning(
+            "Replica %s of quorum %d is lost (%s); telling %d session(s)",
+            replica_id,
+            quorum_id,
+            reason,
+            len(self._sessions),
+        )
+        event = spb.SessionEvent(
+            lost=spb.MemberLost(replica_id=replica_id, quorum_id=quorum_id, reason=reason)
+        ).SerializeToString()
+        for peer in list(self._sessions.values()):
+            peer.send(event)
+        if self._observer is not None:
+            self._notify("lost", replica_id, reason, now)
 
     def _report_expired(self) -> None:
         """Tell the observer about heartbeats that expired since the last periodic tick."""
@@ -289,11 +360,13 @@ class LighthouseServer:
             # Participants were cleared by tick(); their messages go with the issued quorum.
             self._raw = {}
             subscribers = list(self._subscribers)
-        message = convert.quorum_to_pb(quorum, raw)
+        # Serialized once; each waiter's envelope is built around these bytes.
+        quorum_bytes = convert.quorum_to_pb(quorum, raw).SerializeToString()
         issued = _Issued(
             quorum.quorum_id,
             frozenset(m.replica_id for m in quorum.participants),
-            pb.LighthouseQuorumResponse(quorum=message).SerializeToString(),
+            quorum_bytes,
+            message_field(1, quorum_bytes),
         )
         logger.info(
             "Issued quorum %d with %d participants: %s",
@@ -331,14 +404,7 @@ class LighthouseServer:
     ) -> pb.LighthouseHeartbeatResponse:
         if not request.replica_id:
             raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, "missing replica_id")
-        with self._lock:
-            heartbeat(self._state, request.replica_id, time.monotonic())
-        observer = self._observer
-        if observer is not None:
-            try:
-                observer.heartbeat(request.replica_id)
-            except Exception:
-                logger.exception("lighthouse observer failed on heartbeat")
+        self.record_heartbeat(request.replica_id)
         return pb.LighthouseHeartbeatResponse()
 
     async def _quorum(
@@ -347,7 +413,77 @@ class LighthouseServer:
         if not request.HasField("requester"):
             raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, "missing requester")
         raw = request.requester
-        member = _validated_member(raw)
+        issued = await self.await_quorum(validated_member(raw), raw)
+        return issued.unary_response
+
+    # ---------------------------------------------------------------------------------------
+    # What the unary RPCs and the sessions share (loop thread only)
+
+    def record_heartbeat(self, replica_id: str) -> None:
+        """A group said it is alive (a unary Heartbeat, or one on its session)."""
+        with self._lock:
+            heartbeat(self._state, replica_id, time.monotonic())
+        observer = self._observer
+        if observer is not None:
+            try:
+                observer.heartbeat(replica_id)
+            except Exception:
+                logger.exception("lighthouse observer failed on heartbeat")
+
+    def open_session(self, replica_id: str, peer: SessionPeer) -> int:
+        """A group opened its session (its Hello); a newer session replaces an older one.
+
+        Returns:
+            The latest quorum id, for the group's Welcome.
+        """
+        self._sessions[replica_id] = peer
+        with self._lock:
+            session_opened(self._state, replica_id, time.monotonic())
+            quorum_id = self._state.quorum_id
+        logger.info("Replica %s opened its session", replica_id)
+        return quorum_id
+
+    def end_session(self, replica_id: str, peer: SessionPeer, reason: str) -> None:
+        """A group's session ended: the group is gone now (unless a newer session replaced it).
+
+        Args:
+            replica_id: the group's full id.
+            peer: the session that ended.
+            reason: why ("connection ended", "left": it said goodbye).
+        """
+        if self._sessions.get(replica_id) is not peer:
+            return  # a newer session of the same group is live; this one was stale
+        del self._sessions[replica_id]
+        now = time.monotonic()
+        with self._lock:
+            was_member = session_ended(self._state, replica_id)
+            prev = self._state.prev_quorum
+        logger.warning("Replica %s is gone: its session ended (%s)", replica_id, reason)
+        if was_member and prev is not None:
+            announced_id, announced = self._announced_lost
+            if announced_id != prev.quorum_id:
+                announced = set()
+                self._announced_lost = (prev.quorum_id, announced)
+            if replica_id not in announced:
+                announced.add(replica_id)
+                self._broadcast_lost(replica_id, prev.quorum_id, reason, now)
+        # The survivors may be complete without it now.
+        self._schedule_tick()
+
+    def withdraw(self, member: QuorumMember) -> None:
+        """A session's request timed out or was replaced: it no longer waits for a quorum."""
+        with self._lock:
+            withdraw(self._state, member)
+
+    async def await_quorum(self, member: QuorumMember, raw: pb.QuorumMember) -> _Issued:
+        """Join the round with ``member`` and wait for a quorum that includes it.
+
+        Left out of an issued quorum, the request stays for the next one (reference §4).
+
+        Args:
+            member: the validated requester.
+            raw: its message as received (echoed to keep fields unknown to us).
+        """
         queue: asyncio.Queue[_Issued] = asyncio.Queue()
         now = time.monotonic()
         with self._lock:
@@ -364,7 +500,7 @@ class LighthouseServer:
             while True:
                 issued = await queue.get()
                 if member.replica_id in issued.member_ids:
-                    return issued.response
+                    return issued
                 logger.info(
                     "Replica %s not in quorum %d, retrying", member.replica_id, issued.quorum_id
                 )
@@ -384,24 +520,13 @@ class _Issued(NamedTuple):
 
     quorum_id: int
     member_ids: frozenset[str]
-    response: bytes  # a serialized LighthouseQuorumResponse
+    quorum: bytes  # the serialized torchft.Quorum
+    unary_response: bytes  # a serialized LighthouseQuorumResponse around it
 
-
-def _validated_member(raw: pb.QuorumMember) -> QuorumMember:
-    """Check a requester for values no honest replica sends; convert it to the value type."""
-    if not raw.replica_id:
-        raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, "missing requester.replica_id")
-    if raw.step < 0:
-        raise StatusError(
-            grpc.StatusCode.INVALID_ARGUMENT, f"requester.step must be >= 0, got {raw.step}"
-        )
-    if raw.commit_failures < 0:
-        raise StatusError(
-            grpc.StatusCode.INVALID_ARGUMENT,
-            f"requester.commit_failures must be >= 0, got {raw.commit_failures}",
-        )
-    # The lighthouse never reads ``data``: it is opaque here and echoed as received.
-    return convert.member_from_pb(raw, strict_data=False)
+    def session_event(self, request_id: int) -> bytes:
+        """The ``SessionEvent`` answering a session's request ``request_id``."""
+        issued = uint_field(1, request_id) + message_field(2, self.quorum)
+        return message_field(2, issued)
 
 
 def _member_view(member: QuorumMember) -> dict[str, Any]:

@@ -4,8 +4,9 @@ Every rule that decides *who is in the next quorum, and under which id* lives he
 which replicas count as healthy, the fast path that keeps a stable membership, the
 ``min_replicas``/split-brain/straggler checks, ``shrink_only`` filtering and when the quorum id
 moves. The lighthouse server holds one :class:`LighthouseState` under a lock and feeds it
-requests (:func:`join`), heartbeats (:func:`heartbeat`) and ticks (:func:`tick`); it never decides
-anything itself. Nothing here does I/O, starts threads or reads a clock: ``now`` is a monotonic
+requests (:func:`join`), heartbeats (:func:`heartbeat`), the opening and end of torchheal
+sessions (:func:`session_opened`, :func:`session_ended`) and ticks (:func:`tick`); it never
+decides anything itself. Nothing here does I/O, starts threads or reads a clock: ``now`` is a monotonic
 time in float seconds supplied by the caller, ``wall`` the wall-clock stamp put on issued quorums.
 
 Reason strings match the reference byte for byte because operators and tests read them (the
@@ -24,9 +25,13 @@ __all__ = [
     "forget_stale_heartbeats",
     "heartbeat",
     "join",
+    "lost_members",
     "quorum_compute",
     "requeue",
+    "session_ended",
+    "session_opened",
     "tick",
+    "withdraw",
 ]
 
 
@@ -74,6 +79,8 @@ class LighthouseState:
         prev_quorum: the last issued quorum, or None before the first.
         quorum_id: id of the last issued quorum; 0 before the first, so the first is 1.
         prev_quorum_at: monotonic time ``prev_quorum`` was issued (None before the first).
+        sessions: replicas with a live torchheal session: the lighthouse knows they are alive
+            for as long as it lasts, and that they are gone as soon as it ends.
     """
 
     participants: dict[str, tuple[float, QuorumMember]] = field(default_factory=dict)
@@ -81,6 +88,7 @@ class LighthouseState:
     prev_quorum: Quorum | None = None
     quorum_id: int = 0
     prev_quorum_at: float | None = None
+    sessions: set[str] = field(default_factory=set)
 
 
 def heartbeat(state: LighthouseState, replica_id: str, now: float) -> None:
@@ -109,6 +117,63 @@ def join(state: LighthouseState, member: QuorumMember, now: float) -> None:
     state.participants[member.replica_id] = (now, member)
 
 
+def session_opened(state: LighthouseState, replica_id: str, now: float) -> None:
+    """A replica group opened a torchheal session (its Hello arrived); it counts as a heartbeat.
+
+    Args:
+        state: the lighthouse state to update.
+        replica_id: the group's full id.
+        now: monotonic time in seconds.
+    """
+    state.sessions.add(replica_id)
+    state.heartbeats[replica_id] = now
+
+
+def session_ended(state: LighthouseState, replica_id: str) -> bool:
+    """A replica group's session ended: the group is gone now, not when its heartbeat expires.
+
+    The end of the stream is the lighthouse's own evidence (the group's process died, or it left
+    and said so), never a peer's claim, so the split-brain guard stays sound: a group that is in
+    fact alive (a network blip) opens a new session, heartbeats again and rejoins at the next
+    round, healing if it fell behind. Its pending request, if any, is dropped.
+
+    Args:
+        state: the lighthouse state to update.
+        replica_id: the group's full id.
+
+    Returns:
+        Whether the group was a member of the last issued quorum (its peers must hear of it).
+    """
+    state.sessions.discard(replica_id)
+    state.heartbeats.pop(replica_id, None)
+    state.participants.pop(replica_id, None)
+    prev = state.prev_quorum
+    return prev is not None and any(m.replica_id == replica_id for m in prev.participants)
+
+
+def lost_members(state: LighthouseState, config: LighthouseConfig, now: float) -> list[str]:
+    """Members of the last issued quorum that are no longer healthy (gone, or heartbeat expired).
+
+    Args:
+        state: the lighthouse state.
+        config: the quorum options (the heartbeat timeout).
+        now: monotonic time in seconds.
+
+    Returns:
+        Their replica ids, sorted.
+    """
+    prev = state.prev_quorum
+    if prev is None:
+        return []
+    timeout_s = config.heartbeat_timeout_ms / 1000.0
+    lost = []
+    for member in prev.participants:
+        seen = state.heartbeats.get(member.replica_id)
+        if seen is None or now - seen >= timeout_s:
+            lost.append(member.replica_id)
+    return sorted(lost)
+
+
 def requeue(state: LighthouseState, member: QuorumMember, joined_at: float) -> None:
     """Put back a requester that an issued quorum left out, without counting a heartbeat.
 
@@ -121,6 +186,25 @@ def requeue(state: LighthouseState, member: QuorumMember, joined_at: float) -> N
         joined_at: the join time to record (the server passes the current time).
     """
     state.participants[member.replica_id] = (joined_at, member)
+
+
+def withdraw(state: LighthouseState, member: QuorumMember) -> bool:
+    """Take back a request that nobody waits for any more (its caller gave up or went away).
+
+    Only that very request is taken out: a newer request of the same replica stays.
+
+    Args:
+        state: the lighthouse state to update.
+        member: the request, as it was joined.
+
+    Returns:
+        Whether it was still waiting.
+    """
+    entry = state.participants.get(member.replica_id)
+    if entry is None or entry[1] is not member:
+        return False
+    del state.participants[member.replica_id]
+    return True
 
 
 def forget_stale_heartbeats(
@@ -223,10 +307,10 @@ def quorum_compute(
     if stragglers > 0:
         first_joined = _straggler_window_start(prev, healthy_participants)
         window_s = config.join_timeout_ms / 1000.0
-        grace_s = _healer_grace_s(state, healthy_replicas, healthy_participants, first_joined)
+        grace_s = _straggler_grace_s(state, healthy_replicas, healthy_participants, first_joined)
         if now - first_joined < max(window_s, grace_s):
             extended = (
-                f"(extended to {grace_s * 1000:.0f} ms for members that healed in the last quorum) "
+                f"(extended to {grace_s * 1000:.0f} ms for members known to be alive) "
                 if grace_s > window_s
                 else ""
             )
@@ -268,33 +352,43 @@ def _straggler_window_start(
     return min(joins)
 
 
-def _healer_grace_s(
+def _straggler_grace_s(
     state: LighthouseState,
     healthy_replicas: set[str],
     healthy_participants: dict[str, tuple[float, QuorumMember]],
     first_joined: float,
 ) -> float:
-    """How long to wait for a member that healed in the last quorum (0.0: no such straggler).
+    """How long to wait for a late member of the last quorum known to be alive (0.0: none).
 
-    Deliberate difference from the reference. A group that healed in the last round loads the
-    state it received on its training thread after the round's allreduce, and its first steps
-    on new tensors are slower, so it comes back later than the groups it healed from; a 100 ms
-    join timeout drops it, it heals again in the next round, and is late again: it never
-    trains. The others already waited for its transfer inside the allreduce, so waiting for
-    it as long again is cheap next to a reconfiguration and another heal. The wait is as long
-    as the last step took the first member to come back (from the quorum's issue to its next
-    request), which scales with both the step and the state size, and stays bounded: a healer
-    that never comes back is dropped one step later.
+    Deliberate difference from the reference, whose join timeout (100 ms by default) drops any
+    member that comes back later than that, however short the drop makes the job's life: the
+    member heals in the next round (a transfer everyone waits for, and a reconfiguration
+    twice), so dropping a member that is alive costs far more than waiting a fraction of a step
+    for it. Two kinds of members are waited for as long as the last step took the first member
+    to come back (from the quorum's issue to its next request), which scales with the step and
+    stays bounded (a member that never comes back is dropped one step later):
+
+    * a member that healed in the last quorum: it loads the received state on its training
+      thread after the round's allreduce, and its first step on new tensors is slower, so it
+      is late by design; dropped, it would heal again next round and be late again forever;
+    * a member with a live torchheal session: the lighthouse knows it is alive (its death ends
+      the stream at once, so a dead member is not waited for at all), so it is merely slow
+      this step (a busy host, a pause). Members without a session (reference peers) keep the
+      reference's join timeout: for them, late and dead look the same until the heartbeat
+      timeout.
     """
     prev = state.prev_quorum
     if prev is None or state.prev_quorum_at is None:
         return 0.0
-    missing = {
-        rid
-        for rid in _healed_in(prev)
-        if rid in healthy_replicas and rid not in healthy_participants
+    known_alive = _healed_in(prev) | state.sessions
+    waited_for = {
+        m.replica_id
+        for m in prev.participants
+        if m.replica_id in known_alive
+        and m.replica_id in healthy_replicas
+        and m.replica_id not in healthy_participants
     }
-    if not missing:
+    if not waited_for:
         return 0.0
     return max(0.0, first_joined - state.prev_quorum_at)
 

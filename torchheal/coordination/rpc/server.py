@@ -12,7 +12,7 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
 import grpc
@@ -24,7 +24,14 @@ from torchheal.coordination.rpc.addresses import format_target, parse_address
 from torchheal.coordination.rpc.channels import serialize
 from torchheal.coordination.rpc.errors import StatusError
 
-__all__ = ["SERVER_OPTIONS", "AioServerThread", "Handler", "unary_handler"]
+__all__ = [
+    "SERVER_OPTIONS",
+    "AioServerThread",
+    "Handler",
+    "StreamHandler",
+    "unary_handler",
+    "unary_stream_handler",
+]
 
 logger: logging.Logger = logging.getLogger(__name__)
 
@@ -80,6 +87,45 @@ def unary_handler(method: Method, handler: Handler) -> grpc.RpcMethodHandler:
     )
 
 
+StreamHandler = Callable[[Any, grpc.aio.ServicerContext], AsyncIterator[Message | bytes]]
+
+
+def unary_stream_handler(method: Method, handler: StreamHandler) -> grpc.RpcMethodHandler:
+    """Build a handler for a method with one request and a stream of responses.
+
+    As :func:`unary_handler`: the request is parsed here (``INVALID_ARGUMENT`` when its bytes do
+    not parse), and a :class:`StatusError` raised by ``handler`` ends the stream with that
+    status; any other exception is logged and ends it with ``INTERNAL``.
+
+    Args:
+        method: the method served.
+        handler: ``async (request, context)`` generator of responses (messages or bytes).
+    """
+    request_name = method.request.DESCRIPTOR.name
+
+    async def serve(raw: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        try:
+            request = method.request.FromString(raw)
+        except DecodeError as e:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"cannot parse {request_name}: {e}"
+            )
+        try:
+            async for response in handler(request, context):
+                yield response
+        except StatusError as e:
+            await context.abort(e.code, e.details)
+        except (asyncio.CancelledError, grpc.aio.AbortError):
+            raise
+        except Exception as e:
+            logger.exception("%s failed", method.path)
+            await context.abort(grpc.StatusCode.INTERNAL, f"{method.path} failed: {e}")
+
+    return grpc.unary_stream_rpc_method_handler(
+        serve, request_deserializer=None, response_serializer=serialize
+    )
+
+
 class AioServerThread:
     """A ``grpc.aio`` server running on its own event loop in a daemon thread.
 
@@ -95,6 +141,7 @@ class AioServerThread:
             serving (for example, to connect to another server); its exception aborts start-up.
         cleanup: optional coroutine function run on the loop at shutdown, after the server
             stopped (for example, to close channels opened by ``startup``).
+        options: gRPC server options (default :data:`SERVER_OPTIONS`).
 
     Raises:
         ValueError: ``bind`` is malformed.
@@ -108,8 +155,10 @@ class AioServerThread:
         handlers: dict[str, dict[str, grpc.RpcMethodHandler]],
         startup: Callable[[], Coroutine[Any, Any, None]] | None = None,
         cleanup: Callable[[], Coroutine[Any, Any, None]] | None = None,
+        options: list[tuple[str, Any]] | None = None,
     ) -> None:
         self._name = name
+        self._options = SERVER_OPTIONS if options is None else options
         self._target = format_target(*parse_address(bind))
         self._handlers = handlers
         self._startup = startup
@@ -171,7 +220,7 @@ class AioServerThread:
     async def _start(self) -> None:
         if self._startup is not None:
             await self._startup()
-        server = grpc.aio.server(options=SERVER_OPTIONS)
+        server = grpc.aio.server(options=self._options)
         server.add_generic_rpc_handlers(
             [
                 grpc.method_handlers_generic_handler(service, methods)

@@ -1,0 +1,52 @@
+"""Protobuf wire bytes assembled around an already serialized message.
+
+An issued quorum is serialized once and then sent to every waiting group: inside a
+``LighthouseQuorumResponse`` to the reference's unary callers and inside a ``SessionEvent`` to
+each torchheal session, with that session's request id. Building those envelopes from bytes
+avoids parsing and re-serializing a message of N members N times per round. The encoding is
+protobuf's own (varints, and length-delimited fields for embedded messages); tests check the
+bytes against the generated classes.
+"""
+
+from __future__ import annotations
+
+__all__ = ["message_field", "uint_field"]
+
+_LENGTH_DELIMITED = 2
+_VARINT = 0
+
+
+def _varint(value: int) -> bytes:
+    if value < 0:
+        raise ValueError(f"varints here are unsigned, got {value}")
+    out = bytearray()
+    while True:
+        byte = value & 0x7F
+        value >>= 7
+        if value:
+            out.append(byte | 0x80)
+        else:
+            out.append(byte)
+            return bytes(out)
+
+
+def message_field(number: int, payload: bytes) -> bytes:
+    """The wire bytes of field ``number`` holding the serialized message ``payload``.
+
+    Args:
+        number: the field number (>= 1).
+        payload: the embedded message, serialized.
+    """
+    return _varint(number << 3 | _LENGTH_DELIMITED) + _varint(len(payload)) + payload
+
+
+def uint_field(number: int, value: int) -> bytes:
+    """The wire bytes of an unsigned integer field (omitted when 0, as proto3 does).
+
+    Args:
+        number: the field number (>= 1).
+        value: a value >= 0.
+    """
+    if value == 0:
+        return b""
+    return _varint(number << 3 | _VARINT) + _varint(value)

@@ -1,0 +1,390 @@
+"""A manager server's link to the lighthouse: a torchheal session, or the reference's unary calls.
+
+With a torchheal lighthouse the link is one long-lived ``torchheal.LighthouseSession/Session``
+stream (``session.proto``): heartbeats and quorum requests go up it, quorums and ``MemberLost``
+notices come down, and if this process dies the stream's end tells the lighthouse at once. A
+reference lighthouse does not serve that method (it answers ``UNIMPLEMENTED``); the link then
+speaks the reference's unary ``Heartbeat``/``Quorum``, exactly as a torchft manager would.
+
+A broken session (the lighthouse restarted, the network failed) is reopened in the background,
+with backoff; a quorum request in flight when it broke fails with ``UNAVAILABLE`` and the
+manager server's retry policy decides what happens next. Everything here runs on the manager
+server's event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+import grpc.aio
+
+from torchheal._wire import methods
+from torchheal._wire import session_pb2 as spb
+from torchheal._wire import torchft_pb2 as pb
+from torchheal.coordination.rpc.channels import serialize
+from torchheal.coordination.rpc.errors import rpc_error_to_exception
+
+__all__ = ["LighthouseLink", "LinkError"]
+
+logger: logging.Logger = logging.getLogger(__name__)
+
+# How long a unary heartbeat may take; a lighthouse that slow is as good as unreachable.
+HEARTBEAT_CALL_TIMEOUT_S = 2.0
+# Reopening a broken session: first pause, growth, cap.
+REOPEN_BACKOFF_S = (0.05, 2.0, 2.0)
+
+
+class LinkError(Exception):
+    """A lighthouse request failed; carries the gRPC status the caller should see.
+
+    Args:
+        code: the status.
+        details: what went wrong.
+        local: our own timer gave up (no status came back from the lighthouse).
+    """
+
+    def __init__(self, code: grpc.StatusCode, details: str, local: bool = False) -> None:
+        super().__init__(details)
+        self.code = code
+        self.details = details
+        self.local = local
+
+
+class LighthouseLink:
+    """The connection of one replica group's manager server to the lighthouse.
+
+    Args:
+        channel: an open asyncio channel to the lighthouse.
+        replica_id: the group's full id.
+        heartbeat_interval_s: pause between heartbeats.
+        on_lost: called (on the loop) with each ``MemberLost`` notice the lighthouse sends.
+        describe: names the lighthouse in log lines.
+        log_prefix: prefixes log lines (``[Replica name]``).
+    """
+
+    def __init__(
+        self,
+        channel: grpc.aio.Channel,
+        replica_id: str,
+        heartbeat_interval_s: float,
+        on_lost: Callable[[spb.MemberLost], None],
+        describe: str,
+        log_prefix: str,
+    ) -> None:
+        self._channel = channel
+        self._replica_id = replica_id
+        self._interval_s = heartbeat_interval_s
+        self._on_lost = on_lost
+        self._describe = describe
+        self._prefix = log_prefix
+        self._unary_quorum = channel.unary_unary(
+            methods.LIGHTHOUSE_QUORUM.path,
+            request_serializer=serialize,
+            response_deserializer=pb.LighthouseQuorumResponse.FromString,
+        )
+        self._unary_heartbeat = channel.unary_unary(
+            methods.LIGHTHOUSE_HEARTBEAT.path,
+            request_serializer=serialize,
+            response_deserializer=pb.LighthouseHeartbeatResponse.FromString,
+        )
+        self._open_stream = channel.stream_stream(
+            methods.LIGHTHOUSE_SESSION.path,
+            request_serializer=serialize,
+            response_deserializer=spb.SessionEvent.FromString,
+        )
+        # None until start() knows; then True (session) or False (reference lighthouse).
+        self.session_mode: bool | None = None
+        self._call: Any = None  # the live session stream, or None while it is (re)opening
+        self._pending: dict[int, asyncio.Future[pb.Quorum]] = {}
+        self._ids = itertools.count(1)
+        self._closing = False
+        # One writer at a time on the stream (heartbeats and requests share it).
+        self._write_lock: asyncio.Lock | None = None
+
+    async def _write(self, call: Any, request: spb.SessionRequest) -> None:
+        if self._write_lock is None:
+            self._write_lock = asyncio.Lock()
+        async with self._write_lock:
+            await call.write(request)
+
+    # ------------------------------------------------------------------------------------------
+    # Life cycle
+
+    async def start(self) -> None:
+        """Open the session, or learn that the lighthouse only speaks the reference's protocol.
+
+        Raises:
+            LinkError: the lighthouse answers neither a session nor a unary heartbeat.
+        """
+        error: LinkError | None = None
+        for _ in range(2):
+            try:
+                await self._open_session()
+                self.session_mode = True
+                return
+            except LinkError as e:
+                error = e
+                if e.code == grpc.StatusCode.UNIMPLEMENTED:
+                    break
+                # A reference lighthouse answers the unknown method with HTTP 404 and closes;
+                # when that races our first write the call ends INTERNAL instead: try again.
+                await asyncio.sleep(0.05)
+        if error is not None and error.code != grpc.StatusCode.UNIMPLEMENTED:
+            # Not a clear "unknown method": serve in the reference's way only if it answers so.
+            try:
+                await self._unary_heartbeat(
+                    pb.LighthouseHeartbeatRequest(replica_id=self._replica_id),
+                    timeout=HEARTBEAT_CALL_TIMEOUT_S,
+                )
+            except grpc.aio.AioRpcError:
+                raise error from None
+            logger.warning(
+                "%s lighthouse %s refused a session (%s) but answers heartbeats",
+                self._prefix,
+                self._describe,
+                error,
+            )
+        self.session_mode = False
+        logger.info(
+            "%s lighthouse %s has no torchheal session (a reference lighthouse?): using its "
+            "unary Heartbeat/Quorum; a dead group is then noticed only when its heartbeat "
+            "expires",
+            self._prefix,
+            self._describe,
+        )
+
+    async def run(self) -> None:
+        """Heartbeat forever; in session mode also read events and reopen a broken session."""
+        if self.session_mode:
+            await self._run_session()
+        else:
+            await self._run_unary_heartbeats()
+
+    async def close(self, reason: str = "shutdown") -> None:
+        """Say goodbye (the lighthouse lets the others go on without us at once) and hang up."""
+        self._closing = True
+        call = self._call
+        self._call = None
+        if call is None:
+            return
+        try:
+            await self._write(call, spb.SessionRequest(goodbye=spb.Goodbye(reason=reason)))
+            await call.done_writing()
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError, RuntimeError):
+            pass
+        call.cancel()
+
+    # ------------------------------------------------------------------------------------------
+    # Quorum
+
+    async def quorum(self, requester: pb.QuorumMember, timeout_s: float) -> pb.Quorum:
+        """Ask the lighthouse for the next quorum on behalf of the group.
+
+        Args:
+            requester: the group's request.
+            timeout_s: how long to wait.
+
+        Raises:
+            LinkError: the lighthouse refused, the call timed out, or the session broke.
+        """
+        if not self.session_mode:
+            return await self._unary_quorum_call(requester, timeout_s)
+        call = self._call
+        if call is None:
+            raise LinkError(grpc.StatusCode.UNAVAILABLE, "the lighthouse session is reopening")
+        request_id = next(self._ids)
+        future: asyncio.Future[pb.Quorum] = asyncio.get_running_loop().create_future()
+        self._pending[request_id] = future
+        try:
+            await self._write(
+                call,
+                spb.SessionRequest(
+                    quorum=spb.QuorumRequest(
+                        request_id=request_id,
+                        requester=requester,
+                        timeout_ms=max(1, int(timeout_s * 1000)),
+                    )
+                ),
+            )
+            # The lighthouse answers a timed-out request itself; our timer is the backstop.
+            return await asyncio.wait_for(asyncio.shield(future), timeout_s + 1.0)
+        except asyncio.TimeoutError:
+            raise LinkError(
+                grpc.StatusCode.DEADLINE_EXCEEDED, f"no quorum within {timeout_s:.3f}s", local=True
+            ) from None
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError, RuntimeError) as e:
+            raise LinkError(
+                grpc.StatusCode.UNAVAILABLE, f"the lighthouse session broke: {e}"
+            ) from None
+        finally:
+            self._pending.pop(request_id, None)
+
+    async def _unary_quorum_call(self, requester: pb.QuorumMember, timeout_s: float) -> pb.Quorum:
+        try:
+            response = await asyncio.wait_for(
+                self._unary_quorum(
+                    pb.LighthouseQuorumRequest(requester=requester), timeout=timeout_s
+                ),
+                timeout_s,
+            )
+        except asyncio.TimeoutError:
+            raise LinkError(
+                grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer within {timeout_s:.3f}s", local=True
+            ) from None
+        except grpc.aio.AioRpcError as e:
+            raise LinkError(e.code(), e.details() or "") from None
+        if not response.HasField("quorum"):
+            raise LinkError(grpc.StatusCode.INTERNAL, "lighthouse answered without a quorum")
+        return response.quorum
+
+    # ------------------------------------------------------------------------------------------
+    # The session
+
+    async def _open_session(self) -> None:
+        """Open the stream, say hello, and wait for the welcome."""
+        call = self._open_stream()
+        try:
+            await self._write(
+                call,
+                spb.SessionRequest(
+                    hello=spb.Hello(replica_id=self._replica_id, protocol=methods.SESSION_PROTOCOL)
+                ),
+            )
+            event = await call.read()
+        except grpc.aio.AioRpcError as e:
+            # A write can fail before the server's answer is read (a reference lighthouse
+            # answers an unknown method with HTTP 404 and closes): the call's final status is
+            # the true one (UNIMPLEMENTED).
+            code, details = e.code(), e.details() or ""
+            try:
+                code, details = await call.code(), await call.details()
+            except (grpc.aio.AioRpcError, asyncio.CancelledError):
+                pass
+            call.cancel()
+            raise LinkError(code, details) from None
+        if event is grpc.aio.EOF or event.WhichOneof("kind") != "welcome":
+            call.cancel()
+            raise LinkError(grpc.StatusCode.INTERNAL, f"expected a welcome, got {event!r}")
+        self._call = call
+
+    async def _run_session(self) -> None:
+        backoff, growth, cap = REOPEN_BACKOFF_S
+        pause = backoff
+        failing = False
+        while not self._closing:
+            call = self._call
+            if call is None:
+                try:
+                    await self._open_session()
+                except LinkError as e:
+                    if not failing:
+                        logger.warning(
+                            "%s cannot reopen the session with lighthouse %s: %s",
+                            self._prefix,
+                            self._describe,
+                            e,
+                        )
+                        failing = True
+                    await asyncio.sleep(pause)
+                    pause = min(cap, pause * growth)
+                    continue
+                if failing:
+                    logger.info("%s lighthouse session is open again", self._prefix)
+                    failing = False
+                pause = backoff
+                call = self._call
+            heartbeats = asyncio.ensure_future(self._session_heartbeats(call))
+            try:
+                await self._read_events(call)
+            finally:
+                heartbeats.cancel()
+            if self._closing:
+                return
+            logger.warning("%s lighthouse session with %s broke", self._prefix, self._describe)
+            self._call = None
+            self._fail_pending("the lighthouse session broke")
+
+    async def _session_heartbeats(self, call: Any) -> None:
+        beat = spb.SessionRequest(heartbeat=spb.Heartbeat())
+        try:
+            while True:
+                await self._write(call, beat)
+                await asyncio.sleep(self._interval_s)
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError, RuntimeError):
+            call.cancel()  # the reader sees the end and reopens
+
+    async def _read_events(self, call: Any) -> None:
+        while True:
+            try:
+                event = await call.read()
+            except (grpc.aio.AioRpcError, asyncio.CancelledError) as e:
+                if isinstance(e, asyncio.CancelledError) and not call.cancelled():
+                    raise
+                return
+            if event is grpc.aio.EOF:
+                return
+            kind = event.WhichOneof("kind")
+            if kind == "quorum":
+                self._settle(event.quorum.request_id, result=event.quorum.quorum)
+            elif kind == "failed":
+                failed = event.failed
+                code = _status(failed.code)
+                self._settle(failed.request_id, error=LinkError(code, failed.message))
+            elif kind == "lost":
+                try:
+                    self._on_lost(event.lost)
+                except Exception:
+                    logger.exception("%s handling a lost-member notice failed", self._prefix)
+
+    def _settle(
+        self, request_id: int, result: pb.Quorum | None = None, error: LinkError | None = None
+    ) -> None:
+        future = self._pending.get(request_id)
+        if future is None or future.done():
+            return  # an answer to a request nobody waits for any more
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+
+    def _fail_pending(self, why: str) -> None:
+        for future in self._pending.values():
+            if not future.done():
+                future.set_exception(LinkError(grpc.StatusCode.UNAVAILABLE, why))
+
+    # ------------------------------------------------------------------------------------------
+    # Reference lighthouse: unary heartbeats
+
+    async def _run_unary_heartbeats(self) -> None:
+        # The channel reconnects by itself after a lighthouse restart, so unlike the reference
+        # there is no client to rebuild; we only report the outage once and its end once.
+        request = pb.LighthouseHeartbeatRequest(replica_id=self._replica_id)
+        failing = False
+        while not self._closing:
+            try:
+                await self._unary_heartbeat(request, timeout=HEARTBEAT_CALL_TIMEOUT_S)
+                if failing:
+                    logger.info("%s heartbeats to the lighthouse work again", self._prefix)
+                    failing = False
+            except grpc.aio.AioRpcError as e:
+                if not failing:
+                    logger.warning(
+                        "%s heartbeat to lighthouse %s failed: %s",
+                        self._prefix,
+                        self._describe,
+                        rpc_error_to_exception(e, "Heartbeat"),
+                    )
+                    failing = True
+            await asyncio.sleep(self._interval_s)
+
+
+def _status(code: int) -> grpc.StatusCode:
+    for status in grpc.StatusCode:
+        if status.value[0] == code:
+            return status
+    return grpc.StatusCode.UNKNOWN
