@@ -22,6 +22,14 @@ Deliberate differences from the reference:
 * ``Kill`` answers before exiting (the process exits ~100 ms after the call), so the caller
   learns that the request arrived.
 
+With a torchheal lighthouse the server keeps one session open to it (``lighthouse_link.py``):
+heartbeats and the group's quorum requests go up it, and if this process dies its end tells the
+lighthouse at once. The lighthouse's ``MemberLost`` notices (another group of the current quorum
+is gone) are forwarded to every rank of the group, which watch this server
+(``torchheal.ManagerNotices/Watch``; rank 0 in-process through :meth:`add_lost_listener`), so each
+can abort the collective it has in flight with the lost group. With a reference lighthouse the
+server speaks its unary protocol, as a torchft manager does.
+
 Group rank 0 runs in the same process as this server, so it skips gRPC: ``quorum_in_process`` and
 ``should_commit_in_process`` run the very coroutines behind the ``Quorum`` and ``ShouldCommit``
 handlers on the server's loop, with the same deadline (the coroutine is cancelled when it passes,
@@ -34,6 +42,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from collections.abc import AsyncIterator, Callable
 from datetime import timedelta
 from typing import Any
 
@@ -42,15 +51,17 @@ import grpc.aio
 
 from torchheal._base.timeouts import to_seconds
 from torchheal._wire import methods
+from torchheal._wire import session_pb2 as spb
 from torchheal._wire import torchft_pb2 as pb
 from torchheal.coordination import convert
+from torchheal.coordination.lighthouse_link import LighthouseLink, LinkError
 from torchheal.coordination.plan import NotParticipatingError, compute_quorum_results
 from torchheal.coordination.round import GiveUp, QuorumRound, RetryPolicy, RoundStart
 from torchheal.coordination.rpc.addresses import format_target
 from torchheal.coordination.rpc.channels import aio_connect
-from torchheal.coordination.rpc.errors import StatusError, rpc_error_to_exception, status_name
+from torchheal.coordination.rpc.errors import StatusError, status_name
 from torchheal.coordination.rpc.in_process import InProcessCaller
-from torchheal.coordination.rpc.server import AioServerThread, unary_handler
+from torchheal.coordination.rpc.server import AioServerThread, unary_handler, unary_stream_handler
 from torchheal.coordination.types import Quorum, QuorumMember, QuorumResult
 from torchheal.coordination.vote import CommitVote, Decision
 
@@ -58,8 +69,8 @@ __all__ = ["ManagerServer"]
 
 logger: logging.Logger = logging.getLogger(__name__)
 
-# How long a heartbeat may take; a lighthouse that slow is as good as unreachable.
-HEARTBEAT_CALL_TIMEOUT_S = 2.0
+# Longest wait for the lighthouse session's goodbye to leave at shutdown.
+GOODBYE_TIMEOUT_S = 2.0
 # The process exits this long after answering a Kill, so the answer can leave first.
 KILL_EXIT_DELAY_S = 0.1
 # Minimum pause between lighthouse attempts (reference §5).
@@ -141,8 +152,11 @@ class ManagerServer:
         self._vote = CommitVote(world_size)
         self._commit_round: asyncio.Future[Decision] | None = None
         self._lighthouse: grpc.aio.Channel | None = None
-        self._lh_quorum: Any = None
-        self._lh_heartbeat: Any = None
+        self._link: LighthouseLink | None = None
+        # Who hears the lighthouse's lost-member notices: each watching rank's queue, and
+        # in-process listeners (rank 0's Manager); loop thread only.
+        self._watchers: set[asyncio.Queue[bytes]] = set()
+        self._lost_listeners: list[Callable[[str, int, str], None]] = []
 
         self._server = AioServerThread(
             f"torchheal-manager-{replica_id.split(':', 1)[0]}",
@@ -157,7 +171,10 @@ class ManagerServer:
                         methods.MANAGER_SHOULD_COMMIT, self._should_commit_rpc
                     ),
                     "Kill": unary_handler(methods.MANAGER_KILL, self._kill),
-                }
+                },
+                methods.NOTICES_SERVICE: {
+                    "Watch": unary_stream_handler(methods.MANAGER_WATCH, self._watch),
+                },
             },
             startup=self._connect_lighthouse,
             cleanup=self._close_lighthouse,
@@ -189,8 +206,36 @@ class ManagerServer:
         return self._server.port
 
     def shutdown(self) -> None:
-        """Stop serving and heartbeating; waiting calls are cancelled. Idempotent, thread-safe."""
+        """Stop serving and heartbeating; waiting calls are cancelled. Idempotent, thread-safe.
+
+        With a torchheal lighthouse the session says goodbye first, so the other groups go on
+        without this one at once.
+        """
+        link = self._link
+        if link is not None and link.session_mode:
+            try:
+                self._server.submit(link.close()).result(timeout=GOODBYE_TIMEOUT_S)
+            except Exception:  # already shut down, or the lighthouse is gone: nothing to tell
+                pass
         self._server.shutdown()
+
+    @property
+    def session_mode(self) -> bool:
+        """Whether the lighthouse link is a torchheal session (False: a reference lighthouse)."""
+        return bool(self._link is not None and self._link.session_mode)
+
+    def add_lost_listener(self, listener: Callable[[str, int, str], None]) -> None:
+        """Also tell ``listener`` about lost members (for a rank living in this process).
+
+        Args:
+            listener: called as ``listener(replica_id, quorum_id, reason)`` on the server's
+                event-loop thread, so it must be quick and thread-safe.
+        """
+
+        async def add() -> None:
+            self._lost_listeners.append(listener)
+
+        self._server.submit(add()).result()
 
     def quorum_in_process(
         self,
@@ -266,45 +311,68 @@ class ManagerServer:
 
     async def _connect_lighthouse(self) -> None:
         self._lighthouse = await aio_connect(self._lighthouse_addr, self._connect_timeout)
-        self._lh_quorum = self._lighthouse.unary_unary(
-            methods.LIGHTHOUSE_QUORUM.path,
-            request_serializer=pb.LighthouseQuorumRequest.SerializeToString,
-            response_deserializer=pb.LighthouseQuorumResponse.FromString,
+        self._link = LighthouseLink(
+            self._lighthouse,
+            self._replica_id,
+            self._heartbeat_interval_s,
+            self._member_lost,
+            self._lighthouse_addr,
+            self._prefix,
         )
-        self._lh_heartbeat = self._lighthouse.unary_unary(
-            methods.LIGHTHOUSE_HEARTBEAT.path,
-            request_serializer=pb.LighthouseHeartbeatRequest.SerializeToString,
-            response_deserializer=pb.LighthouseHeartbeatResponse.FromString,
-        )
+        try:
+            await self._link.start()
+        except LinkError as e:
+            raise RuntimeError(
+                f"{self._prefix} cannot open a session with lighthouse {self._lighthouse_addr}: {e}"
+            ) from None
 
     async def _close_lighthouse(self) -> None:
+        if self._link is not None:
+            await self._link.close()
         if self._lighthouse is not None:
             await self._lighthouse.close()
 
     async def _start_heartbeat(self) -> None:
-        self._server.spawn(self._heartbeat_loop())
+        assert self._link is not None
+        self._server.spawn(self._link.run())
 
-    async def _heartbeat_loop(self) -> None:
-        # The channel reconnects by itself after a lighthouse restart, so unlike the reference
-        # there is no client to rebuild; we only report the outage once and its end once.
-        request = pb.LighthouseHeartbeatRequest(replica_id=self._replica_id)
-        failing = False
-        while True:
+    # ---------------------------------------------------------------------------------------
+    # Lost-member notices
+
+    def _member_lost(self, lost: spb.MemberLost) -> None:
+        """The lighthouse says a group of quorum ``lost.quorum_id`` is gone: tell every rank."""
+        if lost.replica_id == self._replica_id:
+            return  # about ourselves (a stale session of ours ended): nothing to abort
+        logger.warning(
+            "%s lighthouse: replica %s of quorum %d is lost (%s)",
+            self._prefix,
+            lost.replica_id,
+            lost.quorum_id,
+            lost.reason,
+        )
+        notice = spb.Notice(lost=lost).SerializeToString()
+        for queue in list(self._watchers):
+            queue.put_nowait(notice)
+        for listener in list(self._lost_listeners):
             try:
-                await self._lh_heartbeat(request, timeout=HEARTBEAT_CALL_TIMEOUT_S)
-                if failing:
-                    logger.info("%s heartbeats to the lighthouse work again", self._prefix)
-                    failing = False
-            except grpc.aio.AioRpcError as e:
-                if not failing:
-                    logger.warning(
-                        "%s heartbeat to lighthouse %s failed: %s",
-                        self._prefix,
-                        self._lighthouse_addr,
-                        rpc_error_to_exception(e, "Heartbeat"),
-                    )
-                    failing = True
-            await asyncio.sleep(self._heartbeat_interval_s)
+                listener(lost.replica_id, lost.quorum_id, lost.reason)
+            except Exception:
+                logger.exception("%s a lost-member listener failed", self._prefix)
+
+    async def _watch(
+        self, request: spb.WatchRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[bytes]:
+        try:
+            self._round.check(request.group_rank, 0, 0)
+        except ValueError as e:
+            raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+        queue: asyncio.Queue[bytes] = asyncio.Queue()
+        self._watchers.add(queue)
+        try:
+            while True:
+                yield await queue.get()
+        finally:
+            self._watchers.discard(queue)
 
     # ---------------------------------------------------------------------------------------
     # Quorum
@@ -392,22 +460,15 @@ class ManagerServer:
 
     async def _run_quorum(self, start: RoundStart, outcome: asyncio.Future[Quorum]) -> None:
         """Make the group's lighthouse request, retrying as the policy says; settle ``outcome``."""
-        request = pb.LighthouseQuorumRequest(requester=convert.member_to_pb(start.member))
+        requester = convert.member_to_pb(start.member)
         timeout_s = min(start.timeout_s, MAX_LIGHTHOUSE_CALL_S)
+        assert self._link is not None
         attempt = 0
         while True:
             try:
-                response = await asyncio.wait_for(
-                    self._lh_quorum(request, timeout=timeout_s), timeout_s
+                quorum = convert.quorum_from_pb(
+                    await self._link.quorum(requester, timeout_s), strict_data=False
                 )
-                if not response.HasField("quorum"):
-                    outcome.set_exception(
-                        _LighthouseFailed(
-                            grpc.StatusCode.INTERNAL, "lighthouse answered without a quorum"
-                        )
-                    )
-                    return
-                quorum = convert.quorum_from_pb(response.quorum, strict_data=False)
                 logger.debug(
                     "%s got quorum %d with %d participants",
                     self._prefix,
@@ -416,14 +477,11 @@ class ManagerServer:
                 )
                 outcome.set_result(quorum)
                 return
-            except grpc.aio.AioRpcError as e:
-                code = e.code()
-                got_status = True
+            except LinkError as e:
+                code = e.code
+                got_status = not e.local
                 timed_out = code in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
-                error = f"status: {status_name(code)}, message: {e.details()!r}"
-            except asyncio.TimeoutError:
-                got_status, timed_out = False, True
-                error = f"no answer within {timeout_s:.3f}s"
+                error = f"status: {status_name(code)}, message: {e.details!r}"
             logger.warning(
                 "%s lighthouse quorum attempt %d/%d failed: %s",
                 self._prefix,
