@@ -1,16 +1,29 @@
 """``torchheal demo``: three local replica groups, one SIGKILLed mid-run, healed live.
 
+Prints the URL of the lighthouse's dashboard first: open it to watch the quorum shrink when the
+group is killed and grow again when it heals, on the charts. ``--keep-open`` keeps the
+lighthouse and its page up after the summary, until Ctrl-C, so the whole run can be looked at.
+
 Exit code 0 when training survived the failure and every group ended with bit-identical weights.
 """
 
 from __future__ import annotations
 
 import argparse
+import threading
 
 from torchheal.launcher.demo.run import DemoConfig, run_demo
 
 
 def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the demo options to ``parser``.
+
+    Args:
+        parser: the (sub)parser to fill.
+
+    Returns:
+        ``parser``.
+    """
     d = DemoConfig()
     parser.add_argument(
         "--replicas",
@@ -36,21 +49,68 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=d.step_delay_s,
         help="simulated compute per step, seconds (default %(default)s)",
     )
+    parser.add_argument(
+        "--dashboard-port",
+        type=int,
+        default=None,
+        help="port of the dashboard (default: $TORCHHEAL_DASHBOARD_PORT, else 29511, or any free "
+        "port when that is taken; 0: any free port)",
+    )
+    parser.add_argument(
+        "--keep-open",
+        action="store_true",
+        help="after the summary, keep the lighthouse and its dashboard up until Ctrl-C",
+    )
     return parser
 
 
-def run(args: argparse.Namespace) -> int:
-    config = DemoConfig(
-        replicas=args.replicas,
-        steps=args.steps,
-        kill_at_step=args.kill_at_step,
-        step_delay_s=args.step_delay,
-    )
+def _wait_for_ctrl_c(url: str) -> None:
+    print(f"\nThe dashboard stays up at {url} ; press Ctrl-C to exit.", flush=True)
+    stop = threading.Event()
     try:
+        while not stop.wait(1.0):  # a timed wait keeps Ctrl-C responsive
+            pass
+    except KeyboardInterrupt:
+        print("", flush=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the demo.
+
+    Args:
+        args: parsed options from :func:`build_parser`.
+
+    Returns:
+        0 when training survived the failure with identical weights everywhere, 1 otherwise,
+        2 on bad options.
+    """
+    from torchheal._base.config import dashboard_port, job_token
+
+    try:
+        port = args.dashboard_port if args.dashboard_port is not None else dashboard_port()
+        if port is not None and not 0 <= port <= 65535:
+            raise ValueError(f"--dashboard-port must be in 0..65535, got {port}")
+        config = DemoConfig(
+            replicas=args.replicas,
+            steps=args.steps,
+            kill_at_step=args.kill_at_step,
+            step_delay_s=args.step_delay,
+            dashboard_port=port,
+            token=job_token(),
+        )
         config.validate()
     except ValueError as e:
         print(f"torchheal demo: {e}")
         return 2
-    result, summary = run_demo(config)
-    ok = not result.timed_out and summary.identical and summary.failures >= 1
+    try:
+        result, summary = run_demo(config, hold=_wait_for_ctrl_c if args.keep_open else None)
+    except RuntimeError as e:  # the dashboard's port could not be bound
+        print(f"torchheal demo: {e}")
+        return 2
+    ok = (
+        not result.timed_out
+        and result.error is None
+        and summary.identical
+        and summary.failures >= 1
+    )
     return 0 if ok else 1

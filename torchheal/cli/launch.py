@@ -1,27 +1,42 @@
 """``torchheal launch``: run N replica groups of your training command locally, with failures.
 
-    torchheal launch --replicas 3 --kill-every 30s -- python train.py --lr 0.1
+    torchheal launch --replicas 3 --nproc-per-replica 2 --kill-every 30s -- python train.py --lr 0.1
 
-Starts a lighthouse in this process (or uses ``--lighthouse``), runs the command once per replica
-group with ``TORCHHEAL_LIGHTHOUSE``, ``REPLICA_GROUP_ID`` and ``NUM_REPLICA_GROUPS`` set, prefixes
-each line of output with its group, restarts any group that dies, and — with ``--kill-every`` —
-SIGKILLs a group (never group 0) at that interval to show that training survives.
+Starts a lighthouse and its dashboard in this process (or uses ``--lighthouse``) and runs each
+replica group as a torchrun-like job of ``--nproc-per-replica`` ranks: every start of a group
+gets its own TCPStore and the variables torchrun sets (``MASTER_ADDR``, ``MASTER_PORT``,
+``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``), plus ``TORCHHEAL_LIGHTHOUSE``,
+``REPLICA_GROUP_ID`` and ``NUM_REPLICA_GROUPS``. Each output line is prefixed with its group;
+a group that loses a rank is ended and restarted; ``--kill-every`` SIGKILLs a group (never
+group 0) at that interval to show that training survives. A progress line shows the job's step,
+rate, quorum and failures; a report closes the run. A group that dies before its first step
+``--max-startup-failures`` times in a row stops the launch with its last output lines.
 """
 
 from __future__ import annotations
 
 import argparse
 import re
+import signal
 import sys
-
-from torchheal.launcher import KillPlan, Launcher
+import time
+from typing import Any
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
 _UNIT_S = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
 
+__all__ = ["build_parser", "main", "parse_duration", "run"]
+
 
 def parse_duration(text: str) -> float:
-    """Seconds in ``text`` such as ``30s``, ``1.5m``, ``500ms`` or ``12`` (seconds)."""
+    """Seconds in ``text`` such as ``30s``, ``1.5m``, ``500ms`` or ``12`` (seconds).
+
+    Args:
+        text: the duration.
+
+    Raises:
+        argparse.ArgumentTypeError: not a positive duration.
+    """
     m = _DURATION.match(text)
     if not m:
         raise argparse.ArgumentTypeError(f"not a duration: {text!r} (use e.g. 30s, 2m, 500ms)")
@@ -31,27 +46,83 @@ def parse_duration(text: str) -> float:
     return value
 
 
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port: {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"not a port: {text!r} (0..65535)")
+    return value
+
+
 def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the launch options to ``parser``.
+
+    Args:
+        parser: the (sub)parser to fill.
+
+    Returns:
+        ``parser``.
+    """
     parser.add_argument(
-        "--replicas", type=int, default=2, help="replica groups to run (default %(default)s)"
+        "--replicas", type=_positive, default=2, help="replica groups to run (default %(default)s)"
+    )
+    parser.add_argument(
+        "--nproc-per-replica",
+        "--nproc_per_replica",
+        dest="nproc_per_replica",
+        type=_positive,
+        default=1,
+        help="ranks per replica group, as torchrun's --nproc-per-node (default %(default)s)",
     )
     parser.add_argument(
         "--kill-every",
         type=parse_duration,
         default=None,
-        help="SIGKILL one group at this interval, e.g. 30s",
+        help="SIGKILL one group (never group 0) at this interval, e.g. 30s",
     )
     parser.add_argument(
         "--restart-delay",
         type=parse_duration,
         default=1.0,
-        help="downtime of a killed group (default 1s)",
+        help="downtime of a dead group before its restart (default 1s)",
+    )
+    parser.add_argument(
+        "--max-startup-failures",
+        type=_positive,
+        default=3,
+        help="stop when a group dies this many times in a row before its first step "
+        "(default %(default)s)",
     )
     parser.add_argument(
         "--lighthouse", default=None, help="use this lighthouse instead of starting one"
     )
     parser.add_argument(
-        "--min-replicas", type=int, default=1, help="min_replicas of the started lighthouse"
+        "--lighthouse-dashboard",
+        default=None,
+        help="with --lighthouse: its dashboard URL, read for progress (default: the "
+        "lighthouse's host on port 29511)",
+    )
+    parser.add_argument(
+        "--dashboard-port",
+        type=_port,
+        default=None,
+        help="port of the started lighthouse's dashboard (default: $TORCHHEAL_DASHBOARD_PORT, "
+        "else 29511 or any free port when that is taken)",
+    )
+    parser.add_argument(
+        "--min-replicas", type=_positive, default=1, help="min_replicas of the started lighthouse"
     )
     parser.add_argument(
         "--join-timeout-ms", type=int, default=1000, help="join timeout of the started lighthouse"
@@ -63,6 +134,13 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="heartbeat timeout of the started lighthouse",
     )
     parser.add_argument(
+        "--metrics-port",
+        type=_port,
+        default=None,
+        help="serve each group's Prometheus /metrics from its rank 0 on this port plus the "
+        "group index (sets TORCHHEAL_METRICS_PORT; 0: any free port)",
+    )
+    parser.add_argument(
         "--deadline",
         type=parse_duration,
         default=24 * 3600.0,
@@ -72,32 +150,93 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
+def _external_status(args: argparse.Namespace) -> Any:
+    """The status source of an external lighthouse's dashboard, or None when none answers."""
+    from urllib.parse import urlsplit
+
+    from torchheal.launcher.progress import fetch_status
+
+    url = args.lighthouse_dashboard
+    if url is None:
+        target = args.lighthouse if "://" in args.lighthouse else "http://" + args.lighthouse
+        host = urlsplit(target).hostname or "localhost"
+        url = f"http://{f'[{host}]' if ':' in host else host}:29511/"
+    elif "://" not in url:
+        url = "http://" + url
+    status = fetch_status(url)
+    if status() is None:
+        print(
+            f"[launch] no lighthouse dashboard answers at {url}: progress is not shown, and a "
+            "group counts as started once it stayed up 60s (give --lighthouse-dashboard)",
+            flush=True,
+        )
+        return None
+    print(f"[launch] dashboard: {url}", flush=True)
+    return status
+
+
 def run(args: argparse.Namespace) -> int:
+    """Launch the job and wait for it to end.
+
+    Args:
+        args: parsed options from :func:`build_parser`.
+
+    Returns:
+        0 when every group finished, 1 when the launch gave up or ran out of time, 2 on bad
+        options, 130 on Ctrl-C.
+    """
+    from torchheal._base.config import dashboard_port, job_token
+    from torchheal.launcher import KillPlan, Launcher
+    from torchheal.launcher.progress import GroupReport, LiveLine, progress_line, render_report
+
     command = list(args.command)
     if command and command[0] == "--":
         command = command[1:]
     if not command:
         print("torchheal launch: give the training command after --", file=sys.stderr)
         return 2
-    lighthouse = None
+    local = None
     addr = args.lighthouse
     if addr is None:
-        from torchheal.coordination import LighthouseServer
+        from torchheal.launcher.lighthouse import LocalLighthouse
 
-        lighthouse = LighthouseServer(
-            bind="127.0.0.1:0",
-            min_replicas=args.min_replicas,
-            join_timeout_ms=args.join_timeout_ms,
-            heartbeat_timeout_ms=args.heartbeat_timeout_ms,
-        )
-        addr = f"http://127.0.0.1:{lighthouse.address().rsplit(':', 1)[1]}"
+        try:
+            port = args.dashboard_port if args.dashboard_port is not None else dashboard_port()
+            local = LocalLighthouse(
+                min_replicas=args.min_replicas,
+                join_timeout_ms=args.join_timeout_ms,
+                heartbeat_timeout_ms=args.heartbeat_timeout_ms,
+                dashboard_port=port,
+                token=job_token(),
+            )
+        except (ValueError, RuntimeError) as e:
+            print(f"torchheal launch: {e}", file=sys.stderr)
+            return 2
+        addr = local.address
+        status = local.status
         print(f"[launch] lighthouse at {addr}", flush=True)
+        print(f"dashboard: {local.dashboard_url}", flush=True)
+    else:
+        status = _external_status(args)
 
-    def output(group: int, line: str) -> None:
-        print(f"[group {group}] {line}", flush=True)
+    live = LiveLine()
+    last: dict[str, Any] = {"doc": None}
+    launcher: Launcher | None = None
+    t0 = time.time()
 
-    def kill(group: int, reason: str) -> None:
-        print(f"[launch] SIGKILL group {group} ({reason})", flush=True)
+    def on_status(doc: dict[str, Any] | None) -> None:
+        if doc is not None:
+            last["doc"] = doc
+        assert launcher is not None
+        restarts = sum(max(0, len(g.starts) - 1) for g in launcher.groups.values())
+        live.status(progress_line(doc, time.time() - t0, args.replicas, restarts))
+
+    metrics_port = args.metrics_port
+
+    def group_env(group: int) -> dict[str, str]:
+        if metrics_port is None:
+            return {}
+        return {"TORCHHEAL_METRICS_PORT": str(metrics_port + group if metrics_port else 0)}
 
     launcher = Launcher(
         command,
@@ -106,20 +245,70 @@ def run(args: argparse.Namespace) -> int:
         kill_plan=KillPlan(every_s=args.kill_every),
         restart_delay_s=args.restart_delay,
         deadline_s=args.deadline,
-        on_output=output,
-        on_kill=kill,
+        on_output=lambda g, line: live.print(f"[group {g}] {line}"),
+        on_kill=lambda g, reason: live.print(f"[launch] SIGKILL group {g} ({reason})"),
+        on_restart=lambda g, code: live.print(
+            f"[launch] group {g} ended ({_exit_text(code)}); restarting it in "
+            f"{args.restart_delay:g}s"
+        ),
+        nproc_per_replica=args.nproc_per_replica,
+        max_startup_failures=args.max_startup_failures,
+        status=status,
+        on_status=on_status,
+        group_env=group_env,
     )
     try:
         result = launcher.run()
     except KeyboardInterrupt:
+        live.close()
         return 130
     finally:
-        if lighthouse is not None:
-            lighthouse.shutdown()
-    return 1 if result.timed_out else 0
+        if local is not None:
+            final = local.status()
+            if final is not None:
+                last["doc"] = final
+            local.shutdown()
+    live.close()
+    reports = [
+        GroupReport(g.group, len(g.starts), len(g.kills), g.crashes, g.done)
+        for g in result.groups.values()
+    ]
+    print(
+        render_report(
+            last["doc"],
+            reports,
+            result.ended - result.started,
+            result.error,
+            finished=all(g.done for g in result.groups.values()),
+        )
+    )
+    if result.error is not None:
+        print(f"torchheal launch: {result.error}", file=sys.stderr)
+        return 1
+    if result.timed_out:
+        print(f"torchheal launch: deadline of {args.deadline:g}s reached", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _exit_text(code: int) -> str:
+    if code < 0:
+        try:
+            return f"signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"signal {-code}"
+    return f"exit code {code}"
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run ``torchheal launch`` directly.
+
+    Args:
+        argv: arguments without the program name (default: ``sys.argv[1:]``).
+
+    Returns:
+        The process exit code.
+    """
     parser = build_parser(
         argparse.ArgumentParser(prog="torchheal launch", description=__doc__.split("\n\n")[0])
     )

@@ -1,11 +1,19 @@
-"""Local launcher: run N replica groups of a training command, inject failures, restart the dead.
+"""Local launcher: run N replica groups of K ranks, inject failures, restart the dead.
 
-This is what ``torchheal launch`` and ``torchheal demo`` use. It starts a lighthouse in this
-process (unless one is given), starts one process per replica group with the environment a
-torchheal job expects (``TORCHHEAL_LIGHTHOUSE``, ``REPLICA_GROUP_ID``, ``NUM_REPLICA_GROUPS``),
-reads their output line by line, and restarts any group that dies — the way torchrun's
-``--max_restarts`` would on a real cluster. Failures are injected with SIGKILL, the harshest
-kind: no cleanup, sockets torn down by the kernel.
+This is what ``torchheal launch`` and ``torchheal demo`` use. Each replica group is a
+torchrun-like job of K ranks (``group.py``: a fresh TCPStore per start, torchrun's variables per
+rank, plus ``TORCHHEAL_LIGHTHOUSE``, ``REPLICA_GROUP_ID``, ``NUM_REPLICA_GROUPS``). The launcher
+reads every rank's output line by line; when any rank of a group dies, it ends the rest of the
+group (every process they started, see ``proctree.py``) and starts the group again, the way
+torchrun's ``--max_restarts`` would on a real cluster. Failures are injected with SIGKILL to the
+whole group, the harshest kind: no cleanup, sockets torn down by the kernel.
+
+A group that dies on its own before committing its first step, several starts in a row, is
+crash-looping (a typo, a missing variable, an unreachable lighthouse): the launcher stops and
+reports the cause with the group's last output lines instead of restarting it forever. A start
+has committed a step when it reports one (the ``@torchheal`` event lines of ``events.py``) or
+when the lighthouse's status shows it at a higher step than it first joined with (the status
+source is optional; without one, a start that stayed up ``startup_grace_s`` counts as started).
 """
 
 from __future__ import annotations
@@ -16,14 +24,22 @@ import queue
 import signal
 import subprocess
 import sys
-import threading
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from torchheal.launcher.events import Event, parse
+from torchheal.launcher.group import GroupStart, OutputLine
+from torchheal.launcher.progress import FirstSteps, quorum_members
 
 logger = logging.getLogger(__name__)
+
+#: Consecutive deaths before a first step after which the launcher gives up.
+DEFAULT_MAX_STARTUP_FAILURES = 3
+#: How long an exited rank's remaining output may take to arrive before its exit is handled.
+OUTPUT_GRACE_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -46,44 +62,95 @@ class KillPlan:
 
 @dataclass
 class GroupProcess:
-    """One replica group's current process and its history."""
+    """One replica group's current start and its history.
+
+    Args:
+        group: the group index.
+        proc: rank 0's process of the current (or last) start.
+        starts: wall-clock time of each start.
+        kills: wall-clock time of each injected failure.
+        exit_codes: one per ended start: the first non-zero exit code among its ranks (a
+            negative number is the signal that ended it), or 0 when every rank exited cleanly.
+        done: the group finished its work (it is not restarted).
+        crashes: starts that died on their own (not killed by the launcher).
+        startup_failures: crashes in a row before a first committed step.
+        store_addresses: the TCPStore address of each start.
+        done_at: when it finished.
+    """
 
     group: int
-    proc: subprocess.Popen | None = None
+    proc: subprocess.Popen[str] | None = None
     starts: list[float] = field(default_factory=list)
     kills: list[float] = field(default_factory=list)
     exit_codes: list[int] = field(default_factory=list)
     done: bool = False
+    crashes: int = 0
+    startup_failures: int = 0
+    store_addresses: list[str] = field(default_factory=list)
+    current: GroupStart | None = None
+    killed: bool = False  # the current start was killed by the launcher
+    stepped: bool = False  # the current start committed a step
+    done_at: float | None = None  # wall-clock time it finished
+
+    def finish(self) -> None:
+        """Marks the group as done (once)."""
+        if not self.done:
+            self.done = True
+            self.done_at = time.time()
 
 
 @dataclass
 class RunResult:
-    """Everything a run produced, for summaries and tests."""
+    """Everything a run produced, for summaries and tests.
+
+    Args:
+        events: the progress events the groups reported, in arrival order.
+        groups: each group's history.
+        started: wall-clock start.
+        ended: wall-clock end.
+        timed_out: the deadline ended the run.
+        error: why the launcher gave up (a crash-looping group), or None.
+    """
 
     events: list[Event]
     groups: dict[int, GroupProcess]
     started: float
     ended: float
     timed_out: bool
+    error: str | None = None
 
 
 class Launcher:
-    """Runs ``replicas`` copies of ``command`` as replica groups until every one exits cleanly.
+    """Runs ``replicas`` replica groups of ``nproc_per_replica`` ranks each until all are done.
 
-    A group whose process exits with a non-zero code or a signal is restarted after
-    ``restart_delay_s``; one that exits with 0 is done.
+    A group is done when it reports a ``done`` event or every rank exits with 0. When a rank
+    exits otherwise, the rest of its group is ended and the group is started again after
+    ``restart_delay_s``.
 
     Args:
-        command: argv of one replica group's process.
+        command: argv of every rank.
         replicas: number of replica groups.
         lighthouse_addr: address of the lighthouse every group joins.
         kill_plan: failure injection schedule.
         restart_delay_s: how long a dead group stays down before it is restarted.
         deadline_s: give up (and end every process) after this many seconds.
-        on_event: called for each progress event, in arrival order.
-        on_output: called with (group, line) for every non-event output line.
+        on_event: called for each progress event (rank 0's), in arrival order.
+        on_output: called with (group, line) for every non-event output line; with several
+            ranks per group the line starts with ``[rank R] ``.
         on_kill: called with (group, reason) just before a failure is injected.
-        env: extra environment for every group.
+        env: extra environment for every rank.
+        nproc_per_replica: ranks per replica group.
+        max_startup_failures: give up when a group dies this many times in a row before its
+            first committed step.
+        status: returns the lighthouse's status (the dashboard's document or
+            ``LighthouseServer.status()``), or None when it cannot be read; polled every
+            ``status_interval_s``.
+        on_status: called with each status document read.
+        status_interval_s: how often ``status`` is polled.
+        startup_grace_s: without a ``status`` source, a start that stayed up this long counts
+            as having committed a step.
+        on_restart: called with (group, exit code) when a dead group is scheduled to restart.
+        group_env: extra environment of one group's ranks (for example its metrics port).
     """
 
     def __init__(
@@ -98,13 +165,26 @@ class Launcher:
         on_output: Callable[[int, str], None] | None = None,
         on_kill: Callable[[int, str], None] | None = None,
         env: dict[str, str] | None = None,
+        nproc_per_replica: int = 1,
+        max_startup_failures: int = DEFAULT_MAX_STARTUP_FAILURES,
+        status: Callable[[], dict[str, Any] | None] | None = None,
+        on_status: Callable[[dict[str, Any] | None], None] | None = None,
+        status_interval_s: float = 1.0,
+        startup_grace_s: float = 60.0,
+        on_restart: Callable[[int, int], None] | None = None,
+        group_env: Callable[[int], dict[str, str]] | None = None,
     ) -> None:
         if replicas < 1:
             raise ValueError(f"replicas must be >= 1, got {replicas}")
+        if nproc_per_replica < 1:
+            raise ValueError(f"nproc_per_replica must be >= 1, got {nproc_per_replica}")
+        if max_startup_failures < 1:
+            raise ValueError(f"max_startup_failures must be >= 1, got {max_startup_failures}")
         if not command:
             raise ValueError("command must not be empty")
         self._command = list(command)
         self._replicas = replicas
+        self._nproc = nproc_per_replica
         self._lighthouse_addr = lighthouse_addr
         self._plan = kill_plan or KillPlan()
         self._restart_delay_s = restart_delay_s
@@ -112,55 +192,58 @@ class Launcher:
         self._on_event = on_event or (lambda e: None)
         self._on_output = on_output or (lambda g, line: None)
         self._on_kill = on_kill or (lambda g, reason: None)
+        self._on_restart = on_restart or (lambda g, code: None)
         self._env = dict(env or {})
-        self._lines: queue.Queue[tuple[int, int, str | None]] = queue.Queue()
+        self._group_env = group_env or (lambda group: {})
+        self._max_startup_failures = max_startup_failures
+        self._status = status
+        self._on_status = on_status or (lambda doc: None)
+        self._status_interval_s = status_interval_s
+        self._startup_grace_s = startup_grace_s
+        self._lines: queue.Queue[OutputLine] = queue.Queue()
         self._groups = {i: GroupProcess(i) for i in range(replicas)}
         self._events: list[Event] = []
         victims = self._plan.victims or tuple(range(1, replicas)) or (0,)
         self._victims = [v for v in victims if 0 <= v < replicas]
         self._kill_count = 0
         self._step_kill_done = False
+        self._first_steps = FirstSteps()
+        self._error: str | None = None
+        self._run_id = f"torchheal-launch-{uuid.uuid4().hex[:8]}"
+
+    @property
+    def groups(self) -> dict[int, GroupProcess]:
+        """Each group's history so far (read it from the thread that runs :meth:`run`)."""
+        return self._groups
+
+    # -- starting and ending groups ------------------------------------------------------
 
     def _start(self, g: GroupProcess) -> None:
-        env = {
-            **os.environ,
-            **self._env,
-            "TORCHHEAL_LIGHTHOUSE": self._lighthouse_addr,
-            "REPLICA_GROUP_ID": str(g.group),
-            "NUM_REPLICA_GROUPS": str(self._replicas),
-            "PYTHONUNBUFFERED": "1",
-        }
-        g.proc = subprocess.Popen(
-            self._command,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            text=True,
-            bufsize=1,
+        g.killed = False
+        g.stepped = False
+        g.current = GroupStart(
+            group=g.group,
+            incarnation=len(g.starts) + 1,
+            command=self._command,
+            nproc=self._nproc,
+            replicas=self._replicas,
+            lighthouse=self._lighthouse_addr,
+            base_env={**os.environ, **self._env, **self._group_env(g.group)},
+            lines=self._lines,
+            run_id=self._run_id,
         )
-        g.starts.append(time.time())
-        generation = len(g.starts)
-        threading.Thread(
-            target=self._pump,
-            args=(g.group, generation, g.proc),
-            name=f"launch-pump-{g.group}",
-            daemon=True,
-        ).start()
-
-    def _pump(self, group: int, generation: int, proc: subprocess.Popen) -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            self._lines.put((group, generation, line.rstrip("\n")))
-        self._lines.put((group, generation, None))  # end of output: the process is exiting
+        g.proc = g.current.procs[0]
+        g.starts.append(g.current.started)
+        g.store_addresses.append(g.current.store_address)
 
     def _kill(self, group: int, reason: str) -> None:
         g = self._groups[group]
-        if g.proc is None or g.proc.poll() is not None or g.done:
+        if g.current is None or g.done or not g.current.running():
             return
-        logger.info("killing group %d (pid %d): %s", group, g.proc.pid, reason)
+        logger.info("killing group %d: %s", group, reason)
         self._on_kill(group, reason)
-        g.proc.send_signal(signal.SIGKILL)
+        g.killed = True
+        g.current.kill()
         g.kills.append(time.time())
         self._kill_count += 1
 
@@ -169,16 +252,138 @@ class Launcher:
             return None
         return self._victims[self._kill_count % len(self._victims)]
 
+    def _end(self, g: GroupProcess) -> int:
+        """Ends the current start (every rank and what they started); returns its exit code."""
+        start = g.current
+        assert start is not None
+        start.kill()
+        start.reap()
+        start.close()
+        self._first_steps.forget(start.store_address)
+        g.current = None
+        codes = [start.exit_codes[r] for r in sorted(start.exit_codes)]
+        return next((c for c in codes if c != 0), 0)
+
+    def _rank_exited(self, g: GroupProcess, rank: int) -> float | None:
+        """A rank's output ended; returns when to restart the group, if it must be."""
+        start = g.current
+        assert start is not None
+        try:
+            code = start.procs[rank].wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            # Output closed but the process lingers (it closed stdout itself): end it.
+            start.kill()
+            code = start.procs[rank].wait(timeout=30)
+        start.exit_codes[rank] = code
+        if code == 0 and len(start.exit_codes) < len(start.procs):
+            return None  # a rank finished; the others are finishing too
+        if code == 0:
+            g.exit_codes.append(self._end(g))
+            g.finish()  # finished its work; a clean exit is never restarted
+            return None
+        tail = list(start.tail)
+        started = start.started
+        self._end(g)
+        g.exit_codes.append(code)  # the rank that died first says why, not those we ended
+        if g.done:
+            return None  # it reported done; a messy exit afterwards changes nothing
+        if not g.killed:
+            g.crashes += 1
+            stepped = g.stepped or (
+                self._status is None and time.time() - started >= self._startup_grace_s
+            )
+            g.startup_failures = 0 if stepped else g.startup_failures + 1
+            if g.startup_failures >= self._max_startup_failures:
+                self._error = _crash_loop_message(g, code, tail)
+                return None
+        self._on_restart(g.group, code)
+        return time.time() + self._restart_delay_s
+
+    # -- the run ---------------------------------------------------------------------------
+
+    def _poll_status(self) -> None:
+        assert self._status is not None
+        try:
+            doc = self._status()
+        except Exception:
+            logger.debug("reading the lighthouse status failed", exc_info=True)
+            doc = None
+        if doc is not None:
+            self._first_steps.observe(quorum_members(doc))
+            for g in self._groups.values():
+                if g.current is not None and self._first_steps.stepped(g.current.store_address):
+                    g.stepped = True
+        self._on_status(doc)
+
+    def _handle(self, line: OutputLine, restart_at: dict[int, float]) -> None:
+        g = self._groups[line.group]
+        start = g.current
+        if start is None or line.incarnation != start.incarnation:
+            return  # late output of a start we already ended
+        if line.text is None:
+            if line.rank not in start.exit_codes:
+                self._exited(g, line.rank, restart_at)
+            return
+        prefix = f"[rank {line.rank}] " if self._nproc > 1 else ""
+        start.tail.append(prefix + line.text)
+        event = parse(line.text) if line.rank == 0 else None
+        if event is None:
+            self._on_output(g.group, prefix + line.text)
+            return
+        self._events.append(event)
+        if event.kind == "done":
+            g.finish()
+        if event.kind == "step" and event.fields.get("committed"):
+            g.stepped = True
+        self._on_event(event)
+        if (
+            event.kind == "step"
+            and self._plan.at_step is not None
+            and not self._step_kill_done
+            and int(event.fields.get("step", 0)) >= self._plan.at_step
+        ):
+            victim = self._next_victim()
+            if victim is not None:
+                self._step_kill_done = True
+                self._kill(victim, f"reached step {self._plan.at_step}")
+
+    def _exited(self, g: GroupProcess, rank: int, restart_at: dict[int, float]) -> None:
+        when = self._rank_exited(g, rank)
+        if when is not None:
+            restart_at[g.group] = when
+
+    def _check_exits(self, now: float, restart_at: dict[int, float]) -> None:
+        """Notice ranks that exited while something they started still holds their output.
+
+        The end of a rank's output normally says it exited, but a child it left behind (in a
+        session of its own, say) keeps the pipe open; so exits are also polled. The output's
+        end is given a moment to arrive first, so the last lines (a traceback) are not lost.
+        """
+        for g in self._groups.values():
+            start = g.current
+            if start is None:
+                continue
+            for rank, proc in enumerate(start.procs):
+                if rank in start.exit_codes or proc.poll() is None:
+                    continue
+                seen = start.exit_seen.setdefault(rank, now)
+                if now - seen >= OUTPUT_GRACE_S:
+                    self._exited(g, rank, restart_at)
+                    if g.current is not start:
+                        break  # the group was ended (and maybe restarted)
+
     def run(self) -> RunResult:
         """Start every group and drive the run to its end; always ends every process it started."""
         started = time.time()
-        for g in self._groups.values():
-            self._start(g)
         restart_at: dict[int, float] = {}
         next_timer_kill = started + self._plan.every_s if self._plan.every_s else None
+        next_status = started
+        next_exit_check = started
         timed_out = False
         try:
-            while not all(g.done for g in self._groups.values()):
+            for g in self._groups.values():
+                self._start(g)
+            while not all(g.done for g in self._groups.values()) and self._error is None:
                 now = time.time()
                 if now - started > self._deadline_s:
                     timed_out = True
@@ -192,67 +397,62 @@ class Launcher:
                     if now >= when:
                         del restart_at[group]
                         self._start(self._groups[group])
+                if self._status is not None and now >= next_status:
+                    next_status = now + self._status_interval_s
+                    self._poll_status()
                 try:
-                    group, generation, line = self._lines.get(timeout=0.05)
+                    line = self._lines.get(timeout=0.05)
                 except queue.Empty:
+                    self._check_exits(now, restart_at)
                     continue
-                g = self._groups[group]
-                if generation != len(g.starts):
-                    continue  # late output of a process we already replaced
-                if line is None:
-                    assert g.proc is not None
-                    code = g.proc.wait(timeout=30)
-                    g.exit_codes.append(code)
-                    if code == 0:
-                        g.done = True  # finished its work; a clean exit is never restarted
-                    elif not g.done:
-                        restart_at[group] = time.time() + self._restart_delay_s
-                    continue
-                event = parse(line)
-                if event is None:
-                    self._on_output(group, line)
-                    continue
-                self._events.append(event)
-                if event.kind == "done":
-                    g.done = True
-                self._on_event(event)
-                if (
-                    event.kind == "step"
-                    and self._plan.at_step is not None
-                    and not self._step_kill_done
-                    and int(event.fields.get("step", 0)) >= self._plan.at_step
-                ):
-                    victim = self._next_victim()
-                    if victim is not None:
-                        self._step_kill_done = True
-                        self._kill(victim, f"reached step {self._plan.at_step}")
+                self._handle(line, restart_at)
+                if now >= next_exit_check:
+                    next_exit_check = now + 0.1
+                    self._check_exits(now, restart_at)
         finally:
-            for g in self._groups.values():
-                if g.proc is None or g.proc.poll() is not None:
-                    continue
-                if g.done and not timed_out:
-                    try:  # it reported done and is shutting down: give it a moment
-                        g.proc.wait(timeout=10)
-                        continue
-                    except subprocess.TimeoutExpired:
-                        pass
-                g.proc.kill()
-                g.proc.wait(timeout=30)
-            for g in self._groups.values():
-                # Record the exit of processes that ended after the loop stopped reading.
-                if (
-                    g.proc is not None
-                    and len(g.exit_codes) < len(g.starts)
-                    and g.proc.returncode is not None
-                ):
-                    g.exit_codes.append(g.proc.returncode)
+            self._end_all(timed_out)
         return RunResult(
             events=self._events,
             groups=self._groups,
             started=started,
             ended=time.time(),
             timed_out=timed_out,
+            error=self._error,
         )
+
+    def _end_all(self, timed_out: bool) -> None:
+        for g in self._groups.values():
+            start = g.current
+            if start is None:
+                continue
+            if g.done and not timed_out and self._error is None:
+                # It reported done and is shutting down: give it a moment.
+                deadline = time.time() + 10
+                while start.running() and time.time() < deadline:
+                    time.sleep(0.05)
+            code = self._end(g)
+            if len(g.exit_codes) < len(g.starts):
+                g.exit_codes.append(code)
+
+
+def _describe(code: int) -> str:
+    if code < 0:
+        try:
+            return f"signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"signal {-code}"
+    return f"exit code {code}"
+
+
+def _crash_loop_message(g: GroupProcess, code: int, tail: list[str]) -> str:
+    lines = [
+        f"replica group {g.group} died {g.startup_failures} times in a row before its first "
+        f"step (last: {_describe(code)}); not restarting it. Its last output lines:",
+        *(f"    {line}" for line in tail),
+    ]
+    if not tail:
+        lines.append("    (it printed nothing)")
+    return "\n".join(lines)
 
 
 def python_module_command(module: str, *args: str) -> list[str]:

@@ -11,10 +11,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from torchheal.coordination import LighthouseServer
 from torchheal.launcher import KillPlan, Launcher, RunResult, python_module_command
 from torchheal.launcher.demo.summary import Summary, render, summarize
 from torchheal.launcher.events import Event
+from torchheal.launcher.lighthouse import LocalLighthouse
 
 
 @dataclass(frozen=True)
@@ -30,6 +30,9 @@ class DemoConfig:
         heartbeat_timeout_ms: lighthouse heartbeat expiry.
         join_timeout_ms: how long the lighthouse waits for stragglers.
         deadline_s: abort the run after this long.
+        dashboard_port: the dashboard's port (0: any free port; None: 29511, or any free port
+            when that is taken).
+        token: the job token the dashboard's kill action needs (None: open).
     """
 
     replicas: int = 3
@@ -42,6 +45,8 @@ class DemoConfig:
     # subsets of the groups, as in the reference (see docs/operations.md).
     join_timeout_ms: int = 1000
     deadline_s: float = 300.0
+    dashboard_port: int | None = None
+    token: str | None = None
 
     def validate(self) -> None:
         if self.replicas < 2:
@@ -106,48 +111,62 @@ class _Printer:
 
 
 def run_demo(
-    config: DemoConfig | None = None, out: Callable[[str], None] = print
+    config: DemoConfig | None = None,
+    out: Callable[[str], None] = print,
+    hold: Callable[[str], None] | None = None,
 ) -> tuple[RunResult, Summary]:
-    """Run the demo and return the raw run and its summary."""
+    """Run the demo and return the raw run and its summary.
+
+    Args:
+        config: the demo's knobs.
+        out: where the commentary goes, one line per call.
+        hold: called with the dashboard's URL after the summary, before the lighthouse and its
+            dashboard stop (``--keep-open`` waits there for Ctrl-C).
+    """
     config = config or DemoConfig()
     config.validate()
-    lighthouse = LighthouseServer(
-        bind="127.0.0.1:0",
+    lighthouse = LocalLighthouse(
         min_replicas=1,
         join_timeout_ms=config.join_timeout_ms,
         heartbeat_timeout_ms=config.heartbeat_timeout_ms,
-    )
-    port = lighthouse.address().rsplit(":", 1)[1]
-    addr = f"http://127.0.0.1:{port}"
-    t0 = time.time()
-    printer = _Printer(out, t0)
-    out(
-        f"lighthouse listening on {addr}; starting {config.replicas} replica groups; "
-        f"group 1 will be killed with SIGKILL at step {config.kill_at_step}"
-    )
-    launcher = Launcher(
-        python_module_command(
-            "torchheal.launcher.demo.worker",
-            "--steps",
-            str(config.steps),
-            "--step-delay",
-            str(config.step_delay_s),
-        ),
-        replicas=config.replicas,
-        lighthouse_addr=addr,
-        kill_plan=KillPlan(at_step=config.kill_at_step, victims=(1,), max_kills=1),
-        restart_delay_s=config.restart_delay_s,
-        deadline_s=config.deadline_s,
-        on_event=printer.event,
-        on_output=printer.output,
-        on_kill=printer.kill,
+        dashboard_port=config.dashboard_port,
+        token=config.token,
     )
     try:
+        t0 = time.time()
+        printer = _Printer(out, t0)
+        out(f"dashboard: {lighthouse.dashboard_url}  (open it to watch the kill and the heal)")
+        out(
+            f"lighthouse listening on {lighthouse.address}; starting {config.replicas} replica "
+            f"groups; group 1 will be killed with SIGKILL at step {config.kill_at_step}"
+        )
+        launcher = Launcher(
+            python_module_command(
+                "torchheal.launcher.demo.worker",
+                "--steps",
+                str(config.steps),
+                "--step-delay",
+                str(config.step_delay_s),
+            ),
+            replicas=config.replicas,
+            lighthouse_addr=lighthouse.address,
+            kill_plan=KillPlan(at_step=config.kill_at_step, victims=(1,), max_kills=1),
+            restart_delay_s=config.restart_delay_s,
+            deadline_s=config.deadline_s,
+            on_event=printer.event,
+            on_output=printer.output,
+            on_kill=printer.kill,
+            status=lighthouse.status,
+        )
         result = launcher.run()
+        summary = summarize(result)
+        out(render(summary))
+        if result.timed_out:
+            out(f"demo did not finish within {config.deadline_s:.0f}s")
+        if result.error is not None:
+            out(f"demo stopped: {result.error}")
+        if hold is not None:
+            hold(lighthouse.dashboard_url)
     finally:
         lighthouse.shutdown()
-    summary = summarize(result)
-    out(render(summary))
-    if result.timed_out:
-        out(f"demo did not finish within {config.deadline_s:.0f}s")
     return result, summary

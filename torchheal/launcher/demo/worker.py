@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from torchheal._base.config import LauncherEnv
+from torchheal._base.config import LauncherEnv, TorchrunEnv
 from torchheal.launcher.events import emit
 
 
@@ -83,8 +83,16 @@ def main(argv: list[str] | None = None) -> int:
         format=f"[group {group}] %(levelname)s %(name)s: %(message)s",
     )
 
-    # The launcher gives each group no torchrun, so the group hosts its own store.
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    # The launcher hosts each group's store, as torchrun's agent does; run alone, the worker
+    # hosts its own.
+    torchrun = TorchrunEnv.from_env()
+    store = None
+    if torchrun.master_addr and torchrun.master_port:
+        store_addr = str(torchrun.require("master_addr", "store_addr"))
+        store_port = int(torchrun.require("master_port", "store_port"))
+    else:
+        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        store_addr, store_port = "127.0.0.1", store.port
     model = build_model(args.seed)
     optimizer_inner = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
@@ -106,8 +114,8 @@ def main(argv: list[str] | None = None) -> int:
         connect_timeout=timedelta(seconds=10),
         rank=0,
         world_size=1,
-        store_addr="127.0.0.1",
-        store_port=store.port,
+        store_addr=store_addr,
+        store_port=store_port,
         replica_id=f"demo_{group}",
     )
     ddp = DistributedDataParallel(manager, model)

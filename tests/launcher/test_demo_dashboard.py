@@ -1,0 +1,78 @@
+"""``torchheal demo --keep-open``: the dashboard URL comes first, the page shows the kill and the
+heal, and it stays up after the summary until Ctrl-C."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.slow
+
+
+def _get(url: str) -> bytes:
+    with urllib.request.urlopen(url, timeout=10) as answer:
+        assert answer.status == 200
+        return answer.read()
+
+
+def test_demo_prints_its_dashboard_first_and_keeps_it_open_until_ctrl_c() -> None:
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "torchheal.cli",
+            "demo",
+            # As in test_demo.py: survivors train long enough after the kill for the victim to
+            # come back and heal while they still run.
+            *("--replicas", "3", "--steps", "80", "--kill-at-step", "4", "--step-delay", "0.15"),
+            *("--dashboard-port", "0", "--keep-open"),
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    lines: list[str] = []
+    try:
+        assert proc.stdout is not None
+        deadline = time.time() + 200
+        for line in proc.stdout:
+            lines.append(line.rstrip("\n"))
+            if "The dashboard stays up at" in line:
+                break
+            assert time.time() < deadline, "\n".join(lines[-50:])
+        log = "\n".join(lines)
+        assert lines and lines[0].startswith("dashboard: http://127.0.0.1:"), log[:2000]
+        url = lines[0].split()[1]
+        assert "failures survived      1" in log and "(healed live from a peer)" in log, log[-3000:]
+        assert lines[-1].endswith(f"{url} ; press Ctrl-C to exit.")
+
+        # After the summary the page and its data are still served.
+        assert b"<html" in _get(url).lower()
+        status = json.loads(_get(url + "api/status?series_since=0"))
+        healed = [f for f in status["failures"] if f["group"] == "demo_1"]
+        assert healed and healed[0]["state"] == "healed", status["failures"]
+        sizes = status["series"]["quorum_size"]
+        assert 3 in sizes, sizes
+        after_full = sizes[sizes.index(3) :]
+        assert 2 in after_full, f"no dip in the quorum size after the kill: {sizes}"
+        assert 3 in after_full[after_full.index(2) :], f"the quorum never grew back: {sizes}"
+        assert max(status["series"]["job"]) > 0
+
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)

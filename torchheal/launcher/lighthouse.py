@@ -1,0 +1,86 @@
+"""A lighthouse with its dashboard, run inside the launcher's process for a local job.
+
+``torchheal launch`` and ``torchheal demo`` start one so that a local job needs nothing else:
+the replica groups join it over loopback, and the dashboard (the same page, ``/metrics`` and
+``/api/status`` as ``torchheal lighthouse`` serves) shows the job while it runs. The launcher
+reads the dashboard's status document for its progress line and its report.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torchheal.coordination import LighthouseServer
+from torchheal.coordination.dashboard import (
+    DEFAULT_DASHBOARD_PORT,
+    DashboardServer,
+    LighthouseRecorder,
+)
+from torchheal.launcher.progress import fetch_status
+
+__all__ = ["LocalLighthouse"]
+
+
+class LocalLighthouse:
+    """A lighthouse on loopback and its dashboard; both start in the constructor.
+
+    Args:
+        min_replicas: fewest replica groups a quorum needs.
+        join_timeout_ms: how long the lighthouse waits for stragglers.
+        heartbeat_timeout_ms: how long a silent group stays a member.
+        dashboard_port: the dashboard's port; 0 picks a free one; None tries 29511 and takes
+            a free one when that is busy.
+        token: the job token the dashboard's kill action needs (None: open).
+        host: the address both listen on (loopback by default: the dashboard's kill action is
+            open unless a token is set).
+
+    Raises:
+        RuntimeError: a port could not be bound.
+    """
+
+    def __init__(
+        self,
+        min_replicas: int = 1,
+        join_timeout_ms: int = 1000,
+        heartbeat_timeout_ms: int = 2000,
+        dashboard_port: int | None = None,
+        token: str | None = None,
+        host: str = "127.0.0.1",
+    ) -> None:
+        self._recorder = LighthouseRecorder()
+        self.server = LighthouseServer(
+            bind=f"{host}:0",
+            min_replicas=min_replicas,
+            join_timeout_ms=join_timeout_ms,
+            heartbeat_timeout_ms=heartbeat_timeout_ms,
+            observer=self._recorder,
+        )
+        self.address = f"http://{host}:{self.server.address().rsplit(':', 1)[1]}"
+        try:
+            self.dashboard = self._dashboard(host, dashboard_port, token)
+        except BaseException:
+            self.server.shutdown()
+            raise
+        self.dashboard_url = self.dashboard.url(host)
+        self._fetch = fetch_status(self.dashboard_url)
+
+    def _dashboard(self, host: str, port: int | None, token: str | None) -> DashboardServer:
+        if port is not None:
+            return DashboardServer(self.server, self._recorder, host=host, port=port, token=token)
+        try:
+            return DashboardServer(
+                self.server, self._recorder, host=host, port=DEFAULT_DASHBOARD_PORT, token=token
+            )
+        except RuntimeError:  # 29511 is taken (another lighthouse, another demo): any port
+            return DashboardServer(self.server, self._recorder, host=host, port=0, token=token)
+
+    def status(self) -> dict[str, Any] | None:
+        """The dashboard's status document (None when it cannot be read)."""
+        return self._fetch()
+
+    def shutdown(self) -> None:
+        """Stops the dashboard and the lighthouse."""
+        try:
+            self.dashboard.shutdown()
+        finally:
+            self.server.shutdown()
