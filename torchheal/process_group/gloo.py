@@ -1,4 +1,9 @@
-"""Reconfigurable Gloo process group (CPU, and CUDA tensors through Gloo where built)."""
+"""Reconfigurable Gloo process group (CPU, and CUDA tensors through Gloo where built).
+
+``abort()`` interrupts an operation in flight by cutting the group's connections
+(``gloo_sockets.py``): Gloo's own abort does not, and a collective blocked on a frozen peer would
+otherwise wait out its whole timeout.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import ProcessGroupGloo as _C10dGloo
 
+from torchheal.process_group.gloo_sockets import PairSockets
 from torchheal.process_group.wrappers import ProcessGroupWrapper
 
 
@@ -55,11 +61,30 @@ class ProcessGroupGloo(ProcessGroupWrapper):
 
     def __init__(self, timeout: timedelta = timedelta(seconds=60)) -> None:
         super().__init__(timeout=timeout)
+        self._pair_sockets: PairSockets | None = None
 
     def _create_pg(self, store: dist.Store, rank: int, world_size: int) -> dist.ProcessGroup:
-        return create_gloo_pg(
+        before = PairSockets.before()
+        pg = create_gloo_pg(
             store, rank, world_size, self._timeout, self._c10d_group_name, self._global_ranks
         )
+        self._pair_sockets = PairSockets.after(before, world_size)
+        return pg
+
+    def abort(self, errored: bool = True) -> None:
+        """Aborts the group: an operation in flight fails at once, and the group is dropped.
+
+        Safe from another thread than the one blocked in the operation.
+
+        Args:
+            errored: whether this abort is due to a failure (emits a ``torchft_errors`` record).
+        """
+        sockets, self._pair_sockets = self._pair_sockets, None
+        if sockets is not None:
+            sockets.cut()
+        super().abort(errored)
+        if errored:
+            self._record_error(RuntimeError("process group aborted"))
 
     def getBackendName(self) -> str:
         """``"torchft-gloo"``."""
