@@ -475,6 +475,15 @@ OTEL_RESOURCE_ATTRIBUTES_JSON_ENVS: tuple[str, str] = (
 _OFF = frozenset({"", "false", "0", "no", "off"})
 
 
+def job_id(environ: Mapping[str, str] | None = None) -> str:
+    """The job's name in structured log records (``JOB_ID``, default ``"unknown"``).
+
+    Args:
+        environ: the environment to read; ``os.environ`` when None.
+    """
+    return _environ(environ).get(JOB_ID_ENV, "unknown")
+
+
 @dataclass(frozen=True)
 class TelemetryEnv:
     """What a trainer exports about itself: metrics port, job id, OpenTelemetry.
@@ -522,7 +531,7 @@ class TelemetryEnv:
         return cls(
             metrics_port=port,
             metrics_host=env.get(METRICS_HOST_ENV, "").strip(),
-            job_id=env.get(JOB_ID_ENV, "unknown"),
+            job_id=job_id(env),
             use_otel=use_otel.strip().lower() not in _OFF,
             otel_resource_attributes_json=attributes,
         )

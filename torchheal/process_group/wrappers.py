@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.futures import Future
 
+from torchheal._base.config import job_id
 from torchheal.process_group.base import ProcessGroup, quorum_group_name, takes_options
 from torchheal.process_group.store import create_store_client
 from torchheal.process_group.work import _chain, _DummyWork, _ErrorRecordingWork
@@ -112,6 +113,7 @@ class ProcessGroupWrapper(ProcessGroup):
             errors_logger.info(
                 "",
                 extra={
+                    "job_id": job_id(),
                     "replica_id": self._replica_id,
                     "rank": self._rank,
                     "error": "process_group_abort",
