@@ -87,7 +87,25 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="HTTP port of the dashboard, /metrics and /api/status, on the --bind host; 0 picks "
         "a free port (default: $TORCHHEAL_DASHBOARD_PORT, else 29511; 0 when --bind's port is 0)",
     )
+    parser.add_argument(
+        "--exit_when_idle",
+        "--exit-when-idle",
+        dest="exit_when_idle",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="exit (code 0) once replica groups have joined and then none has been heard from "
+        "for SECONDS: the job is over (for launchers such as torchx whose job ends when every "
+        "role exits; default: run until interrupted)",
+    )
     return parser
+
+
+def _idle(status: dict, seen: bool, idle_s: float) -> tuple[bool, bool]:
+    """``(seen any group so far, the job is over)`` from a lighthouse status."""
+    ages = status["heartbeats"].values()
+    seen = seen or bool(ages) or status["prev_quorum"] is not None
+    return seen, seen and all(age >= idle_s for age in ages)
 
 
 def _dashboard_port(args: argparse.Namespace, bind_port: int) -> int:
@@ -161,8 +179,16 @@ def run(args: argparse.Namespace) -> int:
         print(f"dashboard: {dashboard.url(None if wildcard else host)}", flush=True)
         try:
             # A timed wait keeps the main thread responsive to signals on every platform.
+            seen = False
             while not stop.wait(1.0):
-                pass
+                if args.exit_when_idle is not None:
+                    seen, over = _idle(server.status(), seen, args.exit_when_idle)
+                    if over:
+                        logger.info(
+                            "no replica group heard from for %ss: the job is over, exiting",
+                            args.exit_when_idle,
+                        )
+                        break
         finally:
             dashboard.shutdown()
             server.shutdown()
