@@ -20,7 +20,7 @@ separate allocation (a Slurm heterogeneous job component, a Kubernetes pod). Rol
   Kubernetes, ``localhost`` locally), resolved by the shell when the role starts.
 
 Each group's TCPStore listens on ``master_port + i`` of its host, advertised under the host's
-name (``MASTER_ADDR=$(hostname)``), because the other groups connect to it to build the
+full name (``MASTER_ADDR=$(hostname -f)``), because the other groups connect to it to build the
 cross-group process group.
 
 Compared with the reference's ``torchft.torchx.hsdp``: the lighthouse is a role of the job (the
@@ -93,7 +93,8 @@ def _replica_command(
     ]
     return (
         f'export TORCHHEAL_LIGHTHOUSE="$${{TORCHHEAL_LIGHTHOUSE:-{lighthouse}}}"; '
-        f'exec {torchrun[0]} --master_addr="$$(hostname)" {" ".join(torchrun[1:])}'
+        f'exec {torchrun[0]} --master_addr="$$(hostname -f 2>/dev/null || hostname)" '
+        f"{' '.join(torchrun[1:])}"
     )
 
 
