@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import socket
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -234,6 +235,22 @@ class Telemetry:
     def allreduce_failed(self) -> None:
         """An allreduce failed (to start, or in flight)."""
         self.stats.count_error(allreduce=True)
+
+    def allreduce_error_counter(self) -> Callable[[Exception], None]:
+        """A callback for one allreduce that counts its failure once, however often reported.
+
+        Returns:
+            ``on_error(exception)``.
+        """
+        seen = False
+
+        def on_error(_: Exception) -> None:
+            nonlocal seen
+            if not seen:
+                seen = True
+                self.stats.count_error(allreduce=True)
+
+        return on_error
 
     def process_group_aborted(self) -> None:
         """The cross-replica process group was aborted."""
