@@ -57,6 +57,13 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "port when that is taken; 0: any free port)",
     )
     parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve each group's Prometheus /metrics from its rank 0 on this port plus the "
+        "group index (default: off)",
+    )
+    parser.add_argument(
         "--keep-open",
         action="store_true",
         help="after the summary, keep the lighthouse and its dashboard up until Ctrl-C",
@@ -90,6 +97,10 @@ def run(args: argparse.Namespace) -> int:
         port = args.dashboard_port if args.dashboard_port is not None else dashboard_port()
         if port is not None and not 0 <= port <= 65535:
             raise ValueError(f"--dashboard-port must be in 0..65535, got {port}")
+        if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535 - args.replicas:
+            raise ValueError(
+                f"--metrics-port must leave room for the groups, got {args.metrics_port}"
+            )
         config = DemoConfig(
             replicas=args.replicas,
             steps=args.steps,
@@ -97,6 +108,7 @@ def run(args: argparse.Namespace) -> int:
             step_delay_s=args.step_delay,
             dashboard_port=port,
             token=job_token(),
+            metrics_port=args.metrics_port,
         )
         config.validate()
     except ValueError as e:

@@ -33,6 +33,8 @@ class DemoConfig:
         dashboard_port: the dashboard's port (0: any free port; None: 29511, or any free port
             when that is taken).
         token: the job token the dashboard's kill action needs (None: open).
+        metrics_port: group g's rank 0 serves Prometheus ``/metrics`` on this port plus g
+            (0: any free port; None: no trainer metrics).
     """
 
     replicas: int = 3
@@ -47,6 +49,7 @@ class DemoConfig:
     deadline_s: float = 300.0
     dashboard_port: int | None = None
     token: str | None = None
+    metrics_port: int | None = None
 
     def validate(self) -> None:
         if self.replicas < 2:
@@ -140,6 +143,12 @@ def run_demo(
             f"lighthouse listening on {lighthouse.address}; starting {config.replicas} replica "
             f"groups; group 1 will be killed with SIGKILL at step {config.kill_at_step}"
         )
+        metrics = config.metrics_port
+        if metrics:
+            urls = ", ".join(
+                f"http://127.0.0.1:{metrics + g}/metrics" for g in range(config.replicas)
+            )
+            out(f"trainer metrics: {urls}")
         launcher = Launcher(
             python_module_command(
                 "torchheal.launcher.demo.worker",
@@ -157,6 +166,14 @@ def run_demo(
             on_output=printer.output,
             on_kill=printer.kill,
             status=lighthouse.status,
+            group_env=lambda g: (
+                {}
+                if metrics is None
+                else {
+                    "TORCHHEAL_METRICS_PORT": str(metrics + g if metrics else 0),
+                    "TORCHHEAL_METRICS_HOST": "127.0.0.1",
+                }
+            ),
         )
         result = launcher.run()
         summary = summarize(result)
