@@ -218,7 +218,8 @@ class ParameterServer(ABC):
                 self.send_header("Content-Length", str(len(body)))
                 self.send_header("Connection", "close")
                 self.end_headers()
-                self.wfile.write(body)
+                if self.command != "HEAD":
+                    self.wfile.write(body)
                 self.wfile.flush()
                 self.close_connection = True
 
@@ -260,5 +261,6 @@ class ParameterServer(ABC):
                 self._error(400, f"unsupported method {self.command}: use GET {_SESSION_PATH}")
 
             do_POST = do_PUT = do_DELETE = do_PATCH = _unsupported
+            do_HEAD = do_OPTIONS = do_TRACE = do_CONNECT = _unsupported
 
         return _Handler

@@ -62,10 +62,17 @@ def raw_call(
         TimeoutError: the server did not end the stream within ``timeout``.
     """
     sock = socket.create_connection(addr, timeout=timeout)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # no Nagle stalls between frames
     try:
-        conn = h2.connection.H2Connection(
-            h2.config.H2Configuration(client_side=True, header_encoding="utf-8")
+        # No outbound validation: hostile headers (a "te: gzip", odd names) must reach the server.
+        config = h2.config.H2Configuration(
+            client_side=True,
+            header_encoding="utf-8",
+            validate_outbound_headers=False,
+            normalize_outbound_headers=False,
+            validate_inbound_headers=False,
         )
+        conn = h2.connection.H2Connection(config)
         conn.initiate_connection()
         stream = conn.get_next_available_stream_id()
         pseudo = [(":method", "POST"), (":scheme", "http"), (":path", path)]
@@ -93,7 +100,7 @@ def raw_call(
                 chunk = sock.recv(65536)
             except TimeoutError:
                 raise
-            except OSError:
+            except OSError:  # reset by the peer
                 return RawResult(status, grpc_status, message, bytes(data), True)
             if not chunk:
                 return RawResult(status, grpc_status, message, bytes(data), True)

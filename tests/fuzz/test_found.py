@@ -22,9 +22,11 @@ import torch.distributed as dist
 from tests.coordination_io.helpers import Background, loopback, raw_call
 from tests.dashboard.helpers import lighthouse_with_dashboard
 from tests.fuzz import h2call
+from tests.fuzz.http_inputs import read_response
+from tests.reference import import_reference
 from torchheal._wire import methods
 from torchheal._wire import torchft_pb2 as pb
-from torchheal.checkpointing import CheckpointError
+from torchheal.checkpointing import CheckpointError, HTTPTransport
 from torchheal.checkpointing.pg_transport import (
     _TAG_DATA,
     _TAG_DESCRIPTION,
@@ -34,6 +36,8 @@ from torchheal.checkpointing.pg_transport import (
 from torchheal.checkpointing.serialization import decode_bytes, encode_bytes, stage
 from torchheal.coordination import LighthouseClient, LighthouseServer, ManagerServer
 from torchheal.coordination.convert import data_from_wire
+from torchheal.parameter_server import ParameterServer
+from torchheal.process_group.dummy import ProcessGroupDummy
 
 T = timedelta(seconds=10)
 DEEP_JSON = "[" * 100_000  # json.loads raises RecursionError, not a ValueError, on this
@@ -81,11 +85,34 @@ def test_deeply_nested_member_data_is_echoed_not_an_internal_error(lighthouse):
     assert [m.replica_id for m in quorum.participants] == ["deep"]
 
 
+@pytest.fixture
+def unary_manager():
+    """A manager whose lighthouse is the reference's: it asks for quorums with unary calls."""
+    ref = import_reference()
+    lighthouse = ref.LighthouseServer(bind="127.0.0.1:0", min_replicas=1)
+    port = lighthouse.address().rsplit(":", 1)[1]
+    server = ManagerServer(
+        replica_id="rep:fuzz",
+        lighthouse_addr=f"http://127.0.0.1:{port}",
+        hostname="127.0.0.1",
+        bind="127.0.0.1:0",
+        store_addr="store:1",
+        world_size=1,
+        heartbeat_interval=timedelta(milliseconds=100),
+        connect_timeout=T,
+    )
+    yield server
+    server.shutdown()
+    lighthouse.shutdown()
+
+
 @pytest.mark.parametrize("grpc_timeout", ["99999999H", "9999999H", "99999999M"])
-def test_absurdly_long_grpc_timeout_still_runs_the_quorum(manager, grpc_timeout):
+def test_absurdly_long_grpc_timeout_still_runs_the_quorum(unary_manager, grpc_timeout):
     # Found by the raw HTTP/2 fuzzer: a deadline beyond ~7e9 s (valid on the wire: 8 digits and
-    # a unit) made the manager's own lighthouse call expire at once ("DeadlineExceeded"),
-    # because the gRPC client overflows computing its deadline.
+    # a unit) made the manager's own unary lighthouse call expire at once ("DeadlineExceeded"),
+    # because the gRPC client overflows computing its deadline. (With a torchheal lighthouse
+    # the request travels on the session stream, which has no such deadline.)
+    manager = unary_manager
     request = pb.ManagerQuorumRequest(group_rank=0, step=3, checkpoint_metadata="m")
     headers = [
         ("content-type", "application/grpc"),
@@ -208,3 +235,58 @@ def test_pg_receive_into_template_never_writes_unverified_bytes():
         transport.recv_checkpoint(0, "<n/a>", 1, T)
     job.join()
     assert torch.count_nonzero(template["w"]) == 0
+
+
+def _raw_http(port: int, request: bytes, half_close: bool = False) -> tuple[int | None, bytes]:
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(request)
+        if half_close:
+            sock.shutdown(socket.SHUT_WR)
+        return read_response(sock, head_only=request.startswith(b"HEAD "))
+
+
+@pytest.fixture
+def checkpoint_server():
+    transport = HTTPTransport(timeout=T, num_chunks=0, token="tok", hostname="127.0.0.1")
+    transport.send_checkpoint([1], 5, {"w": torch.ones(3)})
+    yield transport._server.server_port
+    transport.shutdown()
+
+
+@pytest.fixture
+def parameter_server():
+    class Server(ParameterServer):
+        @classmethod
+        def new_process_group(cls):
+            return ProcessGroupDummy()
+
+        def forward(self, session_id, pg):
+            pass
+
+    server = Server(port=0, hostname="127.0.0.1", token="tok")
+    yield server._server.server_address[1]
+    server.shutdown()
+
+
+@pytest.mark.parametrize("method", [b"HEAD", b"POST", b"PUT", b"OPTIONS", b"TRACE", b"CONNECT"])
+def test_checkpoint_server_refuses_other_methods_with_405(checkpoint_server, method):
+    # Found by the HTTP fuzzer: 501 "Unsupported method" (a server error) for standard methods.
+    status, body = _raw_http(checkpoint_server, method + b" /checkpoint/5/full HTTP/1.1\r\n\r\n")
+    assert status == 405
+    assert body == (b"" if method == b"HEAD" else b"method " + method + b" not allowed: use GET")
+
+
+@pytest.mark.parametrize("method", [b"HEAD", b"OPTIONS", b"TRACE", b"CONNECT"])
+def test_parameter_server_refuses_other_methods_with_400(parameter_server, method):
+    # Found by the HTTP fuzzer: 501 "Unsupported method" for the methods it did not list.
+    status, body = _raw_http(parameter_server, method + b" /new_session HTTP/1.1\r\n\r\n")
+    assert status == 400
+    expected = b"unsupported method " + method + b": use GET /new_session\n"
+    assert body == (b"" if method == b"HEAD" else expected)
+
+
+def test_checkpoint_server_answers_a_broken_request_line_with_a_status_line(checkpoint_server):
+    # Found by the HTTP fuzzer: the error came back as a bare HTML page without a status line
+    # (the handler treated a request without a version as HTTP/0.9).
+    status, body = _raw_http(checkpoint_server, b"\x99\xd9garbage", half_close=True)
+    assert status == 400 and b"Bad request syntax" in body

@@ -86,6 +86,8 @@ class _Server(ThreadingHTTPServer):
 
 class _Handler(BaseHTTPRequestHandler):
     server: _Server
+    # A request too broken to name a version still gets a status line (not an HTTP/0.9 page).
+    default_request_version = "HTTP/1.1"
 
     def setup(self) -> None:
         self.timeout = self.server.transport._timeout  # per-connection socket timeout
@@ -102,7 +104,14 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Type", "text/plain; charset=utf-8")
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
-        self.wfile.write(body)
+        if self.command != "HEAD":
+            self.wfile.write(body)
+
+    def _method_not_allowed(self) -> None:
+        self._error(405, f"method {self.command} not allowed: use GET", {"Allow": "GET"})
+
+    do_HEAD = do_POST = do_PUT = do_DELETE = do_PATCH = _method_not_allowed
+    do_OPTIONS = do_TRACE = do_CONNECT = _method_not_allowed
 
     def do_GET(self) -> None:
         transport = self.server.transport
