@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import time
 import warnings
 from collections.abc import Callable
 from concurrent.futures import Future as ConcurrentFuture
@@ -47,7 +48,8 @@ from torchheal.manager.recovery import Recovery, metadata_over_grpc
 from torchheal.manager.settings import ManagerSettings
 from torchheal.manager.state import StateRegistry
 from torchheal.manager.step import ExceptionWithTraceback, StepLedger
-from torchheal.process_group.work import _DummyWork
+from torchheal.manager.telemetry import Telemetry
+from torchheal.process_group.work import _DummyWork, _ErrorRecordingWork
 from torchheal.work import _ManagedWork
 
 __all__ = ["IS_TRITON_AVAILABLE", "Manager"]
@@ -179,16 +181,26 @@ class Manager:
         )
         self._full_replica_id: str = self._endpoints.replica_id
         self._logger = ManagerLogger(self.current_step, self._full_replica_id, self._group_rank)
+        try:
+            # Metrics (group rank 0, when TORCHHEAL_METRICS_PORT is set) and structured records.
+            self._telemetry = Telemetry(
+                replica_id, self._full_replica_id, self._group_rank, hostname=hostname
+            )
+        except BaseException:
+            self._endpoints.close()
+            raise
         self._ledger = StepLedger()
         self._worker = QuorumWorker(
             quorum_call=self._endpoints.quorum,
             process_group=lambda: self._pg,
-            recovery=Recovery(
-                self._checkpoint_transport,
-                metadata_over_grpc(self._connect_timeout),
-                self._group_rank,
-                self._timeout,
-                self._logger.info,
+            recovery=self._telemetry.recovery(
+                Recovery(
+                    self._checkpoint_transport,
+                    metadata_over_grpc(self._connect_timeout),
+                    self._group_rank,
+                    self._timeout,
+                    self._logger.info,
+                )
             ),
             snapshot=self._state.copy,
             metadata=self._checkpoint_transport.metadata,
@@ -351,7 +363,14 @@ class Manager:
         future = self._quorum_future
         assert future is not None, "must call start_quorum before wait_quorum"
         try:
-            future.result()
+            if future.done():
+                future.result()
+            else:  # the training thread waits: count it
+                started = time.perf_counter()
+                try:
+                    future.result()
+                finally:
+                    self._telemetry.waited(time.perf_counter() - started)
         except BaseException:
             self._raised_quorum_future = future
             raise
@@ -374,7 +393,19 @@ class Manager:
 
     def _async_quorum(self, request: StepRequest) -> None:
         # Quorum thread. A quorum RPC error propagates: wait_quorum raises it.
-        self._apply_outcome(self._worker.run(request))
+        started = time.perf_counter()
+        try:
+            outcome = self._worker.run(request)
+        except BaseException:
+            self._telemetry.quorum_failed()
+            raise
+        self._telemetry.quorum(
+            outcome.quorum,
+            request.current_quorum_id,
+            outcome.participation.count,
+            time.perf_counter() - started,
+        )
+        self._apply_outcome(outcome)
 
     def _apply_outcome(self, outcome: QuorumOutcome) -> None:
         """Quorum thread: takes in what the step's quorum work produced (the only writer)."""
@@ -462,9 +493,12 @@ class Manager:
                 work = self._pg.allreduce([tensor], opts)
         except Exception as e:
             self._logger.exception(f"allreduce failed to start, skipping the step: {e}")
+            self._telemetry.allreduce_failed()
             self.report_error(e)
             return _DummyWork(tensor)
 
+        # Counts this allreduce's failure once, whether wait() or its future reports it.
+        work = _ErrorRecordingWork(work, self._telemetry.allreduce_error_counter())
         managed = _ManagedWork(self, work, tensor)
 
         def normalize(fut: torch.futures.Future[Any]) -> torch.Tensor:
@@ -485,6 +519,7 @@ class Manager:
         """
         self._logger.warning(f"step failed: {type(e).__name__}: {e}")
         self._ledger.report(e)
+        self._telemetry.error()
 
     def errored(self) -> ExceptionWithTraceback | None:
         """Returns the error reported in this step, or None."""
@@ -564,6 +599,7 @@ class Manager:
             self._min_replica_size,
             errored,
         )
+        self._telemetry.committed(self._step, self._quorum_id, decision)
         self._checkpoint_transport.disallow_checkpoint()
         if decision:
             self._step += 1
@@ -637,3 +673,4 @@ class Manager:
         self._checkpoint_transport.shutdown(wait=wait)
         self._endpoints.close()
         self._executor.shutdown(wait=wait)
+        self._telemetry.close()
