@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Any
 
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import DecodeError, Message
@@ -112,7 +113,7 @@ class RawH2:
     compliant: bool
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class GrpcInput:
     """One input for a gRPC method.
 
@@ -132,6 +133,9 @@ class GrpcInput:
         body = self.payload if len(self.payload) <= 120 else self.payload[:120] + b"..."
         raw = "" if self.raw is None else f", raw={self.raw.headers!r}, body={len(self.raw.body)}B"
         return f"GrpcInput({self.kind}, {len(self.payload)}B {body!r}, timeout={self.timeout}{raw})"
+
+    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
+        printer.text(repr(self))  # hypothesis would print every field (megabytes) otherwise
 
 
 def parses(message: type[Message], data: bytes) -> bool:
@@ -425,10 +429,14 @@ def corpus(message: type[Message]) -> tuple[tuple[str, bytes], ...]:
                 target.ClearField(f.name)
                 _set(target, f, value)
                 name = ".".join(p.name for p in [*path, f])
-                out.append((f"hostile {name}", root.SerializeToString()))
+                negative = isinstance(value, int) and value < 0
+                out.append((not negative, f"hostile {name}", root.SerializeToString()))
 
     each(plausible(message), [])
-    return tuple(out)
+    # Negative values first: an accepted request can make later ones stale (a settled vote
+    # refuses every earlier step), which would hide whether a negative step is refused.
+    out.sort(key=lambda entry: entry[0])
+    return tuple((kind, data) for _, kind, data in out)
 
 
 # --------------------------------------------------------------------------------------------

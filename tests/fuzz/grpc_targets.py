@@ -139,7 +139,8 @@ class GrpcTarget:
         request under each ``grpc-timeout`` value and each malformed header."""
         out = [GrpcInput(kind, payload, 5.0) for kind, payload in corpus(self.method.request)]
         payload = plausible(self.method.request).SerializeToString()
-        for timeout in [*HEADER_TIMEOUTS, *BAD_HEADER_TIMEOUTS]:
+        # Two malformed values are enough here: gRPC takes ~0.1-0.5 s to refuse each.
+        for timeout in [*HEADER_TIMEOUTS, *BAD_HEADER_TIMEOUTS[:2]]:
             headers = [("content-type", "application/grpc"), ("te", "trailers")]
             if timeout is not None:
                 headers.append(("grpc-timeout", timeout))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import socket
 from dataclasses import dataclass
+from typing import Any
 
 from hypothesis import strategies as st
 
@@ -44,7 +45,7 @@ TRAVERSALS = [
 ]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class HttpInput:
     """One raw request.
 
@@ -63,6 +64,9 @@ class HttpInput:
     def __repr__(self) -> str:
         shown = self.raw if len(self.raw) <= 300 else self.raw[:300] + b"..."
         return f"HttpInput({self.kind}, {len(self.raw)}B {shown!r})"
+
+    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
+        printer.text(repr(self))  # hypothesis would print every field (megabytes) otherwise
 
 
 def _enc(text: str) -> bytes:

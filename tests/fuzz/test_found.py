@@ -8,6 +8,7 @@ pinned here with the smallest input that showed it.
 from __future__ import annotations
 
 import http.client
+import json
 import socket
 import threading
 import zlib
@@ -22,6 +23,7 @@ import torch.distributed as dist
 from tests.coordination_io.helpers import Background, loopback, raw_call
 from tests.dashboard.helpers import lighthouse_with_dashboard
 from tests.fuzz import h2call
+from tests.fuzz.checkpoint_inputs import frame, split
 from tests.fuzz.http_inputs import read_response
 from tests.reference import import_reference
 from torchheal._wire import methods
@@ -290,3 +292,14 @@ def test_checkpoint_server_answers_a_broken_request_line_with_a_status_line(chec
     # (the handler treated a request without a version as HTTP/0.9).
     status, body = _raw_http(checkpoint_server, b"\x99\xd9garbage", half_close=True)
     assert status == 400 and b"Bad request syntax" in body
+
+
+@pytest.mark.parametrize("device", ["not a device", "cuda:x", ""])
+def test_description_with_an_unknown_device_is_a_checkpoint_error(device):
+    # Found by the receiver fuzzer: torch.device()'s RuntimeError escaped the decoder, so a
+    # receiving transport raised a plain RuntimeError instead of CheckpointError.
+    stream = encode_bytes({"device": torch.device("cpu")}, step=1)
+    _, description, data = split(stream)
+    spoiled = description.replace(b'"v":"cpu"', json.dumps({"v": device})[1:-1].encode())
+    with pytest.raises(CheckpointError, match="invalid checkpoint tree node of kind 'device'"):
+        decode_bytes(frame(spoiled, data))

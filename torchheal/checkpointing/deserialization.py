@@ -209,7 +209,8 @@ def _decode(node: Any, tensor: Callable[[Any], Any], depth: int) -> Any:
         return _PLAIN[kind](v)
     except CheckpointError:
         raise
-    except (KeyError, TypeError, ValueError, OverflowError) as e:
+    except (KeyError, TypeError, ValueError, OverflowError, RuntimeError) as e:
+        # RuntimeError: torch.device() refusing a device string.
         raise CheckpointError(f"invalid checkpoint tree node of kind {kind!r}: {e}") from None
 
 

@@ -1,0 +1,19 @@
+"""Fuzz test sizes: a few hundred inputs per endpoint (``bench/fuzz.py`` sends 10,000 each).
+
+Every run draws the same inputs (hypothesis ``derandomize=True``, no example database), so a
+failure in CI reproduces anywhere; ``TORCHHEAL_FUZZ_EXAMPLES`` scales the generated inputs.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+# Generated inputs per endpoint, on top of each endpoint's known hostile inputs.
+EXAMPLES = int(os.environ.get("TORCHHEAL_FUZZ_EXAMPLES", "100"))
+
+
+@pytest.fixture
+def examples() -> int:
+    return EXAMPLES
