@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -19,6 +20,37 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
 
+def _free_consecutive_ports(count: int) -> int:
+    """A base port such that base .. base + count - 1 are free now (asked from the OS)."""
+    while True:
+        socks = []
+        try:
+            first = socket.socket()
+            socks.append(first)
+            first.bind(("127.0.0.1", 0))
+            base = first.getsockname()[1]
+            for i in range(1, count):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", base + i))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+
+
+def _trainer_metrics(port: int) -> dict[str, float]:
+    text = _get(f"http://127.0.0.1:{port}/metrics").decode()
+    values = {}
+    for line in text.splitlines():
+        if line.startswith("torchheal_trainer_") and "{" in line:
+            series, _, value = line.rpartition(" ")
+            values[series.split("{")[0]] = float(value)
+    return values
+
+
 def _get(url: str) -> bytes:
     with urllib.request.urlopen(url, timeout=10) as answer:
         assert answer.status == 200
@@ -26,6 +58,7 @@ def _get(url: str) -> bytes:
 
 
 def test_demo_prints_its_dashboard_first_and_keeps_it_open_until_ctrl_c() -> None:
+    metrics = _free_consecutive_ports(3)
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -35,7 +68,7 @@ def test_demo_prints_its_dashboard_first_and_keeps_it_open_until_ctrl_c() -> Non
             # As in test_demo.py: survivors train long enough after the kill for the victim to
             # come back and heal while they still run.
             *("--replicas", "3", "--steps", "80", "--kill-at-step", "4", "--step-delay", "0.15"),
-            *("--dashboard-port", "0", "--keep-open"),
+            *("--dashboard-port", "0", "--keep-open", "--metrics-port", str(metrics)),
         ],
         cwd=ROOT,
         stdout=subprocess.PIPE,
@@ -44,6 +77,8 @@ def test_demo_prints_its_dashboard_first_and_keeps_it_open_until_ctrl_c() -> Non
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     lines: list[str] = []
+    during: dict[int, dict[str, float]] = {}
+    killed = False
     try:
         assert proc.stdout is not None
         deadline = time.time() + 200
@@ -51,12 +86,29 @@ def test_demo_prints_its_dashboard_first_and_keeps_it_open_until_ctrl_c() -> Non
             lines.append(line.rstrip("\n"))
             if "The dashboard stays up at" in line:
                 break
+            killed = killed or "*** killing group 1" in line
+            if killed and "group 1 healed live from a peer" in line and not during:
+                # Mid-run, every group's rank 0 serves its counters.
+                during = {g: _trainer_metrics(metrics + g) for g in range(3)}
             assert time.time() < deadline, "\n".join(lines[-50:])
         log = "\n".join(lines)
         assert lines and lines[0].startswith("dashboard: http://127.0.0.1:"), log[:2000]
         url = lines[0].split()[1]
         assert "failures survived      1" in log and "(healed live from a peer)" in log, log[-3000:]
         assert lines[-1].endswith(f"{url} ; press Ctrl-C to exit.")
+        assert f"trainer metrics: http://127.0.0.1:{metrics}/metrics," in log
+        assert during, "the heal was never reported"
+        healer = during[1]
+        assert healer["torchheal_trainer_heals_total"] >= 1
+        assert healer["torchheal_trainer_heal_bytes_total"] > 0
+        for g in (0, 2):  # past the kill at step 4 (a group that started late healed to it)
+            assert during[g]["torchheal_trainer_step"] > 4
+            assert during[g]["torchheal_trainer_steps_committed_total"] >= 1
+        assert (
+            during[0]["torchheal_trainer_recovery_sends_total"]
+            + during[2]["torchheal_trainer_recovery_sends_total"]
+            >= 1
+        )
 
         # After the summary the page and its data are still served.
         assert b"<html" in _get(url).lower()

@@ -72,9 +72,9 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def _wait_for_ctrl_c(url: str) -> None:
-    print(f"\nThe dashboard stays up at {url} ; press Ctrl-C to exit.", flush=True)
     stop = threading.Event()
-    try:
+    try:  # the message inside: a Ctrl-C right after it is still a clean exit
+        print(f"\nThe dashboard stays up at {url} ; press Ctrl-C to exit.", flush=True)
         while not stop.wait(1.0):  # a timed wait keeps Ctrl-C responsive
             pass
     except KeyboardInterrupt:
