@@ -12,18 +12,24 @@ ManagerServer) is :class:`~torchheal.coordination.rpc.in_process.InProcessCaller
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
+import grpc
+
 from torchheal._wire import methods
+from torchheal._wire import session_pb2 as spb
 from torchheal._wire import torchft_pb2 as pb
 from torchheal.coordination import convert
-from torchheal.coordination.rpc.channels import UnaryCaller, connect
+from torchheal.coordination.rpc.channels import UnaryCaller, connect, serialize
+from torchheal.coordination.rpc.errors import rpc_error_to_exception
 from torchheal.coordination.types import Quorum, QuorumResult
 
 __all__ = ["LighthouseClient", "ManagerClient"]
 
 logger: logging.Logger = logging.getLogger(__name__)
+
 
 class LighthouseClient:
     """Client of the lighthouse, for tools and tests that talk to it directly.
@@ -127,6 +133,7 @@ class ManagerClient:
         self._metadata_call = UnaryCaller(self._channel, methods.MANAGER_CHECKPOINT_METADATA, addr)
         self._commit_call = UnaryCaller(self._channel, methods.MANAGER_SHOULD_COMMIT, addr)
         self._kill_call = UnaryCaller(self._channel, methods.MANAGER_KILL, addr)
+        self._watches: list[Any] = []
 
     def _quorum(
         self,
@@ -214,6 +221,36 @@ class ManagerClient:
         """
         self._kill_call(pb.KillRequest(msg=msg), timeout)
 
+    def _watch(self, group_rank: int) -> Iterator[spb.MemberLost]:
+        """The lighthouse's lost-member notices, as the manager server forwards them.
+
+        Blocks between notices; ends (``RuntimeError``) when the server goes away. torchheal
+        only: a reference manager server does not serve it.
+
+        Args:
+            group_rank: this rank's index in its replica group.
+
+        Raises:
+            RuntimeError: the stream broke (the server is gone or refused the request).
+        """
+        call = self._channel.unary_stream(
+            methods.MANAGER_WATCH.path,
+            request_serializer=serialize,
+            response_deserializer=spb.Notice.FromString,
+        )(spb.WatchRequest(group_rank=group_rank))
+        self._watches.append(call)
+        try:
+            for notice in call:
+                if notice.WhichOneof("kind") == "lost":
+                    yield notice.lost
+        except grpc.RpcError as e:
+            raise rpc_error_to_exception(e, f"ManagerNotices/Watch to {self._addr}") from None
+        finally:
+            call.cancel()
+            self._watches.remove(call)
+
     def close(self) -> None:
-        """Close the connection; later calls fail with ``RuntimeError``."""
+        """Close the connection (ending any watch); later calls fail with ``RuntimeError``."""
+        for call in self._watches:
+            call.cancel()
         self._channel.close()

@@ -12,8 +12,11 @@ deadlines and errors) instead of a gRPC round trip to itself.
 
 from __future__ import annotations
 
+import logging
+import threading
 import uuid
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 from torch.distributed import TCPStore
@@ -24,6 +27,11 @@ from torchheal.coordination.rpc.addresses import format_target
 from torchheal.coordination.types import QuorumResult
 
 __all__ = ["MANAGER_ADDR_KEY", "REPLICA_ID_KEY", "GroupEndpoints", "open_endpoints"]
+
+logger: logging.Logger = logging.getLogger(__name__)
+
+#: A rank whose watch of its manager server broke waits this long before watching again.
+WATCH_RETRY_S = 0.5
 
 MANAGER_ADDR_KEY: str = "manager_addr"
 REPLICA_ID_KEY: str = "replica_id"
@@ -45,6 +53,7 @@ class GroupEndpoints:
     server: ManagerServer | None
     client: ManagerClient
     replica_id: str
+    _closed: threading.Event = field(default_factory=threading.Event)
 
     def quorum(
         self,
@@ -95,8 +104,38 @@ class GroupEndpoints:
             call = self.client.should_commit
         return call(group_rank=group_rank, step=step, should_commit=should_commit, timeout=timeout)
 
+    def watch_lost(self, group_rank: int, listener: Callable[[str, int, str], None]) -> None:
+        """Calls ``listener(replica_id, quorum_id, reason)`` for every lost-member notice.
+
+        The lighthouse sends a notice when a group of the current quorum is gone (its session
+        ended, or its heartbeat expired). Group rank 0 hears it in-process from its server;
+        the other ranks watch the server over gRPC on a daemon thread, which watches again
+        after a break until :meth:`close`. Nothing arrives with a reference lighthouse.
+
+        Args:
+            group_rank: this rank's index in the group.
+            listener: quick and thread-safe (it runs on the server's or the watch thread).
+        """
+        if self.server is not None:
+            self.server.add_lost_listener(listener)
+            return
+
+        def watch() -> None:
+            while not self._closed.is_set():
+                try:
+                    for lost in self.client._watch(group_rank):
+                        listener(lost.replica_id, lost.quorum_id, lost.reason)
+                except Exception as e:
+                    if self._closed.is_set():
+                        return
+                    logger.debug("watching the manager server broke (%s); watching again", e)
+                self._closed.wait(WATCH_RETRY_S)
+
+        threading.Thread(target=watch, name="torchheal-notices", daemon=True).start()
+
     def close(self) -> None:
         """Closes the client and stops the server (the store client closes with the object)."""
+        self._closed.set()
         self.client.close()
         if self.server is not None:
             self.server.shutdown()

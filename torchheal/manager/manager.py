@@ -16,6 +16,11 @@ copy; received state is loaded on the training thread (in ``start_quorum`` with 
 quorum, in ``should_commit`` with asynchronous quorum). The reference calls them from its
 quorum thread during the forward pass, which breaks FSDP2/DTensor models.
 
+Failing fast: when the lighthouse says a group of the current quorum is gone (its session
+ended, or its heartbeat expired), every rank aborts its cross-replica process group at once
+(:meth:`Manager._on_member_lost`): a collective blocked on a frozen or dead group fails now
+instead of at its timeout (and the step with it), and the next quorum rebuilds the group.
+
 Errors: a quorum RPC error (timeout, lighthouse unreachable, not in the quorum) and a
 ``should_commit`` RPC error are raised; any other failure in a step (process-group
 reconfiguration, checkpoint transfer, a collective) is reported and makes the step not commit.
@@ -25,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import threading
 import time
 import warnings
 from collections.abc import Callable
@@ -215,6 +221,9 @@ class Manager:
         )
 
         self._quorum_id = -1
+        # The groups the process group connects (the quorum it was configured for).
+        self._quorum_members: frozenset[str] = frozenset()
+        self._abort_lock = threading.Lock()
         self._healing = False
         self._pending_state_dict: dict[str, Any] | None = None
         # Manager state before a heal overwrote it; restored if loading the user state fails.
@@ -222,6 +231,7 @@ class Manager:
         self._batches_committed = 0
         # This step's contributors, as seen from this replica; None before the first quorum.
         self._participation: Participation | None = None
+        self._endpoints.watch_lost(self._group_rank, self._on_member_lost)
 
     # -- test-visible attributes of the reference (§2.2), kept as views of the parts ----------
 
@@ -410,8 +420,10 @@ class Manager:
     def _apply_outcome(self, outcome: QuorumOutcome) -> None:
         """Quorum thread: takes in what the step's quorum work produced (the only writer)."""
         self._participation = outcome.participation
-        if outcome.reconfigured:
-            self._quorum_id = outcome.quorum.quorum_id
+        with self._abort_lock:
+            if outcome.reconfigured:
+                self._quorum_id = outcome.quorum.quorum_id
+                self._quorum_members = frozenset(outcome.quorum.replica_ids)
         for error in outcome.errors:
             self.report_error(error)
         if outcome.recovery_event is not None:
@@ -427,6 +439,32 @@ class Manager:
             # state waits for the training thread.
             self.load_state_dict(received["torchft"])
             self._step = outcome.quorum.max_step
+
+    def _on_member_lost(self, replica_id: str, quorum_id: int, reason: str) -> None:
+        """The lighthouse says ``replica_id`` of quorum ``quorum_id`` is gone: stop waiting on it.
+
+        Runs on the manager server's loop (group rank 0) or the notice thread (other ranks).
+        If our process group connects that group, it is aborted now: a collective blocked on
+        the lost group fails at once (and with it the step), a later collective of this step
+        fails without being sent, and the next quorum rebuilds the group. A step whose
+        collectives had all completed still commits: its results include the lost group's
+        contribution, the same on every survivor.
+        """
+        with self._abort_lock:
+            if quorum_id != self._quorum_id or replica_id not in self._quorum_members:
+                return  # not our group's peer any more (or never was)
+            self._quorum_id = -1  # the next quorum, whatever its id, rebuilds the group
+            self._quorum_members = frozenset()
+        self._logger.warning(
+            f"replica group {replica_id} of quorum {quorum_id} is lost ({reason}): aborting "
+            "the cross-replica process group"
+        )
+        abort = getattr(self._pg, "abort", None)
+        if abort is not None:
+            try:
+                abort()
+            except Exception as e:
+                self._logger.warning(f"aborting the process group failed: {e}")
 
     def _apply_pending_state_dict(self) -> None:
         """Training thread: loads the received user state (a failure undoes the heal)."""

@@ -83,8 +83,6 @@ class ProcessGroupGloo(ProcessGroupWrapper):
         if sockets is not None:
             sockets.cut()
         super().abort(errored)
-        if errored:
-            self._record_error(RuntimeError("process group aborted"))
 
     def getBackendName(self) -> str:
         """``"torchft-gloo"``."""

@@ -120,6 +120,11 @@ class ProcessGroupWrapper(ProcessGroup):
                 },
             )
         pg = self._pg
+        if isinstance(pg, ProcessGroup):
+            # A torchheal group inside: it aborts itself and is configured again later, so it
+            # must stay (dropping it would leave nothing to configure).
+            pg.abort()
+            return
         if pg is not None:
             try:
                 pg.abort()
