@@ -1,8 +1,9 @@
 """Fuzz every network endpoint of torchheal and print what each did with its inputs.
 
-Endpoints: every RPC of the lighthouse (``Quorum``, ``Heartbeat``) and of the manager server
-(``Quorum``, ``CheckpointMetadata``, ``ShouldCommit``, ``Kill``, the last against a server in a
-child process that a well-formed ``Kill`` ends by design), every HTTP endpoint (checkpoint
+Endpoints: every RPC of the lighthouse (``Quorum``, ``Heartbeat``, torchheal's ``Session``
+stream) and of the manager server (``Quorum``, ``CheckpointMetadata``, ``ShouldCommit``,
+``Kill``, the last against a server in a child process that a well-formed ``Kill`` ends by
+design, and torchheal's ``Watch`` stream), every HTTP endpoint (checkpoint
 server, lighthouse dashboard, parameter server), and the checkpoint receivers fed hostile
 streams end to end (HTTP from a hostile server process, PG from a hostile sender process into a
 live template, the in-memory decoder into a template).
@@ -39,7 +40,7 @@ from pathlib import Path
 os.environ.setdefault("GRPC_VERBOSITY", "NONE")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.fuzz import grpc_targets, http_targets, receiver_targets
+from tests.fuzz import grpc_targets, http_targets, receiver_targets, stream_targets
 from tests.fuzz.runner import BAD, Tally, fuzz, table
 
 PG = receiver_targets.PgReceiverTarget.name
@@ -49,6 +50,7 @@ def targets() -> dict[str, object]:
     """Every endpoint's constructor, in table order."""
     return {
         **grpc_targets.all_targets(),
+        **stream_targets.all_targets(),
         **http_targets.all_targets(),
         **receiver_targets.all_targets(),
     }

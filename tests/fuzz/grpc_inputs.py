@@ -23,15 +23,33 @@ import functools
 from dataclasses import dataclass
 from typing import Any
 
+from google.protobuf import descriptor_pool
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import DecodeError, Message
+from google.protobuf.message_factory import GetMessageClass
 from hypothesis import strategies as st
 
 from tests.fuzz.h2call import frame
+from torchheal._wire import session_pb2 as spb  # noqa: F401  (registers the session types)
 from torchheal._wire import torchft_pb2 as pb
+
+_POOL = descriptor_pool.Default()
 
 INT64 = (-(1 << 63), (1 << 63) - 1)
 UINT64 = (0, (1 << 64) - 1)
+INT_RANGES = {
+    FieldDescriptor.TYPE_INT64: INT64,
+    FieldDescriptor.TYPE_UINT64: UINT64,
+    FieldDescriptor.TYPE_INT32: (-(1 << 31), (1 << 31) - 1),
+    FieldDescriptor.TYPE_UINT32: (0, (1 << 32) - 1),
+}
+
+
+def int_range(f: FieldDescriptor) -> tuple[int, int]:
+    """The values an integer field can hold."""
+    return INT_RANGES[f.type]
+
+
 ALL_MESSAGES: tuple[type[Message], ...] = (
     pb.QuorumMember,
     pb.Quorum,
@@ -203,16 +221,14 @@ def _field_value(f: FieldDescriptor, depth: int) -> st.SearchStrategy[object]:
     elif f.type == FieldDescriptor.TYPE_BOOL:
         return st.booleans()
     else:
-        bad = ints(*(UINT64 if f.type == FieldDescriptor.TYPE_UINT64 else INT64))
+        bad = ints(*int_range(f))
         good = st.integers(0, 3) if "rank" in f.name else st.integers(0, 1000)
     return st.one_of(good, bad)
 
 
 def _class_of(full_name: str) -> type[Message]:
-    for cls in ALL_MESSAGES:
-        if cls.DESCRIPTOR.full_name == full_name:
-            return cls
-    raise KeyError(full_name)
+    """The generated class of a message type (torchft's, torchheal's session types...)."""
+    return GetMessageClass(_POOL.FindMessageTypeByName(full_name))
 
 
 _UNSET = st.sampled_from([True, False, False, False])  # a field is left unset 1 time in 4
@@ -225,6 +241,8 @@ def hostile(message: type[Message], depth: int = 0) -> st.SearchStrategy[Message
     @st.composite
     def build(draw: st.DrawFn) -> Message:
         msg = message()
+        if not message.DESCRIPTOR.fields:
+            draw(st.just(None))  # an empty message (e.g. Heartbeat {}): nothing to choose
         for f in message.DESCRIPTOR.fields:
             if depth > 2 or draw(_UNSET):
                 continue
@@ -417,10 +435,10 @@ def corpus(message: type[Message]) -> tuple[tuple[str, bytes], ...]:
                 values = WEIRD_DATA + values if f.name == "data" else values
             elif f.type == FieldDescriptor.TYPE_BOOL:
                 values = [True]
-            elif f.type == FieldDescriptor.TYPE_UINT64:
-                values = list(HOSTILE_UINT64)
             else:
-                values = list(HOSTILE_INT64)
+                lo, hi = int_range(f)
+                values = [v for v in HOSTILE_INT64 + HOSTILE_UINT64 if lo <= v <= hi]
+                values = sorted(set(values), key=values.index)
             for value in values:
                 root = plausible(message)
                 target = root

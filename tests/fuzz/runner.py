@@ -139,7 +139,7 @@ def fuzz(
         outcome = target.send(value)
         if outcome.kind == REJECTED and outcome.state_checked:
             after = target.snapshot()
-            if after != before:
+            if before != after:  # (in this order: a snapshot may allow some changes over time)
                 detail = f"{outcome.detail}; state {before!r} -> {after!r}"
                 outcome = Outcome(STATE_CHANGED, detail)
         gone = target.alive()
