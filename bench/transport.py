@@ -1,6 +1,9 @@
 """Checkpoint transport throughput: HTTP (single stream and chunked) and PG (gloo) on loopback.
 
-Prints one table: for each state size, the GB/s of the machine's memory (a tensor copy into a
+Prints one table: for each state size, the GB/s of a raw loopback TCP copy of the same bytes
+(``raw socket``: a spawned process sends them from memory, this one receives them into a
+reused, already touched buffer: the wire's ceiling on this machine, measured in the same run),
+of the machine's memory (a tensor copy into a
 reused destination and into a freshly allocated one, which is what a healer receives into;
 CRC-32 on one core), of the sender's staging (description + checksums; a CPU state is not
 copied) and of a receive, for HTTPTransport num_chunks 0 and 4 (sender already staged and
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import socket
 import statistics
 import threading
 import time
@@ -88,6 +92,44 @@ def _sender(kind: str, mb: int, chunks: int, port: int, repeat: int, conn: Any) 
     while conn.recv() == "go":
         tx.send_checkpoint([1], 1, state, TIMEOUT)
     conn.send("done")
+
+
+def _raw_sender(nbytes: int, port: int, repeat: int) -> None:
+    """Sends ``nbytes`` from one buffer ``repeat + 1`` times over one connection."""
+    buf = torch.randn(nbytes // 4).view(torch.uint8)
+    view = byte_view(buf)
+    with socket.create_connection(("127.0.0.1", port)) as conn:
+        for _ in range(repeat + 1):
+            conn.recv(1)  # "go"
+            conn.sendall(view)
+
+
+def raw_socket(nbytes: int, repeat: int) -> list[float]:
+    """Seconds to receive ``nbytes`` over loopback TCP into a reused buffer, per round."""
+    server = socket.create_server(("127.0.0.1", 0))
+    proc = mp.get_context("spawn").Process(
+        target=_raw_sender, args=(nbytes, server.getsockname()[1], repeat), daemon=True
+    )
+    proc.start()
+    conn, _ = server.accept()
+    buf = torch.zeros(nbytes, dtype=torch.uint8)  # touched: no page faults while timing
+    view = byte_view(buf)
+
+    def once() -> None:
+        conn.sendall(b"g")
+        pos = 0
+        while pos < nbytes:
+            n = conn.recv_into(view[pos:])
+            if not n:
+                raise RuntimeError("raw sender closed early")
+            pos += n
+
+    once()  # warm the connection
+    times = timed(once, repeat)
+    conn.close()
+    server.close()
+    proc.join(60)
+    return times
 
 
 def _spawn(kind: str, mb: int, chunks: int, port: int, repeat: int) -> tuple[Any, Any]:
@@ -209,6 +251,7 @@ def memory_rates(mb: int, repeat: int) -> dict[str, Any]:
     tensors = list(state.values())
     gb = nbytes(state) / 1e9
     row: dict[str, Any] = {"size": f"{gb * 1e3:.0f} MB"}
+    row["raw"] = rate(gb, raw_socket(nbytes(state), repeat))
     row["copy"] = rate(gb, _copy_reused(tensors, repeat))
     row["fresh"] = rate(gb, _copy_fresh(tensors, repeat))
     crc = [byte_view(t.view(torch.uint8)) for t in tensors]
@@ -217,6 +260,7 @@ def memory_rates(mb: int, repeat: int) -> dict[str, Any]:
 
 
 COLUMNS = [
+    ("raw", "raw socket"),
     ("copy", "copy reused dst"),
     ("fresh", "copy fresh dst"),
     ("crc32", "crc32 1 core"),
@@ -255,6 +299,18 @@ def main() -> None:
             f"{row[c][0]:>7.2f} /{row[c][1]:>5.2f}" if c in row else f"{'-':>15}"
             for c, _ in COLUMNS
         ]
+        print(" | ".join(cells))
+    print("\nreceive rate / raw socket rate (best / median; goal >= 0.80)")
+    shown = [c for c in ("http0", "http4", "pg") if any(c in row for row in rows)]
+    print(" | ".join(f"{h:>15}" for h in ["state", *shown]))
+    for row in rows:
+        cells = [f"{row['size']:>15}"]
+        for c in shown:
+            if c in row:
+                best, median = (row[c][i] / row["raw"][i] for i in (0, 1))
+                cells.append(f"{best:>7.2f} /{median:>5.2f}")
+            else:
+                cells.append(f"{'-':>15}")
         print(" | ".join(cells))
 
 

@@ -47,6 +47,7 @@ from torchheal.checkpointing.serialization import (
     split_chunks,
     stage,
 )
+from torchheal.checkpointing.timeline import mark
 from torchheal.checkpointing.transport import (
     CheckpointError,
     CheckpointTimeoutError,
@@ -175,6 +176,7 @@ class _Handler(BaseHTTPRequestHandler):
                 return
             head, segments = [], split_chunks(staged.segments, n)[index]
         length = sum(len(h) for h in head) + sum(s.end - s.start for s in segments)
+        mark("serve.begin", key=key, nbytes=length)
         self.send_response(200)
         self.send_header("Content-Type", "application/octet-stream")
         self.send_header("Content-Length", str(length))
@@ -182,6 +184,7 @@ class _Handler(BaseHTTPRequestHandler):
         for h in head:
             self.wfile.write(h)
         staged.write_segments(self.wfile.write, segments)
+        mark("serve.end", key=key)
 
 
 class HTTPTransport(CheckpointTransport[T]):
@@ -268,7 +271,9 @@ class HTTPTransport(CheckpointTransport[T]):
         """
         self.disallow_checkpoint()
         self._staged = None
+        mark("stage.begin")
         self._staged = stage(state_dict, step, block_bytes=self._block_bytes)
+        mark("stage.end", nbytes=self._staged.data_bytes)
         self.allow_checkpoint(step)
 
     def recv_checkpoint(
@@ -313,6 +318,7 @@ class HTTPTransport(CheckpointTransport[T]):
                     f"description says {data}"
                 )
             buffers, used = allocate_buffers(desc)
+            mark("fetch.data.begin", nbytes=desc.data_bytes)
             if self._num_chunks == 0:
                 with BlockVerifier() as verifier:
                     read_segments(resp.readinto, buffers, desc.segments, verifier.submit)
@@ -334,6 +340,7 @@ class HTTPTransport(CheckpointTransport[T]):
             ):
                 for f in [pool.submit(fetch, i, verifier) for i in range(self._num_chunks)]:
                     f.result()
+        mark("fetch.data.end")
         return rebuild(desc, buffers, used)
 
     def shutdown(self, wait: bool = True) -> None:

@@ -43,6 +43,7 @@ import torch
 from torch.distributed import AllreduceOptions, ReduceOp
 
 from torchheal.checkpointing import CheckpointTransport, HTTPTransport
+from torchheal.checkpointing.timeline import mark
 from torchheal.collectives import allreduce_quantized
 from torchheal.coordination.plan import Participation, WorldSizeMode
 from torchheal.coordination.vote import local_vote, retry_limit_error
@@ -476,7 +477,9 @@ class Manager:
                 self.report_error(RuntimeError("healing without a received checkpoint"))
             return
         try:
+            mark("load.begin")
             self._state.load(pending["user"])
+            mark("load.end")
             self._logger.info("loaded the recovered state dict")
         except Exception as e:
             self._logger.exception(f"loading the recovered state dict failed: {e}")

@@ -20,6 +20,7 @@ from typing import Any, Protocol
 
 import torch
 
+from torchheal.checkpointing.timeline import mark
 from torchheal.coordination.plan import Participation, WorldSizeMode, participation
 from torchheal.coordination.types import QuorumResult
 from torchheal.manager.log import ManagerLogger, describe_quorum
@@ -159,6 +160,7 @@ class QuorumWorker:
         """
         if request.device >= 0 and torch.cuda.is_available():
             torch.cuda.set_device(request.device)
+        mark("quorum.begin", step=request.step)
         quorum = self._quorum_call(
             group_rank=self._group_rank,
             step=request.step,
@@ -168,6 +170,7 @@ class QuorumWorker:
             commit_failures=request.commit_failures,
             timeout=request.timeout,
         )
+        mark("quorum.end", quorum_id=quorum.quorum_id, heal=quorum.heal)
         outcome = QuorumOutcome(
             quorum=quorum,
             participation=participation(
@@ -195,6 +198,7 @@ class QuorumWorker:
         self._log.info(describe_quorum(quorum, outcome.participation))
         if torch.cuda.is_available():
             torch.cuda.synchronize()
+        mark("configure.begin", quorum_id=quorum.quorum_id)
         pg = self._process_group()
         quorum_keywords: dict[str, Any] = {}
         if accepts_quorum_keywords(pg):
@@ -215,6 +219,7 @@ class QuorumWorker:
             **quorum_keywords,
         )
         outcome.reconfigured = True
+        mark("configure.end", quorum_id=quorum.quorum_id)
 
     def _move_state(
         self, outcome: QuorumOutcome, captured: dict[str, Any] | None, can_load: bool = True
@@ -229,7 +234,11 @@ class QuorumWorker:
                             "peers need recovery but no state was captured at start_quorum "
                             "(no state_dict function registered, or reads were disallowed)"
                         )
-                    self._recovery.send(quorum, self._snapshot(captured))
+                    mark("snapshot.begin")
+                    snapshot = self._snapshot(captured)
+                    mark("snapshot.end")
+                    self._recovery.send(quorum, snapshot)
+                    mark("send.end")
                 if quorum.heal:
                     outcome.healing = True
                     if not can_load:
@@ -240,7 +249,9 @@ class QuorumWorker:
                             "function: pass Manager(load_state_dict=..., state_dict=...) or "
                             "call register_state_dict_fn() before the first step"
                         )
+                    mark("receive.begin")
                     outcome.received = self._recovery.receive(quorum)
+                    mark("receive.end")
             except Exception as e:
                 self._log.exception(f"recovery failed: {e}")
                 outcome.errors.append(e)

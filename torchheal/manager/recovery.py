@@ -17,6 +17,7 @@ from datetime import timedelta
 from typing import Any
 
 from torchheal.checkpointing import CheckpointTransport
+from torchheal.checkpointing.timeline import mark
 from torchheal.coordination.client import ManagerClient
 from torchheal.coordination.types import QuorumResult
 
@@ -100,7 +101,9 @@ class Recovery:
             raise RuntimeError("quorum says heal but names no source replica rank")
         address = quorum.recover_src_manager_address
         self._log(f"healing to step {quorum.max_step} from replica rank {source} ({address})")
+        mark("metadata.begin")
         metadata = self._fetch_metadata(address, self._group_rank, self._timeout)
+        mark("metadata.end")
         received = self._transport.recv_checkpoint(
             src_rank=source, metadata=metadata, step=quorum.max_step, timeout=self._timeout
         )
