@@ -77,4 +77,5 @@ SESSION_SERVICE = "torchheal.LighthouseSession"
 NOTICES_SERVICE = "torchheal.ManagerNotices"
 
 LIGHTHOUSE_SESSION = Method(SESSION_SERVICE, "Session", spb.SessionRequest, spb.SessionEvent)
+LIGHTHOUSE_DESCRIBE = Method(SESSION_SERVICE, "Describe", spb.DescribeRequest, spb.Description)
 MANAGER_WATCH = Method(NOTICES_SERVICE, "Watch", spb.WatchRequest, spb.Notice)

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from torchheal._wire import torchft_pb2 as torchheal_dot___wire_dot_torchft__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dtorchheal/_wire/session.proto\x12\ttorchheal\x1a\x1dtorchheal/_wire/torchft.proto\"\xb9\x01\n\x0eSessionRequest\x12!\n\x05hello\x18\x01 \x01(\x0b\x32\x10.torchheal.HelloH\x00\x12)\n\theartbeat\x18\x02 \x01(\x0b\x32\x14.torchheal.HeartbeatH\x00\x12*\n\x06quorum\x18\x03 \x01(\x0b\x32\x18.torchheal.QuorumRequestH\x00\x12%\n\x07goodbye\x18\x04 \x01(\x0b\x32\x12.torchheal.GoodbyeH\x00\x42\x06\n\x04kind\"-\n\x05Hello\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x10\n\x08protocol\x18\x02 \x01(\r\"\x0b\n\tHeartbeat\"a\n\rQuorumRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12(\n\trequester\x18\x02 \x01(\x0b\x32\x15.torchft.QuorumMember\x12\x12\n\ntimeout_ms\x18\x03 \x01(\x03\"\x19\n\x07Goodbye\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\xba\x01\n\x0cSessionEvent\x12%\n\x07welcome\x18\x01 \x01(\x0b\x32\x12.torchheal.WelcomeH\x00\x12)\n\x06quorum\x18\x02 \x01(\x0b\x32\x17.torchheal.QuorumIssuedH\x00\x12)\n\x06\x66\x61iled\x18\x03 \x01(\x0b\x32\x17.torchheal.QuorumFailedH\x00\x12%\n\x04lost\x18\x04 \x01(\x0b\x32\x15.torchheal.MemberLostH\x00\x42\x06\n\x04kind\".\n\x07Welcome\x12\x10\n\x08protocol\x18\x01 \x01(\r\x12\x11\n\tquorum_id\x18\x02 \x01(\x03\"C\n\x0cQuorumIssued\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12\x1f\n\x06quorum\x18\x02 \x01(\x0b\x32\x0f.torchft.Quorum\"A\n\x0cQuorumFailed\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x0f\n\x07message\x18\x03 \x01(\t\"C\n\nMemberLost\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x11\n\tquorum_id\x18\x02 \x01(\x03\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\"\n\x0cWatchRequest\x12\x12\n\ngroup_rank\x18\x01 \x01(\x03\"7\n\x06Notice\x12%\n\x04lost\x18\x01 \x01(\x0b\x32\x15.torchheal.MemberLostH\x00\x42\x06\n\x04kind2V\n\x11LighthouseSession\x12\x41\n\x07Session\x12\x19.torchheal.SessionRequest\x1a\x17.torchheal.SessionEvent(\x01\x30\x01\x32G\n\x0eManagerNotices\x12\x35\n\x05Watch\x12\x17.torchheal.WatchRequest\x1a\x11.torchheal.Notice0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dtorchheal/_wire/session.proto\x12\ttorchheal\x1a\x1dtorchheal/_wire/torchft.proto\"\xb9\x01\n\x0eSessionRequest\x12!\n\x05hello\x18\x01 \x01(\x0b\x32\x10.torchheal.HelloH\x00\x12)\n\theartbeat\x18\x02 \x01(\x0b\x32\x14.torchheal.HeartbeatH\x00\x12*\n\x06quorum\x18\x03 \x01(\x0b\x32\x18.torchheal.QuorumRequestH\x00\x12%\n\x07goodbye\x18\x04 \x01(\x0b\x32\x12.torchheal.GoodbyeH\x00\x42\x06\n\x04kind\"?\n\x05Hello\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x10\n\x08protocol\x18\x02 \x01(\r\x12\x10\n\x08\x64\x65tached\x18\x03 \x01(\x08\",\n\tHeartbeat\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0b\n\x03\x61\x63k\x18\x02 \x01(\x04\"a\n\rQuorumRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12(\n\trequester\x18\x02 \x01(\x0b\x32\x15.torchft.QuorumMember\x12\x12\n\ntimeout_ms\x18\x03 \x01(\x03\"\x19\n\x07Goodbye\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\x98\x02\n\x0cSessionEvent\x12%\n\x07welcome\x18\x01 \x01(\x0b\x32\x12.torchheal.WelcomeH\x00\x12)\n\x06quorum\x18\x02 \x01(\x0b\x32\x17.torchheal.QuorumIssuedH\x00\x12)\n\x06\x66\x61iled\x18\x03 \x01(\x0b\x32\x17.torchheal.QuorumFailedH\x00\x12%\n\x04lost\x18\x04 \x01(\x0b\x32\x15.torchheal.MemberLostH\x00\x12\x30\n\rheartbeat_ack\x18\x05 \x01(\x0b\x32\x17.torchheal.HeartbeatAckH\x00\x12*\n\x06\x63losed\x18\x06 \x01(\x0b\x32\x18.torchheal.SessionClosedH\x00\x42\x06\n\x04kind\"\x1b\n\x0cHeartbeatAck\x12\x0b\n\x03\x61\x63k\x18\x01 \x01(\x04\".\n\rSessionClosed\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x11\n\x0f\x44\x65scribeRequest\"5\n\x0b\x44\x65scription\x12\x10\n\x08protocol\x18\x01 \x01(\r\x12\x14\n\x0csession_port\x18\x02 \x01(\r\".\n\x07Welcome\x12\x10\n\x08protocol\x18\x01 \x01(\r\x12\x11\n\tquorum_id\x18\x02 \x01(\x03\"C\n\x0cQuorumIssued\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12\x1f\n\x06quorum\x18\x02 \x01(\x0b\x32\x0f.torchft.Quorum\"A\n\x0cQuorumFailed\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x0f\n\x07message\x18\x03 \x01(\t\"C\n\nMemberLost\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x11\n\tquorum_id\x18\x02 \x01(\x03\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\"\n\x0cWatchRequest\x12\x12\n\ngroup_rank\x18\x01 \x01(\x03\"7\n\x06Notice\x12%\n\x04lost\x18\x01 \x01(\x0b\x32\x15.torchheal.MemberLostH\x00\x42\x06\n\x04kind2\x96\x01\n\x11LighthouseSession\x12\x41\n\x07Session\x12\x19.torchheal.SessionRequest\x1a\x17.torchheal.SessionEvent(\x01\x30\x01\x12>\n\x08\x44\x65scribe\x12\x1a.torchheal.DescribeRequest\x1a\x16.torchheal.Description2G\n\x0eManagerNotices\x12\x35\n\x05Watch\x12\x17.torchheal.WatchRequest\x1a\x11.torchheal.Notice0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,29 +35,37 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SESSIONREQUEST']._serialized_start=76
   _globals['_SESSIONREQUEST']._serialized_end=261
   _globals['_HELLO']._serialized_start=263
-  _globals['_HELLO']._serialized_end=308
-  _globals['_HEARTBEAT']._serialized_start=310
-  _globals['_HEARTBEAT']._serialized_end=321
-  _globals['_QUORUMREQUEST']._serialized_start=323
-  _globals['_QUORUMREQUEST']._serialized_end=420
-  _globals['_GOODBYE']._serialized_start=422
-  _globals['_GOODBYE']._serialized_end=447
-  _globals['_SESSIONEVENT']._serialized_start=450
-  _globals['_SESSIONEVENT']._serialized_end=636
-  _globals['_WELCOME']._serialized_start=638
-  _globals['_WELCOME']._serialized_end=684
-  _globals['_QUORUMISSUED']._serialized_start=686
-  _globals['_QUORUMISSUED']._serialized_end=753
-  _globals['_QUORUMFAILED']._serialized_start=755
-  _globals['_QUORUMFAILED']._serialized_end=820
-  _globals['_MEMBERLOST']._serialized_start=822
-  _globals['_MEMBERLOST']._serialized_end=889
-  _globals['_WATCHREQUEST']._serialized_start=891
-  _globals['_WATCHREQUEST']._serialized_end=925
-  _globals['_NOTICE']._serialized_start=927
-  _globals['_NOTICE']._serialized_end=982
-  _globals['_LIGHTHOUSESESSION']._serialized_start=984
-  _globals['_LIGHTHOUSESESSION']._serialized_end=1070
-  _globals['_MANAGERNOTICES']._serialized_start=1072
-  _globals['_MANAGERNOTICES']._serialized_end=1143
+  _globals['_HELLO']._serialized_end=326
+  _globals['_HEARTBEAT']._serialized_start=328
+  _globals['_HEARTBEAT']._serialized_end=372
+  _globals['_QUORUMREQUEST']._serialized_start=374
+  _globals['_QUORUMREQUEST']._serialized_end=471
+  _globals['_GOODBYE']._serialized_start=473
+  _globals['_GOODBYE']._serialized_end=498
+  _globals['_SESSIONEVENT']._serialized_start=501
+  _globals['_SESSIONEVENT']._serialized_end=781
+  _globals['_HEARTBEATACK']._serialized_start=783
+  _globals['_HEARTBEATACK']._serialized_end=810
+  _globals['_SESSIONCLOSED']._serialized_start=812
+  _globals['_SESSIONCLOSED']._serialized_end=858
+  _globals['_DESCRIBEREQUEST']._serialized_start=860
+  _globals['_DESCRIBEREQUEST']._serialized_end=877
+  _globals['_DESCRIPTION']._serialized_start=879
+  _globals['_DESCRIPTION']._serialized_end=932
+  _globals['_WELCOME']._serialized_start=934
+  _globals['_WELCOME']._serialized_end=980
+  _globals['_QUORUMISSUED']._serialized_start=982
+  _globals['_QUORUMISSUED']._serialized_end=1049
+  _globals['_QUORUMFAILED']._serialized_start=1051
+  _globals['_QUORUMFAILED']._serialized_end=1116
+  _globals['_MEMBERLOST']._serialized_start=1118
+  _globals['_MEMBERLOST']._serialized_end=1185
+  _globals['_WATCHREQUEST']._serialized_start=1187
+  _globals['_WATCHREQUEST']._serialized_end=1221
+  _globals['_NOTICE']._serialized_start=1223
+  _globals['_NOTICE']._serialized_end=1278
+  _globals['_LIGHTHOUSESESSION']._serialized_start=1281
+  _globals['_LIGHTHOUSESESSION']._serialized_end=1431
+  _globals['_MANAGERNOTICES']._serialized_start=1433
+  _globals['_MANAGERNOTICES']._serialized_end=1504
 # @@protoc_insertion_point(module_scope)

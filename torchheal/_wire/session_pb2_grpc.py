@@ -43,6 +43,11 @@ class LighthouseSessionStub:
                 request_serializer=torchheal_dot___wire_dot_session__pb2.SessionRequest.SerializeToString,
                 response_deserializer=torchheal_dot___wire_dot_session__pb2.SessionEvent.FromString,
                 _registered_method=True)
+        self.Describe = channel.unary_unary(
+                '/torchheal.LighthouseSession/Describe',
+                request_serializer=torchheal_dot___wire_dot_session__pb2.DescribeRequest.SerializeToString,
+                response_deserializer=torchheal_dot___wire_dot_session__pb2.Description.FromString,
+                _registered_method=True)
 
 
 class LighthouseSessionServicer:
@@ -58,6 +63,16 @@ class LighthouseSessionServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Describe(self, request, context):
+        """What the lighthouse offers torchheal peers: its protocol version, and the TCP port of its
+        direct session lane (the same SessionRequest/SessionEvent messages, each preceded by its
+        length as a varint, on a plain TCP connection: far cheaper per message than a gRPC stream
+        in Python). 0: no direct lane; use Session.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_LighthouseSessionServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -65,6 +80,11 @@ def add_LighthouseSessionServicer_to_server(servicer, server):
                     servicer.Session,
                     request_deserializer=torchheal_dot___wire_dot_session__pb2.SessionRequest.FromString,
                     response_serializer=torchheal_dot___wire_dot_session__pb2.SessionEvent.SerializeToString,
+            ),
+            'Describe': grpc.unary_unary_rpc_method_handler(
+                    servicer.Describe,
+                    request_deserializer=torchheal_dot___wire_dot_session__pb2.DescribeRequest.FromString,
+                    response_serializer=torchheal_dot___wire_dot_session__pb2.Description.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -98,6 +118,33 @@ class LighthouseSession:
             '/torchheal.LighthouseSession/Session',
             torchheal_dot___wire_dot_session__pb2.SessionRequest.SerializeToString,
             torchheal_dot___wire_dot_session__pb2.SessionEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Describe(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/torchheal.LighthouseSession/Describe',
+            torchheal_dot___wire_dot_session__pb2.DescribeRequest.SerializeToString,
+            torchheal_dot___wire_dot_session__pb2.Description.FromString,
             options,
             channel_credentials,
             insecure,

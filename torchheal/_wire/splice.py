@@ -10,10 +10,27 @@ bytes against the generated classes.
 
 from __future__ import annotations
 
-__all__ = ["message_field", "uint_field"]
+__all__ = ["message_field", "uint_field", "varint"]
 
 _LENGTH_DELIMITED = 2
 _VARINT = 0
+_SMALL = [bytes([v]) for v in range(128)]
+
+
+def varint(value: int) -> bytes:
+    """The wire bytes of an unsigned varint (also the length prefix of a delimited message).
+
+    Args:
+        value: a value >= 0.
+
+    Raises:
+        ValueError: ``value`` is negative.
+    """
+    if value < 128:
+        if value < 0:
+            raise ValueError(f"varints here are unsigned, got {value}")
+        return _SMALL[value]
+    return _varint(value)
 
 
 def _varint(value: int) -> bytes:
@@ -37,7 +54,7 @@ def message_field(number: int, payload: bytes) -> bytes:
         number: the field number (>= 1).
         payload: the embedded message, serialized.
     """
-    return _varint(number << 3 | _LENGTH_DELIMITED) + _varint(len(payload)) + payload
+    return varint(number << 3 | _LENGTH_DELIMITED) + varint(len(payload)) + payload
 
 
 def uint_field(number: int, value: int) -> bytes:
@@ -49,4 +66,4 @@ def uint_field(number: int, value: int) -> bytes:
     """
     if value == 0:
         return b""
-    return _varint(number << 3 | _VARINT) + _varint(value)
+    return varint(number << 3 | _VARINT) + varint(value)

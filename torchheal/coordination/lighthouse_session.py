@@ -1,24 +1,30 @@
-"""The lighthouse's end of a torchheal session: one stream per replica group.
+"""The lighthouse's end of a torchheal session, whatever carries it (gRPC stream or TCP lane).
 
-A torchheal manager server opens one ``torchheal.LighthouseSession/Session`` stream to the
-lighthouse and keeps it for its whole life (``session.proto``). Up the stream go a ``Hello`` (who
-the stream speaks for), heartbeats and quorum requests; down come the ``Welcome``, the answers to
-the requests and ``MemberLost`` notices about other groups. The stream's end is the group's death
-certificate: a process that dies takes its connection with it, so the lighthouse forgets the group
-at once instead of waiting out the heartbeat timeout (see ``quorum.session_ended``).
+A torchheal manager server opens one session with the lighthouse and keeps it for its whole life
+(``session.proto``). Up go a ``Hello`` (who the session speaks for), heartbeats and quorum
+requests; down come the ``Welcome``, the answers and ``MemberLost`` notices about other groups.
+The session's end is the group's death certificate: a process that dies takes its connection
+with it, so the lighthouse forgets the group at once instead of waiting out the heartbeat
+timeout (see ``quorum.session_ended``).
 
-This module only parses, checks and routes messages; the lighthouse (``lighthouse.py``) owns the
-state and the decisions. Every message is checked before it touches anything: a stream that
-breaks the protocol (bytes that do not parse, a request before the ``Hello``, a second
-``Hello``) is ended with ``INVALID_ARGUMENT``; a bad quorum request is answered with a
-``QuorumFailed`` naming the problem, and the session goes on.
+A *detached* session (``Hello.detached``, what a ``LighthouseClient`` opens) only carries
+requests: it speaks for no group, its heartbeats and requests name their replica, several
+requests may wait at once, and its end only withdraws its pending requests.
+
+:class:`SessionProtocol` parses, checks and routes one session's messages, the same for every
+transport; :func:`session_handler` serves it as the ``torchheal.LighthouseSession/Session`` gRPC
+stream (``lighthouse_tcp.py`` serves it on the direct TCP lane). The lighthouse owns the state
+and the decisions. Every message is checked before it touches anything: a session that breaks
+the protocol (bytes that do not parse, a request before the ``Hello``, a second ``Hello``) is
+ended with ``INVALID_ARGUMENT``; a bad request is answered with a ``QuorumFailed`` naming the
+problem, and the session goes on.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
 import grpc
@@ -28,16 +34,34 @@ from google.protobuf.message import DecodeError
 from torchheal._wire import methods
 from torchheal._wire import session_pb2 as spb
 from torchheal._wire import torchft_pb2 as pb
+from torchheal._wire.splice import uint_field, varint
 from torchheal.coordination import convert
 from torchheal.coordination.rpc.errors import StatusError
 from torchheal.coordination.types import QuorumMember
 
-__all__ = ["MAX_REPLICA_ID_BYTES", "SessionPeer", "session_handler", "validated_member"]
+__all__ = [
+    "MAX_REPLICA_ID_BYTES",
+    "Peer",
+    "SessionProtocol",
+    "failed_event",
+    "session_handler",
+    "validated_member",
+]
 
-logger: logging.Logger = logging.getLogger(__name__)
+# A child of the lighthouse's logger, so configuring that one configures the whole lighthouse.
+logger: logging.Logger = logging.getLogger("torchheal.coordination.lighthouse.session")
 
 #: Longest replica id accepted (a uuid-suffixed name is ~50 bytes; this only stops abuse).
 MAX_REPLICA_ID_BYTES = 1024
+
+# SessionEvent field 5 (HeartbeatAck), length-delimited.
+_ACK_TAG = varint(5 << 3 | 2)
+
+
+class Peer(Protocol):
+    """Where a session's events go (serialized ``SessionEvent`` messages)."""
+
+    def send(self, event: bytes) -> None: ...
 
 
 class _Issued(Protocol):
@@ -49,37 +73,20 @@ class _Lighthouse(Protocol):
 
     def record_heartbeat(self, replica_id: str) -> None: ...
 
-    def open_session(self, replica_id: str, peer: SessionPeer) -> int: ...
+    def open_session(self, replica_id: str, peer: Peer) -> int: ...
 
-    def end_session(self, replica_id: str, peer: SessionPeer, reason: str) -> None: ...
+    def end_session(self, replica_id: str, peer: Peer, reason: str) -> None: ...
 
-    def withdraw(self, member: QuorumMember) -> None: ...
+    def wait_for_quorum(
+        self,
+        member: QuorumMember,
+        raw: pb.QuorumMember,
+        deliver: Callable[[Any], None],
+        timeout_s: float,
+        expired: Callable[[], None],
+    ) -> Any: ...
 
-    async def await_quorum(self, member: QuorumMember, raw: pb.QuorumMember) -> _Issued: ...
-
-
-class SessionPeer:
-    """The lighthouse's handle on one live session: where to send it events.
-
-    Events are serialized ``SessionEvent`` messages; they queue until the stream takes them.
-    """
-
-    def __init__(self) -> None:
-        self._outbox: asyncio.Queue[bytes | StatusError | None] = asyncio.Queue()
-        self._closed = False
-
-    def send(self, event: bytes) -> None:
-        """Queue an event for the group (dropped once the session is over)."""
-        if not self._closed:
-            self._outbox.put_nowait(event)
-
-    def _finish(self, error: StatusError | None = None) -> None:
-        if not self._closed:
-            self._closed = True
-            self._outbox.put_nowait(error)
-
-    async def _next(self) -> bytes | StatusError | None:
-        return await self._outbox.get()
+    def withdraw(self, request: Any) -> None: ...
 
 
 def validated_member(raw: pb.QuorumMember) -> QuorumMember:
@@ -106,38 +113,57 @@ def validated_member(raw: pb.QuorumMember) -> QuorumMember:
     return convert.member_from_pb(raw, strict_data=False)
 
 
-class _Session:
-    """Reads one stream's requests and acts on them; events go out through ``peer``."""
+def failed_event(request_id: int, code: grpc.StatusCode, message: str) -> bytes:
+    """The serialized ``SessionEvent`` refusing request ``request_id``.
 
-    def __init__(self, lighthouse: _Lighthouse, peer: SessionPeer) -> None:
+    Args:
+        request_id: the request (or heartbeat ack) id.
+        code: the status.
+        message: what went wrong.
+    """
+    return spb.SessionEvent(
+        failed=spb.QuorumFailed(request_id=request_id, code=code.value[0], message=message)
+    ).SerializeToString()
+
+
+def _ack_event(ack: int) -> bytes:
+    inner = uint_field(1, ack)
+    return _ACK_TAG + varint(len(inner)) + inner
+
+
+def _check_replica_id(replica_id: str, what: str) -> None:
+    if not replica_id:
+        raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, f"{what} is empty")
+    if len(replica_id.encode()) > MAX_REPLICA_ID_BYTES:
+        raise StatusError(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"{what} is longer than {MAX_REPLICA_ID_BYTES} bytes",
+        )
+
+
+class SessionProtocol:
+    """One session's requests, acted on; its events go out through ``peer``.
+
+    Args:
+        lighthouse: the lighthouse the session talks to.
+        peer: where the session's events go.
+    """
+
+    def __init__(self, lighthouse: _Lighthouse, peer: Peer) -> None:
         self._lighthouse = lighthouse
         self._peer = peer
         self.replica_id: str | None = None
+        self.detached = False
         self.reason = "connection ended"
-        self._request: asyncio.Task[None] | None = None
+        # request id -> its pending quorum request (at most one unless detached).
+        self._pending: dict[int, Any] = {}
 
-    async def read(self, requests: AsyncIterator[bytes]) -> None:
-        """Consume the stream until it ends, the group says goodbye, or it breaks the protocol."""
-        try:
-            async for raw in requests:
-                if not self._handle(raw):
-                    break
-        except StatusError as e:
-            self._peer._finish(e)
-            return
-        except (asyncio.CancelledError, grpc.aio.AioRpcError):
-            pass
-        self._peer._finish()
+    def handle(self, raw: bytes) -> bool:
+        """Act on one request; False once the group said goodbye.
 
-    def close(self) -> None:
-        """The stream is over: stop the pending request and tell the lighthouse."""
-        if self._request is not None:
-            self._request.cancel()
-        if self.replica_id is not None:
-            self._lighthouse.end_session(self.replica_id, self._peer, self.reason)
-
-    def _handle(self, raw: bytes) -> bool:
-        """Act on one request; False when the group said goodbye."""
+        Raises:
+            StatusError: the session broke the protocol and must end with this status.
+        """
         try:
             request = spb.SessionRequest.FromString(raw)
         except DecodeError as e:
@@ -153,7 +179,7 @@ class _Session:
                 )
             self._hello(request.hello)
         elif kind == "heartbeat":
-            self._lighthouse.record_heartbeat(self.replica_id)
+            self._heartbeat(request.heartbeat)
         elif kind == "quorum":
             self._quorum(request.quorum)
         elif kind == "goodbye":
@@ -165,27 +191,53 @@ class _Session:
             raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, "empty SessionRequest")
         return True
 
+    def close(self) -> None:
+        """The session is over: withdraw its pending requests and tell the lighthouse."""
+        pending, self._pending = self._pending, {}
+        for waiter in pending.values():
+            self._lighthouse.withdraw(waiter)
+        if self.replica_id is not None and not self.detached:
+            self._lighthouse.end_session(self.replica_id, self._peer, self.reason)
+
     def _hello(self, hello: spb.Hello) -> None:
-        replica_id = hello.replica_id
-        if not replica_id:
-            raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, "hello.replica_id is empty")
-        if len(replica_id.encode()) > MAX_REPLICA_ID_BYTES:
-            raise StatusError(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"hello.replica_id is longer than {MAX_REPLICA_ID_BYTES} bytes",
-            )
+        _check_replica_id(hello.replica_id, "hello.replica_id")
         if hello.protocol < 1:
             raise StatusError(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"hello.protocol must be >= 1, got {hello.protocol}",
             )
-        self.replica_id = replica_id
-        quorum_id = self._lighthouse.open_session(replica_id, self._peer)
+        self.replica_id = hello.replica_id
+        self.detached = hello.detached
+        if self.detached:
+            quorum_id = 0
+            logger.debug("detached session %s opened", self.replica_id)
+        else:
+            quorum_id = self._lighthouse.open_session(self.replica_id, self._peer)
         self._peer.send(
             spb.SessionEvent(
                 welcome=spb.Welcome(protocol=methods.SESSION_PROTOCOL, quorum_id=quorum_id)
             ).SerializeToString()
         )
+
+    def _heartbeat(self, heartbeat: spb.Heartbeat) -> None:
+        replica_id = heartbeat.replica_id
+        try:
+            if self.detached:
+                _check_replica_id(replica_id, "heartbeat.replica_id")
+            elif replica_id and replica_id != self.replica_id:
+                raise StatusError(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"heartbeat.replica_id {replica_id!r} is not this session's "
+                    f"({self.replica_id!r}): a session speaks for its own group only",
+                )
+        except StatusError as e:
+            if not heartbeat.ack:
+                raise  # nobody to answer: the sender is broken, end the session
+            self._peer.send(failed_event(heartbeat.ack, e.code, e.details))
+            return
+        self._lighthouse.record_heartbeat(replica_id or self.replica_id or "")
+        if heartbeat.ack:
+            self._peer.send(_ack_event(heartbeat.ack))
 
     def _quorum(self, request: spb.QuorumRequest) -> None:
         request_id = request.request_id
@@ -194,7 +246,7 @@ class _Session:
                 raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, "missing requester")
             raw = request.requester
             member = validated_member(raw)
-            if member.replica_id != self.replica_id:
+            if not self.detached and member.replica_id != self.replica_id:
                 raise StatusError(
                     grpc.StatusCode.INVALID_ARGUMENT,
                     f"requester.replica_id {member.replica_id!r} is not this session's "
@@ -206,40 +258,77 @@ class _Session:
                     f"timeout_ms must be > 0, got {request.timeout_ms}",
                 )
         except StatusError as e:
-            self._peer.send(_failed(request_id, e.code, e.details))
+            self._peer.send(failed_event(request_id, e.code, e.details))
             return
-        if self._request is not None:
-            # One request per group at a time: the newer one stands for the group now.
-            self._request.cancel()
-        self._request = asyncio.ensure_future(
-            self._await(request_id, member, raw, request.timeout_ms / 1000.0)
+        # One request per group at a time (the newer one stands for the group now); a
+        # detached session may have several, but one per request id.
+        if self.detached:
+            old = self._pending.pop(request_id, None)
+            stale = [] if old is None else [old]
+        else:
+            stale = list(self._pending.values())
+            self._pending.clear()
+        for waiter in stale:
+            self._lighthouse.withdraw(waiter)
+        timeout_s = request.timeout_ms / 1000.0
+        self._pending[request_id] = self._lighthouse.wait_for_quorum(
+            member,
+            raw,
+            lambda issued: self._answer(request_id, issued),
+            timeout_s,
+            lambda: self._expired(request_id, timeout_s),
         )
 
-    async def _await(
-        self, request_id: int, member: QuorumMember, raw: pb.QuorumMember, timeout_s: float
-    ) -> None:
-        try:
-            issued = await asyncio.wait_for(self._lighthouse.await_quorum(member, raw), timeout_s)
-        except asyncio.TimeoutError:
-            self._lighthouse.withdraw(member)
-            self._peer.send(
-                _failed(
-                    request_id,
-                    grpc.StatusCode.DEADLINE_EXCEEDED,
-                    f"no quorum within the request's {timeout_s:.3f}s",
-                )
-            )
-            return
-        except asyncio.CancelledError:
-            self._lighthouse.withdraw(member)
-            raise
+    def _answer(self, request_id: int, issued: _Issued) -> None:
+        self._pending.pop(request_id, None)
         self._peer.send(issued.session_event(request_id))
 
+    def _expired(self, request_id: int, timeout_s: float) -> None:
+        self._pending.pop(request_id, None)
+        self._peer.send(
+            failed_event(
+                request_id,
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"no quorum within the request's {timeout_s:.3f}s",
+            )
+        )
 
-def _failed(request_id: int, code: grpc.StatusCode, message: str) -> bytes:
-    return spb.SessionEvent(
-        failed=spb.QuorumFailed(request_id=request_id, code=code.value[0], message=message)
-    ).SerializeToString()
+
+class _StreamPeer:
+    """A gRPC session's outbox: events queue until the stream takes them."""
+
+    def __init__(self) -> None:
+        self._outbox: asyncio.Queue[bytes | StatusError | None] = asyncio.Queue()
+        self._closed = False
+
+    def send(self, event: bytes) -> None:
+        """Queue an event (dropped once the session is over)."""
+        if not self._closed:
+            self._outbox.put_nowait(event)
+
+    def finish(self, error: StatusError | None = None) -> None:
+        if not self._closed:
+            self._closed = True
+            self._outbox.put_nowait(error)
+
+    async def next(self) -> bytes | StatusError | None:
+        return await self._outbox.get()
+
+
+async def _read(
+    session: SessionProtocol, peer: _StreamPeer, requests: AsyncIterator[bytes]
+) -> None:
+    """Consume a stream until it ends, the group says goodbye, or it breaks the protocol."""
+    try:
+        async for raw in requests:
+            if not session.handle(raw):
+                break
+    except StatusError as e:
+        peer.finish(e)
+        return
+    except (asyncio.CancelledError, grpc.aio.AioRpcError):
+        pass
+    peer.finish()
 
 
 def session_handler(lighthouse: _Lighthouse) -> grpc.RpcMethodHandler:
@@ -250,12 +339,12 @@ def session_handler(lighthouse: _Lighthouse) -> grpc.RpcMethodHandler:
     """
 
     async def serve(requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> Any:
-        peer = SessionPeer()
-        session = _Session(lighthouse, peer)
-        reader = asyncio.ensure_future(session.read(requests))
+        peer = _StreamPeer()
+        session = SessionProtocol(lighthouse, peer)
+        reader = asyncio.ensure_future(_read(session, peer, requests))
         try:
             while True:
-                event = await peer._next()
+                event = await peer.next()
                 if event is None:
                     return
                 if isinstance(event, StatusError):

@@ -1,0 +1,145 @@
+"""The groups' live sessions with the lighthouse, and the ``MemberLost`` notices they hear.
+
+A torchheal manager server keeps one session open with the lighthouse for its whole life; its
+end is the group's death certificate (``quorum.session_ended``). :class:`SessionRegistry` knows
+which session speaks for which group (a newer session of a group replaces an older one, whose
+end then means nothing) and tells every live session when a member of the current quorum is
+lost, so the other groups can abort a collective they are blocked in with it:
+
+* at once when the member's session ends (it died, or said goodbye);
+* on the lighthouse's periodic tick when its heartbeat expired (a frozen process keeps its
+  connection but stops heartbeating; reference peers have no session at all).
+
+Each member is announced once per quorum id. The observer also hears about expired heartbeats
+from here. Loop thread only.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Protocol
+
+from torchheal._wire import session_pb2 as spb
+from torchheal.coordination.lighthouse_rounds import QuorumRounds
+from torchheal.coordination.quorum import lost_members, session_ended, session_opened
+
+__all__ = ["Peer", "SessionRegistry"]
+
+# A child of the lighthouse's logger, so configuring that one configures the whole lighthouse.
+logger: logging.Logger = logging.getLogger("torchheal.coordination.lighthouse.notices")
+
+
+class Peer(Protocol):
+    """Where to send a session its events (serialized ``SessionEvent`` messages)."""
+
+    def send(self, event: bytes) -> None: ...
+
+
+class SessionRegistry:
+    """Live sessions by group, and the lost-member notices.
+
+    Args:
+        rounds: the lighthouse's rounds (its state and lock).
+        notify: ``notify(event, *args)`` tells the observer.
+        observed: whether there is an observer.
+    """
+
+    def __init__(self, rounds: QuorumRounds, notify: Callable[..., None], observed: bool) -> None:
+        self._rounds = rounds
+        self._notify = notify
+        self._observed = observed
+        self._sessions: dict[str, Peer] = {}
+        # The members of the current quorum already announced lost: (quorum id, ids).
+        self._announced: tuple[int, set[str]] = (0, set())
+        # Replicas the observer was told expired (so each expiry is told once).
+        self._expired: set[str] = set()
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def open(self, replica_id: str, peer: Peer) -> int:
+        """A group opened its session; a newer session replaces an older one.
+
+        Returns:
+            The latest quorum id, for the group's Welcome.
+        """
+        self._sessions[replica_id] = peer
+        rounds = self._rounds
+        with rounds.lock:
+            session_opened(rounds.state, replica_id, time.monotonic())
+            quorum_id = rounds.state.quorum_id
+        logger.info("Replica %s opened its session", replica_id)
+        return quorum_id
+
+    def end(self, replica_id: str, peer: Peer, reason: str) -> None:
+        """A group's session ended: the group is gone now (unless a newer session replaced it).
+
+        Args:
+            replica_id: the group's full id.
+            peer: the session that ended.
+            reason: why ("connection ended", "left": it said goodbye).
+        """
+        if self._sessions.get(replica_id) is not peer:
+            return  # a newer session of the same group is live; this one was stale
+        del self._sessions[replica_id]
+        rounds = self._rounds
+        with rounds.lock:
+            was_member = session_ended(rounds.state, replica_id)
+            prev = rounds.state.prev_quorum
+        logger.warning("Replica %s is gone: its session ended (%s)", replica_id, reason)
+        if was_member and prev is not None:
+            self._announce(replica_id, prev.quorum_id, reason, time.monotonic())
+        # The survivors may be complete without it now.
+        rounds.schedule_tick()
+
+    def on_tick(self) -> None:
+        """Announce members lost to an expired heartbeat; tell the observer about expiries."""
+        rounds = self._rounds
+        now = time.monotonic()
+        with rounds.lock:
+            prev = rounds.state.prev_quorum
+            lost = lost_members(rounds.state, rounds.config, now) if prev is not None else []
+        if prev is not None:
+            for replica_id in lost:
+                self._announce(replica_id, prev.quorum_id, "heartbeat expired", now)
+        if self._observed:
+            self._report_expired(now)
+
+    def _announce(self, replica_id: str, quorum_id: int, reason: str, now: float) -> None:
+        announced_id, announced = self._announced
+        if announced_id != quorum_id:
+            announced = set()
+            self._announced = (quorum_id, announced)
+        if replica_id in announced:
+            return
+        announced.add(replica_id)
+        logger.warning(
+            "Replica %s of quorum %d is lost (%s); telling %d session(s)",
+            replica_id,
+            quorum_id,
+            reason,
+            len(self._sessions),
+        )
+        event = spb.SessionEvent(
+            lost=spb.MemberLost(replica_id=replica_id, quorum_id=quorum_id, reason=reason)
+        ).SerializeToString()
+        for peer in list(self._sessions.values()):
+            peer.send(event)
+        if self._observed:
+            self._notify("lost", replica_id, reason, now)
+
+    def _report_expired(self, now: float) -> None:
+        rounds = self._rounds
+        timeout_s = rounds.config.heartbeat_timeout_ms / 1000.0
+        with rounds.lock:
+            heartbeats = rounds.state.heartbeats
+            for rid, seen in heartbeats.items():
+                if now - seen < timeout_s:
+                    self._expired.discard(rid)  # alive (again)
+                elif rid not in self._expired:
+                    self._expired.add(rid)
+                    self._notify("expired", rid, seen, now)
+            if self._expired:
+                self._expired.intersection_update(heartbeats)  # drop forgotten replicas

@@ -1,0 +1,304 @@
+"""The lighthouse's quorum rounds: who waits for a quorum, when to decide, and answering a round.
+
+:class:`QuorumRounds` holds the lighthouse's one :class:`~torchheal.coordination.quorum.LighthouseState`
+(under a lock, for status readers on other threads) and feeds it heartbeats, requests and ticks;
+every rule about *who* is in a quorum stays in the pure ``quorum.py``. What lives here is the
+bookkeeping of the requests waiting for a quorum and the delivery of an issued one:
+
+* A waiting request is a plain record (the member, its message as received, and what to do
+  with the answer), not a task or a queue: when a quorum is issued, one pass over the waiting
+  requests answers the ones it includes and puts the others back for the next round (reference
+  §4: "not in quorum, retrying"). A session's answer is written straight to its connection.
+* The quorum is serialized once per round; each waiter's envelope is built around those bytes.
+* The decision runs once per event-loop turn in which requests arrived (requests that arrive
+  together share it), not once per request, which would make a round of N requests O(N^2).
+
+Everything here runs on the lighthouse's event-loop thread, except :meth:`QuorumRounds.snapshot`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import NamedTuple
+
+from torchheal._wire import torchft_pb2 as pb
+from torchheal._wire.splice import message_field, uint_field, varint
+from torchheal.coordination import convert
+from torchheal.coordination.quorum import (
+    LighthouseConfig,
+    LighthouseState,
+    forget_stale_heartbeats,
+    heartbeat,
+    join,
+    quorum_compute,
+    requeue,
+    tick,
+    withdraw,
+)
+from torchheal.coordination.types import Quorum, QuorumMember, Timestamp
+
+__all__ = ["Issued", "QuorumRounds", "Waiter"]
+
+# A child of the lighthouse's logger, so configuring that one configures the whole lighthouse.
+logger: logging.Logger = logging.getLogger("torchheal.coordination.lighthouse.rounds")
+
+# Heartbeats older than this are dropped so the map stays bounded (the reference keeps them
+# forever). At least a minute, so a status view still shows recently departed replicas.
+MIN_HEARTBEAT_RETENTION_S = 60.0
+PRUNE_INTERVAL_S = 1.0
+
+# SessionEvent field 2 (QuorumIssued, length-delimited), and in it field 2 (the quorum).
+_EVENT_QUORUM_TAG = varint(2 << 3 | 2)
+_ISSUED_QUORUM = 2
+
+
+class Issued(NamedTuple):
+    """An issued quorum as its waiters need it, serialized once for all of them.
+
+    Args:
+        quorum_id: its id.
+        member_ids: the replica ids it includes.
+        unary_response: a serialized ``LighthouseQuorumResponse`` around the quorum.
+        issued_tail: the quorum as field 2 of a ``QuorumIssued`` (what follows the request id).
+    """
+
+    quorum_id: int
+    member_ids: frozenset[str]
+    unary_response: bytes
+    issued_tail: bytes
+
+    def session_event(self, request_id: int) -> bytes:
+        """The serialized ``SessionEvent`` answering a session's request ``request_id``."""
+        head = uint_field(1, request_id)
+        return b"".join(
+            (_EVENT_QUORUM_TAG, varint(len(head) + len(self.issued_tail)), head, self.issued_tail)
+        )
+
+
+class Waiter:
+    """One request waiting for a quorum that includes its member.
+
+    Args:
+        member: the validated requester.
+        raw: its message as received (echoed, to keep fields unknown to us).
+        deliver: called once with the :class:`Issued` quorum that includes the member.
+    """
+
+    __slots__ = ("deliver", "member", "raw", "timer")
+
+    def __init__(
+        self, member: QuorumMember, raw: pb.QuorumMember, deliver: Callable[[Issued], None]
+    ) -> None:
+        self.member = member
+        self.raw = raw
+        self.deliver = deliver
+        self.timer: asyncio.TimerHandle | None = None
+
+
+class QuorumRounds:
+    """The quorum rounds of one lighthouse: state, waiting requests, decisions and answers.
+
+    Args:
+        config: the validated quorum options.
+        notify: ``notify(event, *args)`` tells the observer (no-op without one).
+        observed: whether there is an observer (spares building its arguments when not).
+    """
+
+    def __init__(
+        self,
+        config: LighthouseConfig,
+        notify: Callable[..., None],
+        observed: bool,
+    ) -> None:
+        self.config = config
+        self.lock = threading.Lock()
+        self.state = LighthouseState()
+        self._notify = notify
+        self._observed = observed
+        # replica_id -> the requester's message as received, for participants of the round.
+        self._raw: dict[str, pb.QuorumMember] = {}
+        # Requests waiting for a quorum, in arrival order (a dict used as an ordered set).
+        self._waiters: dict[Waiter, None] = {}
+        # When the current round's first request arrived (for the round latency).
+        self._round_started: float | None = None
+        self._tick_scheduled = False
+        self._last_reason: str | None = None
+        self._last_prune = 0.0
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    # ------------------------------------------------------------------------------------------
+    # Heartbeats and requests
+
+    def heartbeat(self, replica_id: str) -> None:
+        """A group said it is alive."""
+        with self.lock:
+            heartbeat(self.state, replica_id, time.monotonic())
+
+    def wait(
+        self, member: QuorumMember, raw: pb.QuorumMember, deliver: Callable[[Issued], None]
+    ) -> Waiter:
+        """Join the round with ``member``; ``deliver`` gets the first quorum that includes it.
+
+        Left out of an issued quorum, the request stays for the next one. The caller takes it
+        back with :meth:`forget` (its caller went away) or :meth:`withdraw` (it timed out).
+        """
+        waiter = Waiter(member, raw, deliver)
+        now = time.monotonic()
+        with self.lock:
+            join(self.state, member, now)
+            self._raw[member.replica_id] = raw
+            if self._round_started is None:
+                self._round_started = now
+        self._waiters[waiter] = None
+        if self._observed:
+            self._notify("joined", member, now)
+        self.schedule_tick()
+        return waiter
+
+    def wait_until(
+        self,
+        member: QuorumMember,
+        raw: pb.QuorumMember,
+        deliver: Callable[[Issued], None],
+        timeout_s: float,
+        expired: Callable[[], None],
+    ) -> Waiter:
+        """As :meth:`wait`, but after ``timeout_s`` the request is withdrawn and ``expired`` called."""
+        waiter = self.wait(member, raw, deliver)
+        waiter.timer = self._running_loop().call_later(timeout_s, self._expire, waiter, expired)
+        return waiter
+
+    def _expire(self, waiter: Waiter, expired: Callable[[], None]) -> None:
+        waiter.timer = None
+        if self.withdraw(waiter):
+            expired()
+
+    def forget(self, waiter: Waiter) -> None:
+        """Stop waiting, but leave the member registered for the round (a unary call that
+        went away: the reference keeps its request until the round is decided)."""
+        self._waiters.pop(waiter, None)
+
+    def withdraw(self, waiter: Waiter) -> bool:
+        """Take the request back: nobody waits for it any more. Returns whether it still waited."""
+        if waiter not in self._waiters:
+            return False
+        del self._waiters[waiter]
+        if waiter.timer is not None:
+            waiter.timer.cancel()
+            waiter.timer = None
+        with self.lock:
+            withdraw(self.state, waiter.member)
+        return True
+
+    # ------------------------------------------------------------------------------------------
+    # Decisions
+
+    def schedule_tick(self) -> None:
+        """Decide once the requests that are ready in this event-loop turn have joined.
+
+        Each request needs a decision right after it joins (reference §4), but running the O(N)
+        decision once per request makes a round of N simultaneous requests cost O(N^2).
+        Requests that arrive in the same turn share one decision instead: the one the last of
+        them would have triggered.
+        """
+        if self._tick_scheduled:
+            return
+        self._tick_scheduled = True
+        self._running_loop().call_soon(self._scheduled_tick)
+
+    def _running_loop(self) -> asyncio.AbstractEventLoop:
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+        return self._loop
+
+    def _scheduled_tick(self) -> None:
+        self._tick_scheduled = False
+        self.tick()
+
+    def tick(self) -> None:
+        """Run one decision; deliver an issued quorum. Loop thread only."""
+        now = time.monotonic()
+        with self.lock:
+            quorum, reason = tick(self.state, self.config, now, Timestamp.from_float(time.time()))
+            if reason != self._last_reason:
+                # Ticks run every 100 ms; repeating an unchanged reason would flood the log.
+                logger.info("Quorum status: %s", reason)
+                self._last_reason = reason
+                if self._observed:
+                    self._notify("reason_changed", reason, now)
+            if now - self._last_prune >= PRUNE_INTERVAL_S:
+                self._last_prune = now
+                retention = max(MIN_HEARTBEAT_RETENTION_S, self.config.heartbeat_timeout_ms / 1e3)
+                forgotten = forget_stale_heartbeats(self.state, now, retention)
+                if forgotten:
+                    logger.info("Forgot heartbeats of departed replicas: %s", forgotten)
+            if quorum is None:
+                return
+            round_s = 0.0 if self._round_started is None else now - self._round_started
+            self._round_started = None
+            raw = self._raw
+            # Participants were cleared by tick(); their messages go with the issued quorum.
+            self._raw = {}
+        self._deliver(quorum, raw, now)
+        if self._observed:
+            self._notify("quorum_issued", quorum, reason, round_s, now)
+
+    def _deliver(self, quorum: Quorum, raw: dict[str, pb.QuorumMember], now: float) -> None:
+        """Answer every waiting request the quorum includes; put the others back. One pass."""
+        quorum_bytes = convert.quorum_to_pb(quorum, raw).SerializeToString()
+        member_ids = frozenset(m.replica_id for m in quorum.participants)
+        issued = Issued(
+            quorum.quorum_id,
+            member_ids,
+            message_field(1, quorum_bytes),
+            message_field(_ISSUED_QUORUM, quorum_bytes),
+        )
+        logger.info(
+            "Issued quorum %d with %d participants: %s",
+            quorum.quorum_id,
+            len(member_ids),
+            [m.replica_id for m in quorum.participants],
+        )
+        answered: list[Waiter] = []
+        left_out: list[Waiter] = []
+        for waiter in self._waiters:
+            (answered if waiter.member.replica_id in member_ids else left_out).append(waiter)
+        if left_out:
+            with self.lock:
+                for waiter in left_out:
+                    logger.info(
+                        "Replica %s not in quorum %d, retrying",
+                        waiter.member.replica_id,
+                        quorum.quorum_id,
+                    )
+                    requeue(self.state, waiter.member, now)
+                    self._raw[waiter.member.replica_id] = waiter.raw
+                    if self._round_started is None:
+                        self._round_started = now
+        for waiter in answered:
+            del self._waiters[waiter]
+            if waiter.timer is not None:
+                waiter.timer.cancel()
+                waiter.timer = None
+            try:
+                waiter.deliver(issued)
+            except Exception:  # one broken connection must not keep the others waiting
+                logger.exception("delivering quorum %d failed", quorum.quorum_id)
+
+    # ------------------------------------------------------------------------------------------
+    # Reading
+
+    def snapshot(self) -> tuple[str, Quorum | None, dict[str, float], list[str], int]:
+        """``(reason, prev_quorum, heartbeats ages, waiting ids, quorum_id)``; any thread."""
+        now = time.monotonic()
+        with self.lock:
+            _, reason = quorum_compute(self.state, self.config, now)
+            prev = self.state.prev_quorum
+            heartbeats = {rid: now - seen for rid, seen in self.state.heartbeats.items()}
+            waiting = sorted(self.state.participants)
+            quorum_id = self.state.quorum_id
+        return reason, prev, heartbeats, waiting, quorum_id

@@ -1,0 +1,206 @@
+"""The lighthouse's direct session lane: torchheal sessions on a plain TCP connection.
+
+The same ``SessionRequest``/``SessionEvent`` messages as the ``torchheal.LighthouseSession/Session``
+gRPC stream, each preceded by its length (``rpc/frames.py``), on a TCP port of their own that the
+lighthouse announces through ``LighthouseSession/Describe``. Why a second lane: gRPC's Python
+stack costs about 100 us of CPU per stream message on each side (measured in
+``bench/quorum.py``'s notes), a plain asyncio connection a fraction of that, and the lighthouse
+answers every group on every step. The reference's unary services stay on the gRPC port,
+unchanged; peers that cannot reach this port use the gRPC stream.
+
+The connection's end is the session's end, exactly as a stream's: a process that dies takes its
+connection with it. TCP keep-alive probes end a connection whose peer vanished without a FIN
+(a partition, a host gone) within about the heartbeat timeout, never sooner, as HTTP/2 pings do
+on the gRPC lane. A session that breaks the protocol is told why (a ``SessionClosed`` event, the
+status a gRPC stream would end with) and disconnected; the lighthouse keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from typing import Any
+
+import grpc
+
+from torchheal._wire import session_pb2 as spb
+from torchheal._wire.splice import varint
+from torchheal.coordination.lighthouse_session import SessionProtocol
+from torchheal.coordination.rpc.errors import StatusError
+from torchheal.coordination.rpc.frames import DEFAULT_MAX_FRAME, FrameError, FrameReader
+
+__all__ = ["MAX_UNSENT_BYTES", "DirectLane", "set_keepalive"]
+
+# A child of the lighthouse's logger, so configuring that one configures the whole lighthouse.
+logger: logging.Logger = logging.getLogger("torchheal.coordination.lighthouse.tcp")
+
+#: A peer that leaves this much unread is not reading at all: it is disconnected.
+MAX_UNSENT_BYTES = 256 * 1024 * 1024
+
+
+def set_keepalive(sock: socket.socket, after_s: float) -> None:
+    """Make the kernel end a connection whose peer stopped answering after about ``after_s``.
+
+    Probes start after ``after_s / 2`` of silence and three unanswered probes spread over the
+    other half end it. Where the options do not exist (not Linux), plain keep-alive.
+
+    Args:
+        sock: a connected TCP socket.
+        after_s: how long an unanswering peer may last (the heartbeat timeout).
+    """
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    idle = max(1, int(after_s / 2))
+    interval = max(1, int(after_s / 6))
+    for name, value in (("TCP_KEEPIDLE", idle), ("TCP_KEEPINTVL", interval), ("TCP_KEEPCNT", 3)):
+        option = getattr(socket, name, None)
+        if option is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, option, value)
+
+
+class _Peer:
+    """Writes a session's events on its connection."""
+
+    __slots__ = ("_transport",)
+
+    def __init__(self, transport: asyncio.Transport) -> None:
+        self._transport = transport
+
+    def send(self, event: bytes) -> None:
+        transport = self._transport
+        if transport.is_closing():
+            return
+        transport.write(varint(len(event)) + event)
+        if transport.get_write_buffer_size() > MAX_UNSENT_BYTES:
+            logger.warning("a session does not read its events; disconnecting it")
+            transport.abort()
+
+
+class _Connection(asyncio.Protocol):
+    """One direct-lane connection: frames in, session events out."""
+
+    def __init__(self, lighthouse: Any, keepalive_s: float, live: set[_Connection]) -> None:
+        self._lighthouse = lighthouse
+        self._keepalive_s = keepalive_s
+        self._live = live
+        self._reader = FrameReader(DEFAULT_MAX_FRAME)
+        self._transport: asyncio.Transport | None = None
+        self._session: SessionProtocol | None = None
+        self._over = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self._transport = transport
+        self._live.add(self)
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                set_keepalive(sock, self._keepalive_s)
+            except OSError as e:  # a socket that cannot take options still works
+                logger.debug("direct lane: socket options: %s", e)
+        self._session = SessionProtocol(self._lighthouse, _Peer(transport))
+
+    def data_received(self, data: bytes) -> None:
+        if self._over:
+            return
+        session = self._session
+        assert session is not None
+        try:
+            for message in self._reader.feed(data):
+                if not session.handle(message):
+                    self._end(None)  # goodbye
+                    return
+        except FrameError as e:
+            self._end(StatusError(grpc.StatusCode.INVALID_ARGUMENT, str(e)))
+        except StatusError as e:
+            self._end(e)
+        except Exception as e:  # a bug of ours must not take the lighthouse down
+            logger.exception("direct lane: handling a session request failed")
+            self._end(StatusError(grpc.StatusCode.INTERNAL, f"session request failed: {e}"))
+
+    def eof_received(self) -> bool:
+        return False  # the peer is done: close our side too
+
+    def _end(self, error: StatusError | None) -> None:
+        self._over = True
+        transport = self._transport
+        assert transport is not None and self._session is not None
+        if error is not None:
+            logger.info("ending session of %s: %s", self._session.replica_id or "(no hello)", error)
+            event = spb.SessionEvent(
+                closed=spb.SessionClosed(code=error.code.value[0], message=error.details)
+            ).SerializeToString()
+            transport.write(varint(len(event)) + event)
+        transport.close()  # after what is buffered has been sent
+
+    def abort(self) -> None:
+        if self._transport is not None:
+            self._transport.abort()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._over = True
+        self._live.discard(self)
+        if self._session is not None:
+            self._session.close()
+
+
+def _listening_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket listening on ``host:port`` (``::``: every address, IPv4 too)."""
+    if host in ("", "::", "0.0.0.0"):
+        family = socket.AF_INET6 if host != "0.0.0.0" and socket.has_ipv6 else socket.AF_INET
+        address: tuple[Any, ...] = ("::" if family == socket.AF_INET6 else "0.0.0.0", port)
+    else:
+        info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        family, _, _, _, address = info[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6 and host in ("", "::"):
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        sock.bind(address)
+        sock.listen(1024)
+        sock.setblocking(False)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+class DirectLane:
+    """The direct session lane of one lighthouse: a listening socket and its connections.
+
+    Args:
+        lighthouse: what sessions talk to (see ``lighthouse_session._Lighthouse``).
+        keepalive_s: how long a peer that stopped answering keeps its session.
+    """
+
+    def __init__(self, lighthouse: Any, keepalive_s: float) -> None:
+        self._lighthouse = lighthouse
+        self._keepalive_s = keepalive_s
+        self._live: set[_Connection] = set()
+        self._server: asyncio.AbstractServer | None = None
+        self.port = 0
+
+    async def start(self, host: str, port: int) -> None:
+        """Listen on ``host:port`` (port 0: any free port; ``::``: every address).
+
+        Raises:
+            OSError: the address could not be bound.
+        """
+        sock = _listening_socket(host, port)
+        try:
+            self._server = await asyncio.get_running_loop().create_server(
+                lambda: _Connection(self._lighthouse, self._keepalive_s, self._live), sock=sock
+            )
+        except BaseException:
+            sock.close()
+            raise
+        self.port = sock.getsockname()[1]
+
+    def close(self) -> None:
+        """Stop listening and drop every connection (their sessions end)."""
+        if self._server is not None:
+            self._server.close()
+        for connection in list(self._live):
+            connection.abort()

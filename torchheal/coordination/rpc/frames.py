@@ -1,0 +1,109 @@
+"""Length-delimited protobuf messages on a byte stream: the direct session lane's framing.
+
+Each message travels as its length (a protobuf varint) followed by its bytes, the format
+protobuf's own ``writeDelimitedTo``/``parseDelimitedFrom`` use. :func:`frame` encodes one;
+:class:`FrameReader` is fed whatever bytes arrive and hands back the complete messages, keeping
+a partial one for the next read. Pure: no sockets, so both the lighthouse (asyncio) and the
+blocking client share it and it is tested on plain bytes.
+"""
+
+from __future__ import annotations
+
+from torchheal._wire.splice import varint
+
+__all__ = ["DEFAULT_MAX_FRAME", "FrameError", "FrameReader", "frame"]
+
+#: Largest message accepted, as gRPC's default receive limit (4 MiB).
+DEFAULT_MAX_FRAME = 4 * 1024 * 1024
+# A varint longer than this cannot be a length below any sane limit.
+_MAX_VARINT_BYTES = 10
+
+
+class FrameError(ValueError):
+    """The byte stream is not a sequence of acceptable frames (the connection must end)."""
+
+
+def frame(message: bytes) -> bytes:
+    """``message`` preceded by its length.
+
+    Args:
+        message: a serialized message.
+    """
+    return varint(len(message)) + message
+
+
+class FrameReader:
+    """Splits a byte stream into messages.
+
+    Args:
+        max_frame: the largest message accepted; a longer one is a :class:`FrameError`.
+    """
+
+    def __init__(self, max_frame: int = DEFAULT_MAX_FRAME) -> None:
+        self._max = max_frame
+        self._buffer = b""
+        # A large message arrives in many reads: its pieces wait here, unjoined, until the
+        # whole of it is in (``_need`` bytes, from the start of ``_buffer``), so that it is
+        # copied once rather than once per read.
+        self._pieces: list[bytes] = []
+        self._have = 0
+        self._need = 0
+
+    @property
+    def pending(self) -> int:
+        """Bytes received that do not make a whole message yet."""
+        return len(self._buffer) + sum(len(p) for p in self._pieces)
+
+    def feed(self, data: bytes) -> list[bytes]:
+        """Take ``data`` (the next bytes of the stream); return the messages it completes.
+
+        Args:
+            data: bytes as received, any split.
+
+        Raises:
+            FrameError: a length over ``max_frame``, or a malformed length.
+        """
+        if self._need:
+            self._pieces.append(data)
+            self._have += len(data)
+            if self._have < self._need:
+                return []
+            buffer = self._buffer + b"".join(self._pieces)
+            self._pieces, self._have, self._need = [], 0, 0
+        else:
+            buffer = self._buffer + data if self._buffer else data
+        messages: list[bytes] = []
+        pos = 0
+        end = len(buffer)
+        while pos < end:
+            length = buffer[pos]
+            start = pos + 1
+            if length & 0x80:  # a multi-byte varint (messages of 128 bytes or more)
+                length &= 0x7F
+                shift = 7
+                while True:
+                    if start >= end:
+                        if start - pos >= _MAX_VARINT_BYTES:
+                            raise FrameError("malformed frame length")
+                        self._buffer = buffer[pos:]
+                        return messages
+                    byte = buffer[start]
+                    start += 1
+                    length |= (byte & 0x7F) << shift
+                    if not byte & 0x80:
+                        break
+                    shift += 7
+                    if start - pos >= _MAX_VARINT_BYTES:
+                        raise FrameError("malformed frame length")
+            if length > self._max:
+                raise FrameError(f"frame of {length} bytes is over the limit of {self._max}")
+            stop = start + length
+            if stop > end:
+                self._buffer = buffer[pos:]
+                self._have = end - pos
+                self._need = stop - pos
+                return messages
+            messages.append(buffer[start:stop])
+            pos = stop
+        self._buffer = buffer[pos:] if pos < end else b""
+        return messages
