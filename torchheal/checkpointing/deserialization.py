@@ -34,6 +34,7 @@ from torchheal.checkpointing._format import (
     VERSION,
     Segment,
     byte_view,
+    crc32,
     dtensor_type,
     segments_of,
     storage_bytes,
@@ -321,7 +322,7 @@ def verify_segment(view: memoryview, seg: Segment) -> None:
     Raises:
         CheckpointError: the bytes differ from what was sent.
     """
-    if zlib.crc32(view[seg.start : seg.end]) != seg.crc:
+    if crc32(view[seg.start : seg.end]) != seg.crc:
         raise CheckpointError(
             f"checkpoint checksum mismatch in storage {seg.storage} bytes "
             f"[{seg.start}, {seg.end}) (corrupted transfer)"

@@ -4,7 +4,9 @@ Server: a stdlib ``ThreadingHTTPServer`` on all interfaces (IPv6 dual-stack when
 ephemeral port, serving ``GET /checkpoint/{step}/{key}`` under the reader side of an
 ``RWLock``; the transport starts *disallowed* (writer lock held, step -1) so nothing is served
 until ``send_checkpoint`` stages a step, and ``disallow_checkpoint`` takes the writer lock
-back before the trainer mutates the state. Keys: ``full`` (header, description and all data),
+back. ``send_checkpoint`` stages a private copy (checksummed as it is copied, into buffers kept
+for the next heal, so their pages are already there): the trainer may change its state as soon
+as it returns, while a healer downloads at its own pace. Keys: ``full`` (header, description and all data),
 ``metadata`` (header and description), ``{i}`` (chunk ``i`` of ``n``; ``n`` from the ``?n=``
 query, else the server's ``num_chunks``). Bodies are the pickle-free format of
 ``serialization``: raw storage bytes written straight from the tensors' memory.
@@ -39,6 +41,7 @@ from torchheal.checkpointing.serialization import (
     DEFAULT_BLOCK_BYTES,
     HEADER,
     StagedCheckpoint,
+    StagingPool,
     allocate_buffers,
     parse_description,
     parse_header,
@@ -190,6 +193,9 @@ class _Handler(BaseHTTPRequestHandler):
 class HTTPTransport(CheckpointTransport[T]):
     """Serves checkpoints over HTTP from this replica and fetches them from peers.
 
+    What is served is a private copy of the state taken by ``send_checkpoint`` (into buffers
+    kept between heals, about one state's worth of host memory once this replica has served).
+
     Args:
         timeout: bound on every lock wait and socket operation (``timedelta`` or seconds).
         num_chunks: 0 fetches one stream; ``n > 0`` fetches ``n`` byte-balanced chunks over
@@ -220,6 +226,7 @@ class HTTPTransport(CheckpointTransport[T]):
         self._lock.w_acquire()  # start disallowed: the initial state is never served
         self._step = -1
         self._staged: StagedCheckpoint | None = None
+        self._pool = StagingPool()
         self._server = _Server(self)
         # A short poll interval keeps shutdown() quick; the idle cost is negligible.
         self._thread = threading.Thread(
@@ -241,6 +248,9 @@ class HTTPTransport(CheckpointTransport[T]):
         """Same as ``address()``."""
         return self.address()
 
+    copies_state = True
+    runs_beside_collectives = True
+
     def allow_checkpoint(self, step: int) -> None:
         """Starts serving the staged state as ``step`` (idempotent).
 
@@ -261,18 +271,22 @@ class HTTPTransport(CheckpointTransport[T]):
     def send_checkpoint(
         self, dst_ranks: list[int], step: int, state_dict: T, timeout: timedelta | None = None
     ) -> None:
-        """Stages ``state_dict`` (CPU copy of accelerator tensors, checksums) and serves it.
+        """Stages a private copy of ``state_dict`` (with its checksums) and serves it.
+
+        Waits (up to the timeout) for downloads of the previous copy, whose buffers are reused.
 
         Args:
             dst_ranks: ignored; any healer holding the token may fetch.
             step: the step served.
-            state_dict: the state; CPU tensors are served by reference until disallowed.
+            state_dict: the state; copied before this returns, so it may change right after.
             timeout: unused; the constructor's timeout bounds the server.
         """
         self.disallow_checkpoint()
-        self._staged = None
+        old, self._staged = self._staged, None
+        if old is not None:
+            self._pool.give_back(old.buffers)  # disallowed: nobody reads them any more
         mark("stage.begin")
-        self._staged = stage(state_dict, step, block_bytes=self._block_bytes)
+        self._staged = stage(state_dict, step, block_bytes=self._block_bytes, pool=self._pool)
         mark("stage.end", nbytes=self._staged.data_bytes)
         self.allow_checkpoint(step)
 

@@ -29,6 +29,15 @@ class CheckpointTimeoutError(CheckpointError, TimeoutError):
 class CheckpointTransport(ABC, Generic[T]):
     """Moves a replica's state to healing peers; generic over the state type ``T``."""
 
+    #: ``send_checkpoint`` serves a private copy taken before it returns: the caller may change
+    #: the state at once, and a healer's download may go on after ``disallow_checkpoint``
+    #: would be due (the Manager then lets it finish instead of making training wait).
+    copies_state: bool = False
+
+    #: ``send_checkpoint`` may run on another thread than the collectives and concurrently with
+    #: them (it does not use the cross-replica process group).
+    runs_beside_collectives: bool = False
+
     @abstractmethod
     def metadata(self) -> str:
         """Returns the string a healing peer needs to reach this transport.
