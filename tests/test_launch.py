@@ -28,7 +28,14 @@ CHILD = textwrap.dedent(
         emit("step", group, step=5, committed=True)
         time.sleep(120)  # the launcher must kill us; the test fails on its deadline otherwise
     if group == 1:  # only the victim reports steps, so only its progress can trigger the kill
+        open(os.path.join(sys.argv[1], "restarted-1"), "a").close()
         emit("step", group, step=6, committed=True)
+    else:
+        # Group 0 finishes only once the victim is back: a finished job restarts nobody.
+        deadline = time.time() + 60
+        while not os.path.exists(os.path.join(sys.argv[1], "restarted-1")):
+            assert time.time() < deadline
+            time.sleep(0.05)
     emit("done", group, step=6, digest="abc")
     """
 )

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from torchheal.launcher import Launcher
+from torchheal.launcher import KillPlan, Launcher
 from torchheal.launcher.proctree import descendants, kill_trees
 
 # Every rank checks the variables torchrun would give it and uses the group's store: rank 0
@@ -240,6 +240,35 @@ def test_kill_trees_reaches_processes_in_other_sessions(tmp_path: Path) -> None:
     while _alive(child) and time.time() < deadline:
         time.sleep(0.02)
     assert not _alive(child)
+
+
+def test_once_a_group_finished_the_dead_are_not_restarted_nor_killed() -> None:
+    script = textwrap.dedent(
+        """
+        import os, sys, time
+        if os.environ["REPLICA_GROUP_ID"] == "0":
+            sys.exit(0)  # finishes its work at once
+        time.sleep(2.0)
+        sys.exit(5)  # dies after the job's work is done
+        """
+    )
+    kills: list[int] = []
+    launcher = Launcher(
+        [sys.executable, "-c", script],
+        replicas=2,
+        lighthouse_addr="http://x:1",
+        kill_plan=KillPlan(every_s=4.0, victims=(1,)),
+        restart_delay_s=0.05,
+        deadline_s=60,
+        on_kill=lambda g, reason: kills.append(g),
+    )
+    result = launcher.run()
+    assert result.error is None and not result.timed_out
+    assert result.groups[0].done and result.groups[0].exit_codes == [0]
+    g = result.groups[1]
+    assert g.stopped and not g.done and g.exit_codes == [5] and len(g.starts) == 1
+    # Restarted, it would have been killed at 4 s; the timer fired into a finished job.
+    assert kills == []
 
 
 def test_launcher_rejects_bad_group_sizes() -> None:

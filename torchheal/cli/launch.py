@@ -270,7 +270,7 @@ def run(args: argparse.Namespace) -> int:
             local.shutdown()
     live.close()
     reports = [
-        GroupReport(g.group, len(g.starts), len(g.kills), g.crashes, g.done)
+        GroupReport(g.group, len(g.starts), len(g.kills), g.crashes, g.done, g.stopped)
         for g in result.groups.values()
     ]
     print(
@@ -279,7 +279,7 @@ def run(args: argparse.Namespace) -> int:
             reports,
             result.ended - result.started,
             result.error,
-            finished=all(g.done for g in result.groups.values()),
+            finished=any(g.done for g in result.groups.values()),
         )
     )
     if result.error is not None:

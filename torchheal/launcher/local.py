@@ -76,6 +76,8 @@ class GroupProcess:
         startup_failures: crashes in a row before a first committed step.
         store_addresses: the TCPStore address of each start.
         done_at: when it finished.
+        stopped: it died after another group had finished the job's work, so it was not
+            restarted (it would have had no peer to heal from, and nothing left to do).
     """
 
     group: int
@@ -91,6 +93,7 @@ class GroupProcess:
     killed: bool = False  # the current start was killed by the launcher
     stepped: bool = False  # the current start committed a step
     done_at: float | None = None  # wall-clock time it finished
+    stopped: bool = False  # died after another group had finished: not restarted
 
     def finish(self) -> None:
         """Marks the group as done (once)."""
@@ -125,7 +128,9 @@ class Launcher:
 
     A group is done when it reports a ``done`` event or every rank exits with 0. When a rank
     exits otherwise, the rest of its group is ended and the group is started again after
-    ``restart_delay_s``.
+    ``restart_delay_s`` - unless a group has already finished: the job's work is then done, a
+    restarted group would have no peer to heal from, so it stays down (``stopped``), and no
+    more failures are injected.
 
     Args:
         command: argv of every rank.
@@ -247,8 +252,12 @@ class Launcher:
         g.kills.append(time.time())
         self._kill_count += 1
 
+    def _finished(self) -> bool:
+        """Some group finished the job's work (the job is ending)."""
+        return any(g.done for g in self._groups.values())
+
     def _next_victim(self) -> int | None:
-        if not self._victims or self._kill_count >= self._plan.max_kills:
+        if not self._victims or self._kill_count >= self._plan.max_kills or self._finished():
             return None
         return self._victims[self._kill_count % len(self._victims)]
 
@@ -296,6 +305,9 @@ class Launcher:
             if g.startup_failures >= self._max_startup_failures:
                 self._error = _crash_loop_message(g, code, tail)
                 return None
+        if self._finished():
+            g.stopped = True
+            return None
         self._on_restart(g.group, code)
         return time.time() + self._restart_delay_s
 
@@ -383,7 +395,9 @@ class Launcher:
         try:
             for g in self._groups.values():
                 self._start(g)
-            while not all(g.done for g in self._groups.values()) and self._error is None:
+            while self._error is None and not all(
+                g.done or g.stopped for g in self._groups.values()
+            ):
                 now = time.time()
                 if now - started > self._deadline_s:
                     timed_out = True
@@ -394,7 +408,10 @@ class Launcher:
                         self._kill(victim, f"timer ({self._plan.every_s}s)")
                     next_timer_kill = now + (self._plan.every_s or 0)
                 for group, when in list(restart_at.items()):
-                    if now >= when:
+                    if self._finished():  # the job ended while this group was down
+                        del restart_at[group]
+                        self._groups[group].stopped = True
+                    elif now >= when:
                         del restart_at[group]
                         self._start(self._groups[group])
                 if self._status is not None and now >= next_status:

@@ -125,6 +125,7 @@ class GroupReport:
         kills: failures injected into it.
         crashes: times it died on its own (not killed by the launcher).
         done: it finished its work.
+        stopped: it died after another group had finished, and was not restarted.
     """
 
     group: int
@@ -132,6 +133,7 @@ class GroupReport:
     kills: int
     crashes: int
     done: bool
+    stopped: bool = False
 
 
 def _rate(value: Any) -> str:
@@ -202,7 +204,12 @@ def render_report(
     lost = sum(f.get("lost_s") or 0.0 for f in failures)
     lines.append(f"seconds lost           {lost:.2f}s (survivors' stall beyond a normal step)")
     for g in groups:
-        state = "finished" if g.done else "stopped"
+        if g.done:
+            state = "finished"
+        elif g.stopped:
+            state = "not restarted: the job had finished"
+        else:
+            state = "stopped"
         lines.append(
             f"  group {g.group}: started {g.starts}x, killed {g.kills}x, crashed {g.crashes}x, "
             f"{state}"
