@@ -464,6 +464,7 @@ class Manager:
         if abort is not None:
             try:
                 abort()
+                self._telemetry.process_group_aborted()
             except Exception as e:
                 self._logger.warning(f"aborting the process group failed: {e}")
 
