@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import re
+import time
 import urllib.request
 
 import pytest
@@ -128,3 +129,24 @@ def test_managers_write_records_and_move_their_metrics(
     assert [c["quorum_id"] for c in commits] == [first] * 4 + [second]
     assert all(set(q) == {"job_id", "replica_id", "rank", "quorum_id", "step"} for q in quorums)
     assert all(r.getMessage() == "" for r in caplog.records if r.name.startswith("torchft_"))
+
+
+def test_a_lost_member_aborts_the_group_counted_and_recorded(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("JOB_ID", "job-8")
+    monkeypatch.setenv("TORCHHEAL_METRICS_PORT", "0")
+    monkeypatch.setenv("TORCHHEAL_METRICS_HOST", "127.0.0.1")
+    caplog.set_level(logging.INFO, logger="torchft_errors")
+    caplog.set_level(logging.INFO, logger="torchheal.manager")
+    with lighthouse(min_replicas=1, join_timeout_ms=5000) as lh, replica(lh, "a") as a:
+        port = a.manager._telemetry.server.port
+        with replica(lh, "b") as b:
+            assert run_parallel(lambda: step(a), lambda: step(b)) == [True, True]
+        # b is gone: the lighthouse tells a, whose Manager aborts its cross-replica group.
+        deadline = time.monotonic() + 20
+        while scrape(port)["torchheal_trainer_process_group_aborts_total"] < 1:
+            assert time.monotonic() < deadline, "the abort was never counted"
+            time.sleep(0.05)
+    errors = [r for r in caplog.records if r.name == "torchft_errors"]
+    assert errors and errors[0].error == "process_group_abort" and errors[0].job_id == "job-8"
