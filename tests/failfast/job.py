@@ -1,0 +1,281 @@
+"""The fail-fast tests' job: replica groups as processes the test kills, freezes and restarts.
+
+The test process plays the scheduler. It runs the lighthouse (``tests.cluster.lighthouse``),
+starts each group as ``python -m tests.failfast.worker`` and reads the workers' event lines as
+they come, so it can act at a precise point (kill a group after a step, freeze one inside its
+comm hook) and hold a restart back until the survivors have shown they go on without it.
+
+Every wait polls a condition with a deadline; only processes this job started are ever signalled,
+by their own pid. A worker that exits in a way the test did not cause fails the wait at once, with
+the tail of its log.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tests.failfast.worker import PREFIX
+
+ROOT = Path(__file__).resolve().parents[2]
+
+Event = dict[str, Any]
+
+
+@dataclass
+class Proc:
+    """One incarnation of one group."""
+
+    group: int
+    incarnation: int
+    popen: subprocess.Popen[str]
+    log: Path
+    out: Path
+    started: float
+    killed: bool = False  # the test SIGKILLed it (or it was told to kill itself)
+    reader: threading.Thread | None = field(default=None, repr=False)
+
+
+class Job:
+    """Replica groups of ``tests.failfast.worker`` against one lighthouse.
+
+    Args:
+        tmp: a directory for logs, the target file and the final states.
+        lighthouse: the lighthouse's URL.
+        groups: the job's group count (the workers' notion of a full commit).
+        impl: "torchheal" or "torchft" (the reference's Manager).
+        timeout_s: the workers' collective and commit timeout.
+    """
+
+    def __init__(
+        self,
+        tmp: Path,
+        lighthouse: str,
+        groups: int,
+        *,
+        impl: str = "torchheal",
+        timeout_s: float = 10.0,
+    ) -> None:
+        self.tmp = tmp
+        self.lighthouse = lighthouse
+        self.groups = groups
+        self.impl = impl
+        self.timeout_s = timeout_s
+        self.target_file = tmp / "target"
+        self.procs: dict[int, list[Proc]] = {}
+        self.events: list[Event] = []
+        self._cond = threading.Condition()
+
+    # -- processes ------------------------------------------------------------------------
+
+    def start(self, group: int, *flags: str) -> Proc:
+        """Starts the next incarnation of ``group`` (``flags``: more worker options)."""
+        incarnation = len(self.procs.get(group, []))
+        log = self.tmp / f"g{group}i{incarnation}.log"
+        out = self.tmp / f"g{group}i{incarnation}.pt"
+        cmd = [
+            sys.executable,
+            "-m",
+            "tests.failfast.worker",
+            "--impl",
+            self.impl,
+            "--group",
+            str(group),
+            "--incarnation",
+            str(incarnation),
+            "--groups",
+            str(self.groups),
+            "--lighthouse",
+            self.lighthouse,
+            "--target-file",
+            str(self.target_file),
+            "--out",
+            str(out),
+            "--timeout",
+            str(self.timeout_s),
+            *flags,
+        ]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "RUST_LOG": "warn"}
+        with open(log, "w") as err:
+            popen = subprocess.Popen(
+                cmd,
+                cwd=ROOT,
+                env=env,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=err,
+                text=True,
+            )
+        proc = Proc(group, incarnation, popen, log, out, time.time())
+        proc.reader = threading.Thread(target=self._read, args=(proc,), daemon=True)
+        proc.reader.start()
+        self.procs.setdefault(group, []).append(proc)
+        return proc
+
+    def current(self, group: int) -> Proc:
+        return self.procs[group][-1]
+
+    def _read(self, proc: Proc) -> None:
+        assert proc.popen.stdout is not None
+        for line in proc.popen.stdout:
+            if line.startswith(PREFIX):
+                event = json.loads(line[len(PREFIX) :])
+                event.setdefault("group", proc.group)
+                event.setdefault("inc", proc.incarnation)
+                with self._cond:
+                    self.events.append(event)
+                    self._cond.notify_all()
+        with self._cond:
+            self._cond.notify_all()  # its exit may be what a waiter looks for
+
+    def signal(self, group: int, sig: signal.Signals) -> float:
+        """Sends ``sig`` to ``group``'s current process; returns when (wall clock)."""
+        proc = self.current(group)
+        assert proc.popen.poll() is None, f"g{group} is not running"
+        if sig == signal.SIGKILL:
+            proc.killed = True
+        now = time.time()
+        proc.popen.send_signal(sig)
+        return now
+
+    def kill(self, group: int) -> float:
+        """SIGKILLs ``group``'s current process and reaps it; returns when it was sent."""
+        when = self.signal(group, signal.SIGKILL)
+        self.current(group).popen.wait(timeout=30)
+        return when
+
+    def release(self, group: int) -> None:
+        """Lets a group that holds in its comm hook (``--hold-at-step``) go on."""
+        stdin = self.current(group).popen.stdin
+        assert stdin is not None
+        stdin.write("go\n")
+        stdin.flush()
+
+    def expect_death(self, group: int) -> None:
+        """The group's current process will SIGKILL itself (``--die-in-hook-at-step``)."""
+        self.current(group).killed = True
+
+    # -- waiting --------------------------------------------------------------------------
+
+    def wait_for(self, what: str, predicate: Callable[[list[Event]], Any], timeout_s: float) -> Any:
+        """Polls ``predicate(events)`` until it returns something truthy, which is returned.
+
+        Raises:
+            AssertionError: the deadline passed (``what`` says what was awaited), or a process
+                exited in a way the test did not cause.
+        """
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while True:
+                result = predicate(self.events)
+                if result:
+                    return result
+                self._check_exits()
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise AssertionError(
+                        f"timed out after {timeout_s:.0f}s waiting for {what}\n" + self.describe()
+                    )
+                self._cond.wait(min(left, 0.5))
+
+    def _check_exits(self) -> None:
+        for procs in self.procs.values():
+            for p in procs:
+                code = p.popen.poll()
+                if code not in (None, 0) and not (p.killed and code == -signal.SIGKILL):
+                    raise AssertionError(
+                        f"g{p.group} incarnation {p.incarnation} exited with {code}\n"
+                        + self.describe()
+                    )
+
+    def describe(self) -> str:
+        """Each process's state, last events and log tail (for failure messages)."""
+        lines = []
+        for procs in self.procs.values():
+            for p in procs:
+                mine = [
+                    e for e in self.events if (e["group"], e["inc"]) == (p.group, p.incarnation)
+                ]
+                lines.append(
+                    f"--- g{p.group}i{p.incarnation} exit={p.popen.poll()} killed={p.killed} "
+                    f"events={len(mine)} last={mine[-3:]}"
+                )
+                tail = p.log.read_text(errors="replace").splitlines()[-15:]
+                lines += [f"    {t}" for t in tail]
+        return "\n".join(lines)
+
+    # -- queries ----------------------------------------------------------------------------
+
+    @staticmethod
+    def commits(events: list[Event], group: int | None = None, since: float = 0.0) -> list[Event]:
+        """Committed step events (of ``group``, after wall time ``since``)."""
+        return [
+            e
+            for e in events
+            if e["kind"] == "step"
+            and e["committed"]
+            and (group is None or e["group"] == group)
+            and e["time"] > since
+        ]
+
+    def top_step(self) -> int:
+        with self._cond:
+            return max((e["after"] for e in self.commits(self.events)), default=0)
+
+    # -- the end ------------------------------------------------------------------------------
+
+    def finish(
+        self, margin: int = 10, timeout_s: float = 60.0
+    ) -> dict[int, dict[str, torch.Tensor]]:
+        """Lets every group stop at a common step and returns each group's final weights.
+
+        The target is ``margin`` steps past the highest step seen, so no group has reached it
+        when the file appears; the workers then stop at the first full commit at or past it.
+        """
+        target = self.top_step() + margin
+        tmp = self.target_file.with_suffix(".tmp")
+        tmp.write_text(str(target))
+        tmp.replace(self.target_file)
+        current = [procs[-1] for procs in self.procs.values()]
+        self.wait_for(
+            f"every group to stop at a full commit >= step {target}",
+            lambda events: all(p.popen.poll() == 0 for p in current),
+            timeout_s,
+        )
+        for p in current:
+            assert p.reader is not None
+            p.reader.join(timeout=10)
+        return {p.group: torch.load(p.out, weights_only=True) for p in current}
+
+    def close(self) -> None:
+        """Ends every process this job started that is still running (by its pid).
+
+        With ``FAILFAST_EVENTS=DIR`` set, the events are also written to ``DIR`` (a timeline
+        to look at when a test is slow or fails).
+        """
+        keep = os.environ.get("FAILFAST_EVENTS")
+        if keep:
+            name = f"events-{os.getpid()}-{time.time():.0f}.json"
+            Path(keep, name).write_text(json.dumps(self.events))
+        for procs in self.procs.values():
+            for p in procs:
+                if p.popen.poll() is None:
+                    p.popen.kill()  # a stopped process dies of SIGKILL too
+                    p.popen.wait(timeout=30)
+                if p.reader is not None:
+                    p.reader.join(timeout=10)
+                if p.popen.stdin is not None:
+                    p.popen.stdin.close()
+                if p.popen.stdout is not None:
+                    p.popen.stdout.close()

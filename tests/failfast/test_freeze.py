@@ -1,0 +1,113 @@
+"""A group frozen (SIGSTOP) in the middle of an allreduce never hangs the job.
+
+Three replica groups (real processes, as in ``test_kill.py``) train at ``min_replicas=1`` with a
+60 s collective timeout. Group 2 enters its DDP comm hook and stops there before sending its
+data (the worker's ``--hold-after``: it writes a ``reducing`` line, then waits); the test
+SIGSTOPs it at that marker. The two others are in the same allreduce, waiting for its data, and a
+frozen process keeps its sockets open: nothing but the lighthouse can release them.
+
+The lighthouse runs with a heartbeat timeout of 2 s instead of the reference's 5 s, only to keep
+the test short: the mechanism is the same at any value (the frozen group stops heartbeating, the
+lighthouse drops it when its heartbeat expires and tells every session that a member of the
+quorum is lost; each survivor's Manager aborts its cross-replica group, which cuts the Gloo pair
+sockets, so the allreduce fails now instead of at its 60 s timeout).
+
+Checked: the survivors entered the frozen group's collective and that step did not commit for
+them; they then commit steps without it well within the collective's timeout (the test's bound,
+30 s, is half of it); after SIGCONT the frozen group finds its collective broken, rejoins, heals
+and trains with the others; every process exits by itself; all end bit-identical. Final weights
+are also compared with the replayed history, to 1e-4 relative (steps with three contributions are
+summed by Gloo in an order of its own).
+"""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import pytest
+
+from tests.cluster import lighthouse, url
+from tests.failfast.job import Event, Job
+from tests.failfast.replay import assert_identical, assert_replayed, history
+from tests.failfast.test_kill import START_BOUND_S, all_together
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+GROUPS = 3
+VICTIM = 2
+ALONE_STEPS = 5
+#: Half the collectives' 60 s timeout: a survivor released only by that timeout fails the bound.
+RELEASE_BOUND_S = 30.0
+
+
+def test_sigstop_inside_an_allreduce(tmp_path: Path) -> None:
+    with lighthouse(
+        min_replicas=1, join_timeout_ms=100, quorum_tick_ms=100, heartbeat_timeout_ms=2_000
+    ) as lh:
+        job = Job(tmp_path, url(lh), GROUPS, timeout_s=60.0)
+        try:
+            for g in range(GROUPS):
+                job.start(g, *(["--hold-after", "3"] if g == VICTIM else []))
+            held = job.wait_for(
+                f"g{VICTIM} to hold inside its comm hook",
+                lambda events: next((e for e in events if e["kind"] == "reducing"), None),
+                START_BOUND_S,
+            )
+            stopped_at = job.signal(VICTIM, signal.SIGSTOP)
+            survivors = [g for g in range(GROUPS) if g != VICTIM]
+            collective = (held["step"], held["quorum_id"])
+
+            def entered(events: list[Event]) -> bool:
+                return all(
+                    any(
+                        e["kind"] == "reduce"
+                        and e["group"] == g
+                        and (e["step"], e["quorum_id"]) == collective
+                        for e in events
+                    )
+                    for g in survivors
+                )
+
+            job.wait_for("the survivors to enter the frozen group's collective", entered, 30.0)
+
+            def released(events: list[Event]) -> bool:
+                return all(
+                    sum(
+                        1
+                        for e in Job.commits(events, g, since=stopped_at)
+                        if e["reduce"]["divisor"] == GROUPS - 1
+                    )
+                    >= ALONE_STEPS
+                    for g in survivors
+                )
+
+            job.wait_for(
+                f"the survivors to commit {ALONE_STEPS} steps without the frozen group "
+                f"(bound {RELEASE_BOUND_S:.0f}s, collectives time out after 60s)",
+                released,
+                RELEASE_BOUND_S,
+            )
+            for g in survivors:
+                attempt = next(
+                    e
+                    for e in job.events
+                    if e["kind"] == "step"
+                    and e["group"] == g
+                    and e["reduce"] is not None
+                    and (e["reduce"]["step"], e["reduce"]["quorum_id"]) == collective
+                )
+                assert not attempt["committed"], f"g{g} committed the frozen collective: {attempt}"
+
+            woken_at = job.signal(VICTIM, signal.SIGCONT)
+            job.release(VICTIM)
+            all_together(job, min_commits=2, since=woken_at)
+            woke = [e for e in Job.commits(job.events, VICTIM) if e["time"] > stopped_at]
+            assert not woke[0]["reduce"]["participating"], (
+                f"the frozen group's first commit after waking was not a heal: {woke[0]}"
+            )
+            states = job.finish()
+            assert_identical(states)
+            assert_replayed(states[0], history(job.events), exact=False)
+        finally:
+            job.close()

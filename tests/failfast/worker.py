@@ -1,0 +1,201 @@
+"""One replica group (one rank) of the fail-fast tests, run as its own process.
+
+    python -m tests.failfast.worker --group G --incarnation I --groups N --lighthouse URL \
+        --target-file F --out OUT [--impl torchheal|torchft] \
+        [--hold-after N] [--die-after N] [--timeout S]
+
+It trains the small MLP of ``tests/integration/workers.py`` under fault-tolerant DDP at
+``min_replica_size=1``, on the batches of that module (a function of group and step), with SGD
+and momentum (the momentum buffers are optimizer state a healing group must receive). Every
+manager name used exists in torchheal and in the reference (torchft), so ``--impl torchft`` runs
+the same job on the reference's Manager.
+
+It prints one ``@ff {json}`` line per event on stdout (flushed, so the lines a process wrote
+before a SIGKILL are still read):
+
+* ``ready``: the Manager is constructed.
+* ``reduce``: the DDP comm hook is about to reduce step ``step`` in quorum ``quorum_id``;
+  ``participating`` (False: this group heals and sends zeros) and ``divisor`` (what the sum is
+  divided by). A test replays the job's history from these lines.
+* ``reducing``: (``--hold-after N``) the group is inside its comm hook, in the step after its
+  N-th full commit, and will not contribute until a line arrives on its stdin; the test freezes
+  it there, while the other groups wait in the collective for its data.
+* ``dying``: (``--die-after N``) in the step after its N-th full commit, the group started the
+  allreduce and SIGKILLs itself now, from inside backward.
+* ``step``: one iteration ended: ``before``/``after`` step, ``committed``, and the ``reduce``
+  record of the attempt (None when the step failed before reducing).
+* ``done``: the group stopped (see below); its final weights are in ``--out``.
+
+Stopping: once the test writes a target step into ``--target-file`` (atomically), a group stops
+at the first step >= target whose commit was *full* (all ``--groups`` groups contributed and the
+divisor was the group count). Every group sees the same full commit, so all stop at the same step
+with the same weights; a group that lagged behind (left out of a round, healing) keeps going with
+the others until such a commit. Injected failures apply to the first incarnation only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import signal
+import sys
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tests.integration.workers import batch, make_model
+
+PREFIX = "@ff "
+LR = 0.05
+MOMENTUM = 0.9
+
+
+def seed_of(group: int, incarnation: int) -> int:
+    """The seed of a group's initial weights (every incarnation starts from different ones)."""
+    return 1 + 10 * group + incarnation
+
+
+def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    """The optimizer every group (and the test's replay) uses."""
+    return torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+
+
+def emit(kind: str, **fields: Any) -> None:
+    sys.stdout.write(PREFIX + json.dumps({"kind": kind, "time": time.time(), **fields}) + "\n")
+    sys.stdout.flush()
+
+
+def read_target(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            return int(f.read())
+    except FileNotFoundError:
+        return None
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--impl", choices=["torchheal", "torchft"], default="torchheal")
+    p.add_argument("--group", type=int, required=True)
+    p.add_argument("--incarnation", type=int, default=0)
+    p.add_argument("--groups", type=int, required=True, help="the job's group count")
+    p.add_argument("--lighthouse", required=True)
+    p.add_argument("--target-file", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--timeout", type=float, default=10.0, help="collectives and should_commit")
+    p.add_argument("--hold-after", type=int, default=-1, help="full commits, then hold once")
+    p.add_argument("--die-after", type=int, default=-1, help="full commits, then die")
+    args = p.parse_args()
+    first = args.incarnation == 0
+
+    torch.set_num_threads(1)
+    ft = importlib.import_module(args.impl)
+    model = make_model(seed_of(args.group, args.incarnation))
+    inner = make_optimizer(model)
+    timeout = timedelta(seconds=args.timeout)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    manager = ft.Manager(
+        pg=ft.ProcessGroupGloo(timeout=timeout),
+        load_state_dict=lambda sd: (
+            model.load_state_dict(sd["model"]),
+            inner.load_state_dict(sd["optim"]),
+        ),
+        state_dict=lambda: {"model": model.state_dict(), "optim": inner.state_dict()},
+        min_replica_size=1,
+        timeout=timeout,
+        quorum_timeout=timedelta(seconds=60),
+        connect_timeout=timedelta(seconds=10),
+        rank=0,
+        world_size=1,
+        store_addr="127.0.0.1",
+        store_port=store.port,
+        lighthouse_addr=args.lighthouse,
+        replica_id=f"g{args.group}",
+    )
+    emit("ready", group=args.group, inc=args.incarnation, pid=os.getpid())
+
+    attempt: dict[str, Any] = {}
+    full_commits = 0
+    held = False
+    reduce = manager.allreduce
+
+    def allreduce(tensor: torch.Tensor, *a: Any, **k: Any) -> Any:
+        # DDP's comm hook calls manager.allreduce: this instance attribute sees every bucket.
+        nonlocal held
+        record = None
+        if not manager.errored() and "reduce" not in attempt:
+            manager.wait_quorum()
+            record = {
+                "step": manager.current_step(),
+                "quorum_id": manager._quorum_id,
+                "participating": bool(manager.is_participating()),
+                "divisor": manager.num_participants(),
+                "batch_step": attempt["batch_step"],
+            }
+            attempt["reduce"] = record
+            emit("reduce", group=args.group, inc=args.incarnation, **record)
+            if first and not held and 0 <= args.hold_after <= full_commits:
+                held = True
+                emit("reducing", group=args.group, **record)
+                sys.stdin.readline()  # the test freezes us here, then lets us go on
+        work = reduce(tensor, *a, **k)
+        if first and record is not None and 0 <= args.die_after <= full_commits:
+            emit("dying", group=args.group, **record)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return work
+
+    manager.allreduce = allreduce
+    ddp = ft.DistributedDataParallel(manager, model)
+    optimizer = ft.Optimizer(manager, inner)
+
+    target: int | None = None
+    last_full = False
+    while True:
+        step = manager.current_step()
+        if target is None:
+            target = read_target(args.target_file)
+            if target is not None and step >= target:
+                emit("error", group=args.group, message=f"target {target} already passed: {step}")
+                sys.exit(3)
+        if target is not None and step >= target and last_full:
+            break
+        attempt.clear()
+        optimizer.zero_grad()
+        # A healing group's step may still move (the quorum runs in the background), but it
+        # sends zeros; a contributing group is at the step it computes.
+        attempt["batch_step"] = manager.current_step()
+        x, y = batch(args.group, 0, attempt["batch_step"])
+        nn.functional.mse_loss(ddp(x), y).backward()
+        optimizer.step()
+        after = manager.current_step()
+        record = attempt.get("reduce")
+        committed = after > step
+        last_full = (
+            committed
+            and record is not None
+            and record["participating"]
+            and record["divisor"] == args.groups
+        )
+        full_commits += last_full
+        emit(
+            "step",
+            group=args.group,
+            inc=args.incarnation,
+            before=step,
+            after=after,
+            committed=committed,
+            reduce=record,
+        )
+    torch.save({k: v.clone() for k, v in model.state_dict().items()}, args.out)
+    emit("done", group=args.group, inc=args.incarnation, step=manager.current_step())
+    manager.shutdown()
+
+
+if __name__ == "__main__":
+    main()
