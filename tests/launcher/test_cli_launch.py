@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -94,3 +95,32 @@ def test_launch_needs_a_command() -> None:
     done = _run(["launch", "--replicas", "2"], timeout=60)
     assert done.returncode == 2
     assert "give the training command after --" in done.stderr
+
+
+def test_launch_with_a_lighthouse_of_its_own_reads_its_dashboard() -> None:
+    from torchheal.launcher.lighthouse import LocalLighthouse
+
+    lh = LocalLighthouse(dashboard_port=0)
+    try:
+        ok = f"import os; assert os.environ['TORCHHEAL_LIGHTHOUSE'] == {lh.address!r}"
+        done = _run(
+            ["launch", "--replicas", "1", "--lighthouse", lh.address,
+             "--lighthouse-dashboard", lh.dashboard_url, "--", sys.executable, "-c", ok],
+            timeout=120,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert f"[launch] dashboard: {lh.dashboard_url}" in done.stdout
+        # No dashboard there (a port the OS just handed out, closed): said once, and the
+        # launch still runs.
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            nobody = f"127.0.0.1:{sock.getsockname()[1]}"
+        silent = _run(
+            ["launch", "--replicas", "1", "--lighthouse", lh.address,
+             "--lighthouse-dashboard", nobody, "--", sys.executable, "-c", ok],
+            timeout=120,
+        )  # fmt: skip
+        assert silent.returncode == 0, silent.stdout + silent.stderr
+        assert f"no lighthouse dashboard answers at http://{nobody}" in silent.stdout
+    finally:
+        lh.shutdown()
