@@ -12,27 +12,55 @@ ManagerServer) is :class:`~torchheal.coordination.rpc.in_process.InProcessCaller
 from __future__ import annotations
 
 import logging
+import math
+import os
+import socket
+import threading
+import time
 from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
 import grpc
 
+from torchheal._base.timeouts import to_seconds
 from torchheal._wire import methods
 from torchheal._wire import session_pb2 as spb
 from torchheal._wire import torchft_pb2 as pb
 from torchheal.coordination import convert
+from torchheal.coordination.rpc.addresses import parse_address
 from torchheal.coordination.rpc.channels import UnaryCaller, connect, serialize
-from torchheal.coordination.rpc.errors import rpc_error_to_exception
+from torchheal.coordination.rpc.errors import RPCError, rpc_error_to_exception, status_error
+from torchheal.coordination.session_client import (
+    DirectSession,
+    Refused,
+    SessionBroken,
+    heartbeat_request,
+    issued_quorum,
+)
 from torchheal.coordination.types import Quorum, QuorumResult
 
 __all__ = ["LighthouseClient", "ManagerClient"]
 
 logger: logging.Logger = logging.getLogger(__name__)
 
+# Asking a lighthouse what it offers, and reaching its direct lane, take a round trip on a
+# network that works; a lane that is not reachable must not hold a client up for long.
+DESCRIBE_TIMEOUT_S = 5.0
+DIRECT_CONNECT_TIMEOUT_S = 5.0
+# How much longer than a call's timeout a client waits for the lighthouse's own answer.
+LOCAL_TIMEOUT_GRACE_S = 0.25
+
 
 class LighthouseClient:
     """Client of the lighthouse, for tools and tests that talk to it directly.
+
+    With a torchheal lighthouse, calls travel on one session over the lighthouse's direct TCP
+    lane (``session_client.py``), several times cheaper than a gRPC call; it is *detached*: it
+    speaks for no replica group, so closing it declares nobody dead, and liveness comes from
+    heartbeats exactly as with the reference. A reference lighthouse (or one whose lane cannot
+    be reached) is called with the reference's unary ``Heartbeat``/``Quorum``. Either way the
+    results and errors are the reference's.
 
     Args:
         addr: the lighthouse address, ``http://host:port`` or ``host:port``.
@@ -45,9 +73,24 @@ class LighthouseClient:
 
     def __init__(self, addr: str, connect_timeout: timedelta) -> None:
         self._addr = addr
+        started = time.monotonic()
         self._channel = connect(addr, connect_timeout)
         self._quorum = UnaryCaller(self._channel, methods.LIGHTHOUSE_QUORUM, addr)
         self._heartbeat = UnaryCaller(self._channel, methods.LIGHTHOUSE_HEARTBEAT, addr)
+        self._quorum_what = f"LighthouseService/Quorum to {addr}"
+        self._heartbeat_what = f"LighthouseService/Heartbeat to {addr}"
+        self._connect_s = to_seconds(connect_timeout)
+        self._host = parse_address(addr)[0]
+        self._lock = threading.Lock()
+        self._session: DirectSession | None = None
+        self._closed = False
+        remaining = max(0.1, self._connect_s - (time.monotonic() - started))
+        self._direct_port = _direct_port(self._channel, addr, min(remaining, DESCRIBE_TIMEOUT_S))
+
+    @property
+    def direct(self) -> bool:
+        """Whether calls go over the lighthouse's direct session lane (False: unary gRPC)."""
+        return self._direct_port != 0
 
     def quorum(
         self,
@@ -89,15 +132,30 @@ class LighthouseClient:
             shrink_only=shrink_only,
             data=convert.data_to_wire(data),
         )
-        response = self._quorum(pb.LighthouseQuorumRequest(requester=member), timeout)
-        if not response.HasField("quorum"):
-            raise RuntimeError(f"lighthouse {self._addr} answered without a quorum")
-        # Other members' data is passed through leniently: a peer of another implementation
-        # may put any string there, and one odd member must not make the whole quorum unusable.
-        return convert.quorum_from_pb(response.quorum, strict_data=False)
+        session = self._open_session()
+        if session is None:
+            response = self._quorum(pb.LighthouseQuorumRequest(requester=member), timeout)
+            if not response.HasField("quorum"):
+                raise RuntimeError(f"lighthouse {self._addr} answered without a quorum")
+            return convert.quorum_from_pb(response.quorum, strict_data=False)
+        timeout_s = to_seconds(timeout)
+        request_id = session.next_id()
+        request = spb.SessionRequest(
+            quorum=spb.QuorumRequest(
+                request_id=request_id,
+                requester=member,
+                timeout_ms=max(1, math.ceil(timeout_s * 1000)),
+            )
+        ).SerializeToString()
+        event = self._call(session, request_id, request, timeout_s, self._quorum_what)
+        issued = issued_quorum(event)
+        if issued is not None:
+            return _decode_quorum(issued[1])
+        parsed = spb.SessionEvent.FromString(event)
+        return _decode_quorum(parsed.quorum.quorum.SerializeToString())
 
     def heartbeat(self, replica_id: str, timeout: timedelta = timedelta(seconds=5)) -> None:
-        """Tell the lighthouse this replica is alive.
+        """Tell the lighthouse this replica is alive; returns once the lighthouse recorded it.
 
         Args:
             replica_id: the replica group's id.
@@ -107,11 +165,120 @@ class LighthouseClient:
             TimeoutError: no answer within ``timeout``.
             RuntimeError: the lighthouse rejected the call or could not be reached.
         """
-        self._heartbeat(pb.LighthouseHeartbeatRequest(replica_id=replica_id), timeout)
+        session = self._open_session()
+        if session is None:
+            self._heartbeat(pb.LighthouseHeartbeatRequest(replica_id=replica_id), timeout)
+            return
+        ack = session.next_id()
+        self._call(
+            session,
+            ack,
+            heartbeat_request(replica_id, ack),
+            to_seconds(timeout),
+            self._heartbeat_what,
+        )
 
     def close(self) -> None:
         """Close the connection; later calls fail with ``RuntimeError``."""
+        with self._lock:
+            self._closed = True
+            session, self._session = self._session, None
+        if session is not None:
+            session.close()
         self._channel.close()
+
+    # ------------------------------------------------------------------------------------------
+
+    def _open_session(self) -> DirectSession | None:
+        """The live direct session (opened, or reopened after a break); None: use unary."""
+        if not self._direct_port:
+            return None
+        session = self._session
+        if session is not None and not session.broken:
+            return session
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(f"LighthouseClient of {self._addr} is closed")
+            session = self._session
+            if session is not None and not session.broken:
+                return session
+            try:
+                session = DirectSession(
+                    self._host,
+                    self._direct_port,
+                    f"client:{socket.gethostname()}:{os.getpid()}",
+                    min(self._connect_s, DIRECT_CONNECT_TIMEOUT_S),
+                )
+            except (OSError, SessionBroken) as e:
+                # A lane the network does not let through (a firewall, a port not exposed):
+                # the gRPC port works, so keep to the unary calls.
+                logger.warning(
+                    "lighthouse %s: its direct session lane (port %d) cannot be reached (%s); "
+                    "using unary gRPC calls",
+                    self._addr,
+                    self._direct_port,
+                    e,
+                )
+                self._direct_port = 0
+                return None
+            self._session = session
+            return session
+
+    def _call(
+        self, session: DirectSession, request_id: int, request: bytes, timeout_s: float, what: str
+    ) -> bytes:
+        try:
+            # The lighthouse answers a request that timed out itself; our own limit, a little
+            # later, only covers a lighthouse that does not answer at all.
+            answer = session.call(request_id, request, timeout_s + LOCAL_TIMEOUT_GRACE_S)
+        except TimeoutError:
+            raise TimeoutError(
+                f'{what} failed: status: Cancelled, message: "Timeout expired" '
+                f"(no answer within {timeout_s:g}s)"
+            ) from None
+        except SessionBroken as e:
+            raise status_error(what, grpc.StatusCode.UNAVAILABLE, str(e)) from None
+        if isinstance(answer, Refused):
+            if answer.code in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
+                raise TimeoutError(
+                    f'{what} failed: status: Cancelled, message: "Timeout expired" '
+                    f"({answer.message})"
+                )
+            raise status_error(what, answer.code, answer.message)
+        return answer
+
+
+def _direct_port(channel: grpc.Channel, addr: str, timeout_s: float) -> int:
+    """The lighthouse's direct session port; 0 for a reference lighthouse (or none)."""
+    describe = UnaryCaller(channel, methods.LIGHTHOUSE_DESCRIBE, addr)
+    try:
+        return describe(spb.DescribeRequest(), timeout_s).session_port
+    except RPCError as e:
+        if e.code != grpc.StatusCode.UNIMPLEMENTED:
+            logger.info("lighthouse %s: Describe failed (%s); using unary gRPC calls", addr, e)
+        return 0
+    except TimeoutError:
+        logger.info("lighthouse %s: Describe timed out; using unary gRPC calls", addr)
+        return 0
+
+
+# Several clients in one process (tests, simulations of many groups) receive the same quorum
+# bytes in a round: the last one decoded is kept, so they are decoded once, not once per client.
+# Only quorums without member data are shared (every other part of a Quorum is immutable).
+_last_decoded: tuple[bytes, Quorum] | None = None
+
+
+def _decode_quorum(data: bytes) -> Quorum:
+    global _last_decoded
+    last = _last_decoded
+    if last is not None and last[0] == data:
+        return last[1]
+    # Other members' data is passed through leniently: a peer of another implementation
+    # may put any string there, and one odd member must not make the whole quorum unusable.
+    quorum = convert.quorum_from_pb(pb.Quorum.FromString(data), strict_data=False)
+    if all(m.data is None for m in quorum.participants):
+        _last_decoded = (data, quorum)
+    return quorum
 
 
 class ManagerClient:
