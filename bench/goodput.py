@@ -1,0 +1,753 @@
+"""Goodput: how much training a job keeps while replica groups keep dying (issue 9's headline).
+
+Three replica groups (1 rank each, its own process and TCPStore, Gloo) train an MLP of ~6.3M
+parameters (1024-2048-1536-512) with AdamW, batch 32, one torch thread, under fault-tolerant DDP
+at ``min_replica_size=1``, against a lighthouse in its own process (the CLI) at the reference's
+defaults: ``min_replicas=1``, join timeout 100 ms, tick 100 ms, heartbeat timeout 5 s.
+
+Once every group has committed in one quorum (plus ``--warmup`` seconds), the job trains
+``--healthy`` seconds without failures, then ``--failing`` seconds during which a random non-zero
+group is SIGKILLed every ``--kill-every`` seconds (first kill at the start of that phase) and
+started again ``--restart-delay`` seconds later. The same run is done with the reference
+(torchft managers and the torchft lighthouse) when it is installed, with the same victims.
+
+Reported, failures phase over healthy phase:
+
+* job steps/s: distinct committed step numbers (a step counts once, whoever committed it);
+* commits/s: every group's commits;
+* the longest job stall in each phase: the longest gap between consecutive new job steps.
+
+And per kill: the survivors' longest gap between two of their own commits from the kill until the
+next kill (or the end), split into the gap around the kill and the longest gap while the restarted
+group joins (from its Manager's construction to its third commit); the restarted group's kill ->
+first commit, restart (process start) -> first commit, its start-up (interpreter, torch and library
+imports, model and optimizer built: paid by both libraries, its own column), the Manager's
+construction, and Manager constructed -> first commit.
+
+Goals (issue 9): job steps >= 0.99, commits >= 0.97, no survivor gap over 0.5 s.
+
+    python -m bench.goodput                      # ~5 min on 2 cores with the reference
+    python -m bench.goodput --impls torchheal --healthy 30 --failing 40 --timeline
+
+On a shared machine the load drifts between two phases a minute apart; ``--interleave``
+alternates healthy and failing blocks of ``--kill-every`` seconds instead (a kill at the start of
+each failing block), so drift hits both alike. ``--control`` kills nothing in the second phase: the ratios it prints are this machine's noise
+floor (two failure-free phases of one run). ``--timeline`` prints, for each kill, every group's steps around it (quorum start, backward with the
+allreduce and the quorum wait, optimizer step with the commit vote), which shows where a long gap
+went. ``--out DIR`` keeps every event and the lighthouse's log.
+"""
+
+from __future__ import annotations
+
+import time
+
+T_EXEC = time.time()  # the worker's first line: interpreter start-up happens before it
+
+import argparse  # noqa: E402
+import contextlib  # noqa: E402
+import importlib  # noqa: E402
+import itertools  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import queue  # noqa: E402
+import random  # noqa: E402
+import signal  # noqa: E402
+import socket  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import threading  # noqa: E402
+from collections.abc import Iterator  # noqa: E402
+from dataclasses import asdict, dataclass  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+PREFIX = "@goodput "
+
+# ---------------------------------------------------------------------------------------------
+# Worker: one replica group
+
+
+def _emit(kind: str, **fields: Any) -> None:
+    sys.stdout.write(PREFIX + json.dumps({"kind": kind, "t": time.time(), **fields}) + "\n")
+    sys.stdout.flush()
+
+
+def worker(args: argparse.Namespace) -> None:
+    _emit("exec", t=T_EXEC)
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    ft = importlib.import_module(args.impl)
+    # The library's own (lazy) imports belong to start-up too.
+    _ = (ft.Manager, ft.ProcessGroupGloo, ft.DistributedDataParallel, ft.Optimizer)
+    importlib.import_module(f"{args.impl}.checkpointing")
+    _emit("imported")
+    torch.set_num_threads(1)  # three groups share the cores
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(1024, 2048),
+        nn.ReLU(),
+        nn.Linear(2048, 1536),
+        nn.ReLU(),
+        nn.Linear(1536, 512),
+    )
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    timeout = timedelta(seconds=60)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    # The first optimizer built imports torch's compiler stack (~2 s here): start-up, as imports.
+    _emit("built")
+    manager = ft.Manager(
+        pg=ft.ProcessGroupGloo(timeout=timeout),
+        load_state_dict=lambda sd: (
+            model.load_state_dict(sd["model"]),
+            inner.load_state_dict(sd["optim"]),
+        ),
+        state_dict=lambda: {"model": model.state_dict(), "optim": inner.state_dict()},
+        min_replica_size=1,
+        timeout=timeout,
+        quorum_timeout=timedelta(seconds=120),
+        connect_timeout=timedelta(seconds=30),
+        rank=0,
+        world_size=1,
+        store_addr="127.0.0.1",
+        store_port=store.port,
+        lighthouse_addr=args.lighthouse,
+        replica_id=f"goodput_{args.group}",
+    )
+    _emit("ready")
+    ddp = ft.DistributedDataParallel(manager, model)
+    optimizer = ft.Optimizer(manager, inner)
+    stop = Path(args.stop_file)
+    while not stop.exists():
+        before = manager.current_step()
+        g = torch.Generator().manual_seed(args.group * 1_000_003 + before)
+        x, y = torch.randn(32, 1024, generator=g), torch.randn(32, 512, generator=g)
+        t0 = time.time()
+        optimizer.zero_grad()
+        t1 = time.time()
+        nn.functional.mse_loss(ddp(x), y).backward()
+        t2 = time.time()
+        optimizer.step()
+        t3 = time.time()
+        after = manager.current_step()
+        _emit(
+            "step",
+            t=t3,
+            phases=[t0, t1, t2],
+            before=before,
+            after=after,
+            committed=after > before,
+            participants=manager.num_participants(),
+            quorum_id=manager._quorum_id,
+        )
+    manager.shutdown(wait=False)
+    _emit("done")
+    os._exit(0)  # skip the interpreter's slow teardown (gloo and grpc threads)
+
+
+# ---------------------------------------------------------------------------------------------
+# Driver: processes
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def lighthouse_process(impl: str, log: Path) -> Iterator[str]:
+    """A lighthouse of ``impl`` in its own process (its CLI), at the reference's defaults.
+
+    Args:
+        impl: "torchheal" or "torchft".
+        log: where its output goes.
+    """
+    port = _free_port()
+    if impl == "torchft":
+        cmd = [str(BIN / "torchft_lighthouse")]
+    else:
+        cmd = [str(BIN / "torchheal"), "lighthouse", "--dashboard_port", "0"]
+    cmd += ["--bind", f"127.0.0.1:{port}", "--min_replicas", "1", "--join_timeout_ms", "100"]
+    cmd += ["--quorum_tick_ms", "100", "--heartbeat_timeout_ms", "5000"]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "RUST_LOG": "info"}
+        )
+    try:
+        deadline = time.time() + 30
+        while True:
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
+                break
+            if time.time() > deadline or proc.poll() is not None:
+                raise RuntimeError(f"lighthouse {cmd} did not come up (log: {log})")
+            time.sleep(0.05)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@dataclass
+class Proc:
+    """One start of one group."""
+
+    group: int
+    incarnation: int
+    popen: subprocess.Popen[str]
+    launched: float
+    log: Path
+
+
+class Job:
+    """The groups of one run: started, killed and restarted here, their events in one list."""
+
+    def __init__(self, impl: str, lighthouse: str, groups: int, out: Path) -> None:
+        self.impl = impl
+        self.lighthouse = lighthouse
+        self.groups = groups
+        self.out = out
+        self.stop_file = out / f"stop-{impl}"
+        self.procs: dict[int, list[Proc]] = {g: [] for g in range(groups)}
+        self.events: list[dict[str, Any]] = []
+        self.arrivals: queue.Queue[dict[str, Any]] = queue.Queue()
+
+    def start(self, group: int) -> Proc:
+        incarnation = len(self.procs[group])
+        cmd = [sys.executable, "-m", "bench.goodput", "--worker", "--impl", self.impl]
+        cmd += ["--group", str(group), "--lighthouse", self.lighthouse]
+        cmd += ["--stop-file", str(self.stop_file)]
+        env = {**os.environ, "LOGLEVEL": "WARNING", "RUST_LOG": "warn", "OMP_NUM_THREADS": "1"}
+        log = self.out / f"{self.impl}-g{group}i{incarnation}.log"
+        launched = time.time()
+        with open(log, "w") as err:
+            popen = subprocess.Popen(
+                cmd,
+                cwd=ROOT,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=err,
+                text=True,
+                start_new_session=True,
+            )
+        proc = Proc(group, incarnation, popen, launched, log)
+        self.procs[group].append(proc)
+        threading.Thread(target=self._read, args=(proc,), daemon=True).start()
+        return proc
+
+    def _read(self, proc: Proc) -> None:
+        assert proc.popen.stdout is not None
+        for line in proc.popen.stdout:
+            if line.startswith(PREFIX):
+                event = json.loads(line[len(PREFIX) :])
+                event.update(group=proc.group, inc=proc.incarnation)
+                self.arrivals.put(event)
+
+    def drain(self, timeout: float) -> None:
+        """Takes in the events that arrived (waiting up to ``timeout`` for the first)."""
+        try:
+            self.events.append(self.arrivals.get(timeout=timeout))
+            while True:
+                self.events.append(self.arrivals.get_nowait())
+        except queue.Empty:
+            pass
+
+    def kill(self, group: int) -> float:
+        """SIGKILLs the group's current start (its whole session); returns when."""
+        proc = self.procs[group][-1]
+        when = time.time()
+        os.killpg(proc.popen.pid, signal.SIGKILL)
+        proc.popen.wait()
+        return when
+
+    def up(self, group: int) -> bool:
+        """Its current start runs and has committed a step."""
+        proc = self.procs[group][-1]
+        return proc.popen.poll() is None and any(
+            e["kind"] == "step" and e["committed"] and e["group"] == group
+            for e in self.events
+            if e["inc"] == proc.incarnation
+        )
+
+    def check_alive(self) -> None:
+        for procs in self.procs.values():
+            proc = procs[-1]
+            if proc.popen.poll() is not None:
+                tail = proc.log.read_text(errors="replace").splitlines()[-20:]
+                raise RuntimeError(
+                    f"{self.impl} g{proc.group} exited with {proc.popen.returncode}:\n"
+                    + "\n".join(tail)
+                )
+
+    def stop(self) -> None:
+        self.stop_file.touch()
+        deadline = time.time() + 60
+        for procs in self.procs.values():
+            for proc in procs:
+                if proc.popen.poll() is None:
+                    try:
+                        proc.popen.wait(max(0.1, deadline - time.time()))
+                    except subprocess.TimeoutExpired:
+                        os.killpg(proc.popen.pid, signal.SIGKILL)
+                        proc.popen.wait()
+        self.drain(0.5)
+
+
+@dataclass
+class Kill:
+    """One injected failure: the group, when, and the start that replaced it."""
+
+    group: int
+    at: float
+    restart_inc: int | None = None
+    restart_at: float | None = None
+
+
+@dataclass
+class RunData:
+    """What one run recorded (saved as JSON with ``--out``; ``--report DIR`` prints it again)."""
+
+    impl: str
+    groups: int
+    healthy: list[tuple[float, float]]  # windows without failures
+    failing: list[tuple[float, float]]  # windows with failures (a kill at the start of each)
+    kills: list[Kill]
+    events: list[dict[str, Any]]
+    kill_every: float = 0.0
+    restart_delay: float = 0.0
+
+    def save(self, path: Path) -> None:
+        path.write_text(json.dumps(asdict(self)))
+
+    @staticmethod
+    def load(path: Path) -> RunData:
+        d = json.loads(path.read_text())
+        d["kills"] = [Kill(**k) for k in d["kills"]]
+        d["healthy"] = [tuple(w) for w in d["healthy"]]
+        d["failing"] = [tuple(w) for w in d["failing"]]
+        return RunData(**d)
+
+
+def schedule(
+    t0: float, args: argparse.Namespace
+) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
+    """The healthy and failing windows from ``t0``: one of each, or alternating blocks."""
+    if not args.interleave:
+        return [(t0, t0 + args.healthy)], [(t0 + args.healthy, t0 + args.healthy + args.failing)]
+    block = args.kill_every
+    n = round(args.failing / block)
+    healthy = [(t0 + 2 * i * block, t0 + (2 * i + 1) * block) for i in range(n)]
+    failing = [(t0 + (2 * i + 1) * block, t0 + (2 * i + 2) * block) for i in range(n)]
+    return healthy, failing
+
+
+def run(impl: str, args: argparse.Namespace, victims: list[int], out: Path) -> RunData:
+    """One run of ``impl``: warm-up, then the healthy and failing windows."""
+    with lighthouse_process(impl, out / f"lighthouse-{impl}.log") as addr:
+        job = Job(impl, addr, args.groups, out)
+        try:
+            for g in range(args.groups):
+                job.start(g)
+            deadline = time.time() + 300
+            together: float | None = None
+            while together is None:
+                job.drain(0.2)
+                job.check_alive()
+                full = [
+                    e
+                    for e in job.events
+                    if e["kind"] == "step" and e["committed"] and e["participants"] == args.groups
+                ]
+                if {e["group"] for e in full} == set(range(args.groups)):
+                    together = max(e["t"] for e in full)
+                if time.time() > deadline:
+                    raise RuntimeError(f"{impl}: the groups never trained together")
+            healthy, failing = schedule(together + args.warmup, args)
+            t1, t2 = failing[0][0], max(healthy[-1][1], failing[-1][1])
+            kill_times = (
+                []
+                if args.control
+                else [
+                    t
+                    for a, b in failing
+                    for t in itertools.takewhile(
+                        lambda t, b=b: t < b, itertools.count(a, args.kill_every)
+                    )
+                ]
+            )
+            kills: list[Kill] = []
+            restarts: list[tuple[float, int]] = []
+            pending = list(kill_times)
+            victims_left = list(victims)
+            while time.time() < t2:
+                job.drain(0.05)
+                now = time.time()
+                if pending and now >= pending[0]:
+                    victim = victims_left[0]
+                    if job.up(victim):  # else: not back from its last kill yet; kill it then
+                        victims_left.pop(0)
+                        pending.pop(0)
+                        kills.append(Kill(victim, job.kill(victim)))
+                        restarts.append((time.time() + args.restart_delay, victim))
+                        print(f"  [{impl}] t={now - t1:5.1f}s killed g{victim}", file=sys.stderr)
+                for when, group in list(restarts):
+                    if now >= when:
+                        restarts.remove((when, group))
+                        proc = job.start(group)
+                        kill = next(k for k in reversed(kills) if k.group == group)
+                        kill.restart_inc, kill.restart_at = proc.incarnation, proc.launched
+                for procs in job.procs.values():
+                    proc = procs[-1]
+                    if proc.popen.poll() is not None and not any(
+                        g == proc.group for _, g in restarts
+                    ):
+                        job.check_alive()
+        finally:
+            job.stop()
+    data = RunData(
+        impl,
+        args.groups,
+        healthy,
+        failing,
+        kills,
+        job.events,
+        args.kill_every,
+        args.restart_delay,
+    )
+    data.save(out / f"run-{impl}.json")
+    return data
+
+
+# ---------------------------------------------------------------------------------------------
+# Analysis
+
+
+def _commits(events: list[dict[str, Any]], group: int | None = None) -> list[dict[str, Any]]:
+    return sorted(
+        (
+            e
+            for e in events
+            if e["kind"] == "step" and e["committed"] and (group is None or e["group"] == group)
+        ),
+        key=lambda e: e["t"],
+    )
+
+
+def _job_steps(events: list[dict[str, Any]]) -> list[tuple[float, int]]:
+    """(time, step) of each job step's first commit, in time order."""
+    first: dict[int, float] = {}
+    for e in _commits(events):
+        first.setdefault(e["after"], e["t"])
+    return sorted((t, s) for s, t in first.items())
+
+
+@dataclass
+class Phase:
+    job_steps_per_s: float
+    commits_per_s: float
+    longest_stall_s: float
+
+
+def phase(events: list[dict[str, Any]], windows: list[tuple[float, float]]) -> Phase:
+    """Rates over the windows together, and the longest stall in any of them."""
+    job_steps = [t for t, _ in _job_steps(events)]
+    commit_times = [e["t"] for e in _commits(events)]
+    steps = commits = 0
+    stall = 0.0
+    for a, b in windows:
+        inside = [t for t in job_steps if a <= t < b]
+        steps += len(inside)
+        commits += sum(1 for t in commit_times if a <= t < b)
+        stall = max([stall] + [y - x for x, y in itertools.pairwise([a, *inside, b])])
+    seconds = sum(b - a for a, b in windows)
+    return Phase(steps / seconds, commits / seconds, stall)
+
+
+@dataclass
+class KillCost:
+    group: int
+    at_s: float  # from the start of the first failing window
+    survivor_max_gap_s: float | None
+    gap_at_kill_s: float | None
+    gap_at_rejoin_s: float | None
+    kill_to_commit_s: float | None
+    restart_to_commit_s: float | None
+    startup_s: float | None
+    starting_gap_s: float | None  # survivors' median gap while the restarted process starts
+    construct_s: float | None
+    ready_to_commit_s: float | None
+    healed: bool
+    worst: tuple[int, float, float] | None = None  # survivor, gap start, gap end
+
+
+def kill_costs(data: RunData) -> list[KillCost]:
+    out = []
+    for n, kill in enumerate(data.kills):
+        # Until the next kill, or the end of the failing window the kill is in.
+        window_end = next(b for a, b in data.failing if a <= kill.at < b + 1.0)
+        end = min([window_end] + [k.at for k in data.kills[n + 1 :]])
+        mine = [e for e in data.events if e["group"] == kill.group and e["inc"] == kill.restart_inc]
+        launched = kill.restart_at
+        first = next((e for e in mine if e["kind"] == "step" and e["committed"]), None)
+        third = [e for e in mine if e["kind"] == "step" and e["committed"]][2:3]
+        ready = next((e for e in mine if e["kind"] == "ready"), None)
+        built = next((e for e in mine if e["kind"] == "built"), None)
+        rejoin = (ready["t"], third[0]["t"]) if ready and third else None
+        starting = (launched, built["t"]) if launched and built else None
+        starting_gaps: list[float] = []
+        best: tuple[float, int, float, float] | None = None
+        at_kill: float | None = None
+        at_rejoin: float | None = None
+        for g in range(data.groups):
+            if g == kill.group:
+                continue
+            times = [e["t"] for e in _commits(data.events, g)]
+            before = [t for t in times if t <= kill.at]
+            inside = [t for t in times if kill.at < t <= end]
+            if not inside:
+                continue
+            series = before[-1:] + inside
+            for x, y in itertools.pairwise(series):
+                gap = y - x
+                if best is None or gap > best[0]:
+                    best = (gap, g, x, y)
+                if x <= kill.at < y:
+                    at_kill = max(at_kill or 0.0, gap)
+                if rejoin is not None and y > rejoin[0] and x < rejoin[1]:
+                    at_rejoin = max(at_rejoin or 0.0, gap)
+                if starting is not None and starting[0] <= x and y <= starting[1]:
+                    starting_gaps.append(gap)
+        out.append(
+            KillCost(
+                group=kill.group,
+                at_s=kill.at - data.failing[0][0],
+                survivor_max_gap_s=best[0] if best else None,
+                gap_at_kill_s=at_kill,
+                gap_at_rejoin_s=at_rejoin,
+                kill_to_commit_s=(first["t"] - kill.at) if first else None,
+                restart_to_commit_s=(first["t"] - launched) if first and launched else None,
+                startup_s=(built["t"] - launched) if built and launched else None,
+                starting_gap_s=statistics.median(starting_gaps) if starting_gaps else None,
+                construct_s=(ready["t"] - built["t"]) if ready and built else None,
+                ready_to_commit_s=(first["t"] - ready["t"]) if first and ready else None,
+                healed=bool(first and first["after"] > first["before"] + 1),
+                worst=(best[1], best[2], best[3]) if best else None,
+            )
+        )
+    return out
+
+
+def normal_gap(data: RunData) -> float:
+    """The median gap between a group's commits in the healthy windows."""
+    gaps = [
+        y - x
+        for a, b in data.healthy
+        for g in range(data.groups)
+        for x, y in itertools.pairwise(
+            [e["t"] for e in _commits(data.events, g) if a <= e["t"] < b]
+        )
+    ]
+    return statistics.median(gaps) if gaps else float("nan")
+
+
+def print_timeline(data: RunData, costs: list[KillCost]) -> None:
+    """Every group's steps around each kill: where the survivors' longest gap went."""
+    t1 = data.failing[0][0]
+    for n, (kill, cost) in enumerate(zip(data.kills, costs, strict=True)):
+        print(
+            f"\n{data.impl} kill {n + 1}: g{kill.group} at {kill.at - t1:.2f}s "
+            "(times in ms from the kill; quorum = zero_grad/start_quorum, "
+            "backward = forward+backward with the allreduce, commit = optimizer step + vote)"
+        )
+        lo = kill.at - 0.5
+        hi = kill.at + 1.5
+        if cost.worst is not None:
+            lo = min(lo, cost.worst[1] - 0.3)
+            hi = max(hi, cost.worst[2] + 0.3)
+        rows = []
+        for e in data.events:
+            if e["kind"] in ("exec", "imported", "built", "ready") and lo <= e["t"] <= hi:
+                rows.append((e["t"], f"g{e['group']}i{e['inc']} {e['kind']}"))
+            if e["kind"] == "step" and lo <= e["t"] <= hi:
+                s, q, b = e["phases"]
+                rows.append(
+                    (
+                        e["t"],
+                        f"g{e['group']}i{e['inc']} step {e['before']}->{e['after']} "
+                        f"{'commit' if e['committed'] else 'FAILED'} p={e['participants']} "
+                        f"q={e['quorum_id']} quorum {1000 * (q - s):.0f} backward "
+                        f"{1000 * (b - q):.0f} commit {1000 * (e['t'] - b):.0f}",
+                    )
+                )
+        for t, what in sorted(rows):
+            print(f"  {1000 * (t - kill.at):8.0f}  {what}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Report
+
+
+def _f(x: float | None, digits: int = 2) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def report(results: list[RunData], timeline: bool = False) -> None:
+    """Prints the tables (and with ``timeline`` each kill's timeline)."""
+    d0 = results[0]
+    healthy_s = sum(b - a for a, b in d0.healthy)
+    failing_s = sum(b - a for a, b in d0.failing)
+    layout = (
+        "then" if len(d0.failing) == 1 else f"interleaved in {len(d0.failing)} blocks of each with"
+    )
+    print(
+        f"\ngoodput: {d0.groups} groups x 1 rank, Gloo, ~6.3M-parameter MLP + AdamW; lighthouse "
+        "process at min_replicas=1, join 100 ms, tick 100 ms, heartbeat timeout 5 s; "
+        f"{healthy_s:.0f} s healthy, {layout} "
+        + (
+            f"{failing_s:.0f} s with a SIGKILL every {d0.kill_every:.0f} s "
+            f"(restart after {d0.restart_delay:.1f} s)"
+            if d0.kills
+            else f"{failing_s:.0f} s more without any (control run)"
+        )
+    )
+    head = (
+        f"{'impl':<10}{'job steps/s':>12}{'':>9}{'ratio':>7}{'commits/s':>11}{'':>9}{'ratio':>7}"
+        f"{'longest job stall s':>21}{'normal gap':>12}"
+    )
+    print(head)
+    print(
+        f"{'':<10}{'healthy':>12}{'failing':>9}{'':>7}{'healthy':>11}{'failing':>9}{'':>7}"
+        f"{'healthy / failing':>21}{'s':>12}"
+    )
+    verdicts = []
+    for d in results:
+        h, f = phase(d.events, d.healthy), phase(d.events, d.failing)
+        jr = f.job_steps_per_s / h.job_steps_per_s if h.job_steps_per_s else float("nan")
+        cr = f.commits_per_s / h.commits_per_s if h.commits_per_s else float("nan")
+        costs = kill_costs(d)
+        worst = max((c.survivor_max_gap_s or 0.0 for c in costs), default=0.0)
+        print(
+            f"{d.impl:<10}{h.job_steps_per_s:>12.2f}{f.job_steps_per_s:>9.2f}{jr:>7.3f}"
+            f"{h.commits_per_s:>11.2f}{f.commits_per_s:>9.2f}{cr:>7.3f}"
+            f"{h.longest_stall_s:>12.2f} / {f.longest_stall_s:<6.2f}{normal_gap(d):>12.3f}"
+        )
+        verdicts.append((d.impl, jr, cr, worst))
+    print(
+        "\nper kill (s): survivors' longest gap between their commits from the kill to the next "
+        "kill, the gap around the kill, the longest gap while the restarted group joins; the "
+        "restarted group's first commit after the kill, after its process start, its start-up "
+        "(interpreter, imports, model and optimizer built: paid by both libraries) with the "
+        "survivors' median gap meanwhile (its CPU is taken from them), its Manager's "
+        "construction, Manager constructed -> first commit"
+    )
+    print(
+        f"{'impl':<10}{'kill':>5}{'victim':>7}{'at s':>7}{'survivor max':>13}{'at kill':>9}"
+        f"{'at rejoin':>10}{'kill->1st':>10}{'restart->1st':>13}{'start-up':>9}{'(gap)':>7}"
+        f"{'Manager()':>10}"
+        f"{'ready->1st':>11}"
+        f"{'healed':>7}"
+    )
+    for d in results:
+        for n, c in enumerate(kill_costs(d)):
+            print(
+                f"{d.impl:<10}{n + 1:>5}{'g' + str(c.group):>7}{c.at_s:>7.1f}"
+                f"{_f(c.survivor_max_gap_s):>13}{_f(c.gap_at_kill_s):>9}{_f(c.gap_at_rejoin_s):>10}"
+                f"{_f(c.kill_to_commit_s):>10}{_f(c.restart_to_commit_s):>13}{_f(c.startup_s):>9}"
+                f"{_f(c.starting_gap_s):>7}"
+                f"{_f(c.construct_s):>10}"
+                f"{_f(c.ready_to_commit_s):>11}{'yes' if c.healed else 'no':>7}"
+            )
+    print("\ngoals: job steps >= 0.99, commits >= 0.97, survivors' longest gap <= 0.5 s")
+    for impl, jr, cr, worst in verdicts:
+        ok = [jr >= 0.99, cr >= 0.97, worst <= 0.5]
+        print(
+            f"{impl:<10} job steps {jr:.3f} {'met' if ok[0] else 'NOT met'}; commits {cr:.3f} "
+            f"{'met' if ok[1] else 'NOT met'}; survivor gap {worst:.2f} s "
+            f"{'met' if ok[2] else 'NOT met'}"
+        )
+    if timeline:
+        for d in results:
+            print_timeline(d, kill_costs(d))
+
+
+def reference_available() -> bool:
+    try:
+        importlib.import_module("torchft.coordination")
+    except Exception:
+        return False
+    return True
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--impl", default="torchheal", help=argparse.SUPPRESS)
+    p.add_argument("--group", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--lighthouse", default="", help=argparse.SUPPRESS)
+    p.add_argument("--stop-file", default="", help=argparse.SUPPRESS)
+    p.add_argument(
+        "--impls",
+        default=None,
+        help="comma-separated (default: torchheal, and torchft if installed)",
+    )
+    p.add_argument("--groups", type=int, default=3)
+    p.add_argument(
+        "--warmup", type=float, default=5.0, help="s after the groups first train together"
+    )
+    p.add_argument("--healthy", type=float, default=60.0, help="s without failures")
+    p.add_argument("--failing", type=float, default=60.0, help="s with failures")
+    p.add_argument("--kill-every", type=float, default=20.0)
+    p.add_argument("--restart-delay", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0, help="of the random victims")
+    p.add_argument(
+        "--interleave",
+        action="store_true",
+        help="alternate healthy and failing blocks of --kill-every seconds (load drift on a "
+        "shared machine then hits both alike)",
+    )
+    p.add_argument(
+        "--control",
+        action="store_true",
+        help="no kills in the second phase: how far two failure-free phases differ here",
+    )
+    p.add_argument("--timeline", action="store_true", help="print each kill's timeline")
+    p.add_argument("--out", default=None, help="keep events and logs here")
+    p.add_argument("--report", default=None, help="print the tables of the runs kept in DIR")
+    args = p.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    if args.report:
+        runs = sorted(Path(args.report).glob("run-*.json"), reverse=True)  # torchheal first
+        report([RunData.load(r) for r in runs], args.timeline)
+        return
+    impls = (
+        args.impls.split(",")
+        if args.impls
+        else ["torchheal"] + (["torchft"] if reference_available() else [])
+    )
+    rng = random.Random(args.seed)
+    kills = int(args.failing // args.kill_every) + 1
+    victims = [rng.randrange(1, args.groups) for _ in range(kills)]
+    print(f"load average before: {os.getloadavg()}", flush=True)
+    out_ctx = contextlib.nullcontext(args.out) if args.out else tempfile.TemporaryDirectory()
+    with out_ctx as out:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        results = [run(impl, args, victims, Path(out)) for impl in impls]
+    report(results, args.timeline)
+    print(f"\nload average after: {os.getloadavg()}")
+
+
+if __name__ == "__main__":
+    main()
