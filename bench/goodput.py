@@ -29,7 +29,10 @@ Goals (issue 9): job steps >= 0.99, commits >= 0.97, no survivor gap over 0.5 s.
     python -m bench.goodput                      # ~5 min on 2 cores with the reference
     python -m bench.goodput --impls torchheal --healthy 30 --failing 40 --timeline
 
-On a shared machine the load drifts between two phases a minute apart; ``--interleave``
+On a 2-core machine three CPU-bound groups saturate the CPU, so a dead group makes the others
+faster and the ratios say more about the CPU than about fault tolerance; ``--compute-s`` adds a
+sleep to each step (an accelerator's share of a real step, no CPU used) so that the CPU is not the
+bottleneck. On a shared machine the load drifts between two phases a minute apart; ``--interleave``
 alternates healthy and failing blocks of ``--kill-every`` seconds instead (a kill at the start of
 each failing block), so drift hits both alike. ``--control`` kills nothing in the second phase: the ratios it prints are this machine's noise
 floor (two failure-free phases of one run). ``--timeline`` prints, for each kill, every group's steps around it (quorum start, backward with the
@@ -132,7 +135,10 @@ def worker(args: argparse.Namespace) -> None:
         t0 = time.time()
         optimizer.zero_grad()
         t1 = time.time()
-        nn.functional.mse_loss(ddp(x), y).backward()
+        out = ddp(x)
+        if args.compute_s:
+            time.sleep(args.compute_s)  # an accelerator's share of the step: no CPU used
+        nn.functional.mse_loss(out, y).backward()
         t2 = time.time()
         optimizer.step()
         t3 = time.time()
@@ -213,8 +219,11 @@ class Proc:
 class Job:
     """The groups of one run: started, killed and restarted here, their events in one list."""
 
-    def __init__(self, impl: str, lighthouse: str, groups: int, out: Path) -> None:
+    def __init__(
+        self, impl: str, lighthouse: str, groups: int, out: Path, compute_s: float = 0.0
+    ) -> None:
         self.impl = impl
+        self.compute_s = compute_s
         self.lighthouse = lighthouse
         self.groups = groups
         self.out = out
@@ -227,7 +236,7 @@ class Job:
         incarnation = len(self.procs[group])
         cmd = [sys.executable, "-m", "bench.goodput", "--worker", "--impl", self.impl]
         cmd += ["--group", str(group), "--lighthouse", self.lighthouse]
-        cmd += ["--stop-file", str(self.stop_file)]
+        cmd += ["--stop-file", str(self.stop_file), "--compute-s", str(self.compute_s)]
         env = {**os.environ, "LOGLEVEL": "WARNING", "RUST_LOG": "warn", "OMP_NUM_THREADS": "1"}
         log = self.out / f"{self.impl}-g{group}i{incarnation}.log"
         launched = time.time()
@@ -326,6 +335,7 @@ class RunData:
     events: list[dict[str, Any]]
     kill_every: float = 0.0
     restart_delay: float = 0.0
+    compute_s: float = 0.0
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps(asdict(self)))
@@ -355,7 +365,7 @@ def schedule(
 def run(impl: str, args: argparse.Namespace, victims: list[int], out: Path) -> RunData:
     """One run of ``impl``: warm-up, then the healthy and failing windows."""
     with lighthouse_process(impl, out / f"lighthouse-{impl}.log") as addr:
-        job = Job(impl, addr, args.groups, out)
+        job = Job(impl, addr, args.groups, out, args.compute_s)
         try:
             for g in range(args.groups):
                 job.start(g)
@@ -424,6 +434,7 @@ def run(impl: str, args: argparse.Namespace, victims: list[int], out: Path) -> R
         job.events,
         args.kill_every,
         args.restart_delay,
+        args.compute_s,
     )
     data.save(out / f"run-{impl}.json")
     return data
@@ -484,7 +495,8 @@ class KillCost:
     kill_to_commit_s: float | None
     restart_to_commit_s: float | None
     startup_s: float | None
-    starting_gap_s: float | None  # survivors' median gap while the restarted process starts
+    gap_in_startup_s: float | None  # longest, within the restarted process's start-up
+    gap_outside_startup_s: float | None  # longest of the others
     construct_s: float | None
     ready_to_commit_s: float | None
     healed: bool
@@ -505,7 +517,8 @@ def kill_costs(data: RunData) -> list[KillCost]:
         built = next((e for e in mine if e["kind"] == "built"), None)
         rejoin = (ready["t"], third[0]["t"]) if ready and third else None
         starting = (launched, built["t"]) if launched and built else None
-        starting_gaps: list[float] = []
+        in_startup: float | None = None
+        outside: float | None = None
         best: tuple[float, int, float, float] | None = None
         at_kill: float | None = None
         at_rejoin: float | None = None
@@ -527,7 +540,9 @@ def kill_costs(data: RunData) -> list[KillCost]:
                 if rejoin is not None and y > rejoin[0] and x < rejoin[1]:
                     at_rejoin = max(at_rejoin or 0.0, gap)
                 if starting is not None and starting[0] <= x and y <= starting[1]:
-                    starting_gaps.append(gap)
+                    in_startup = max(in_startup or 0.0, gap)
+                else:
+                    outside = max(outside or 0.0, gap)
         out.append(
             KillCost(
                 group=kill.group,
@@ -538,7 +553,8 @@ def kill_costs(data: RunData) -> list[KillCost]:
                 kill_to_commit_s=(first["t"] - kill.at) if first else None,
                 restart_to_commit_s=(first["t"] - launched) if first and launched else None,
                 startup_s=(built["t"] - launched) if built and launched else None,
-                starting_gap_s=statistics.median(starting_gaps) if starting_gaps else None,
+                gap_in_startup_s=in_startup,
+                gap_outside_startup_s=outside,
                 construct_s=(ready["t"] - built["t"]) if ready and built else None,
                 ready_to_commit_s=(first["t"] - ready["t"]) if first and ready else None,
                 healed=bool(first and first["after"] > first["before"] + 1),
@@ -620,6 +636,7 @@ def report(results: list[RunData], timeline: bool = False) -> None:
             if d0.kills
             else f"{failing_s:.0f} s more without any (control run)"
         )
+        + (f"; {d0.compute_s:.2f} s of simulated accelerator time per step" if d0.compute_s else "")
     )
     head = (
         f"{'impl':<10}{'job steps/s':>12}{'':>9}{'ratio':>7}{'commits/s':>11}{'':>9}{'ratio':>7}"
@@ -637,44 +654,46 @@ def report(results: list[RunData], timeline: bool = False) -> None:
         cr = f.commits_per_s / h.commits_per_s if h.commits_per_s else float("nan")
         costs = kill_costs(d)
         worst = max((c.survivor_max_gap_s or 0.0 for c in costs), default=0.0)
+        outside = max((c.gap_outside_startup_s or 0.0 for c in costs), default=0.0)
         print(
             f"{d.impl:<10}{h.job_steps_per_s:>12.2f}{f.job_steps_per_s:>9.2f}{jr:>7.3f}"
             f"{h.commits_per_s:>11.2f}{f.commits_per_s:>9.2f}{cr:>7.3f}"
             f"{h.longest_stall_s:>12.2f} / {f.longest_stall_s:<6.2f}{normal_gap(d):>12.3f}"
         )
-        verdicts.append((d.impl, jr, cr, worst))
+        verdicts.append((d.impl, jr, cr, worst, outside))
     print(
-        "\nper kill (s): survivors' longest gap between their commits from the kill to the next "
-        "kill, the gap around the kill, the longest gap while the restarted group joins; the "
-        "restarted group's first commit after the kill, after its process start, its start-up "
-        "(interpreter, imports, model and optimizer built: paid by both libraries) with the "
-        "survivors' median gap meanwhile (its CPU is taken from them), its Manager's "
-        "construction, Manager constructed -> first commit"
+        "\nper kill (s). Survivors' longest gap between two of their commits from the kill to the "
+        "next kill: overall, around the kill, within the restarted process's start-up "
+        "(interpreter, imports, model and optimizer: no library code runs yet, its CPU and disk "
+        "are taken from the survivors), while the restarted group joins (Manager constructed to "
+        "its third commit), and the longest outside its start-up. The restarted group: kill -> "
+        "first commit, restart -> first commit, its start-up (paid by both libraries), its "
+        "Manager's construction, Manager constructed -> first commit."
     )
     print(
-        f"{'impl':<10}{'kill':>5}{'victim':>7}{'at s':>7}{'survivor max':>13}{'at kill':>9}"
-        f"{'at rejoin':>10}{'kill->1st':>10}{'restart->1st':>13}{'start-up':>9}{'(gap)':>7}"
-        f"{'Manager()':>10}"
-        f"{'ready->1st':>11}"
-        f"{'healed':>7}"
+        f"{'':<29}{'survivors':-^45}{'':1}{'restarted group':-^55}"
+        f"\n{'impl':<10}{'kill':>5}{'victim':>7}{'at s':>7}{'max':>7}{'at kill':>9}"
+        f"{'start-up':>10}{'rejoin':>8}{'others':>8}  {'kill->1st':>10}{'restart->1st':>13}"
+        f"{'start-up':>9}{'Manager()':>10}{'ready->1st':>11}{'healed':>7}"
     )
     for d in results:
         for n, c in enumerate(kill_costs(d)):
             print(
                 f"{d.impl:<10}{n + 1:>5}{'g' + str(c.group):>7}{c.at_s:>7.1f}"
-                f"{_f(c.survivor_max_gap_s):>13}{_f(c.gap_at_kill_s):>9}{_f(c.gap_at_rejoin_s):>10}"
+                f"{_f(c.survivor_max_gap_s):>7}{_f(c.gap_at_kill_s):>9}"
+                f"{_f(c.gap_in_startup_s):>10}{_f(c.gap_at_rejoin_s):>8}"
+                f"{_f(c.gap_outside_startup_s):>8}  "
                 f"{_f(c.kill_to_commit_s):>10}{_f(c.restart_to_commit_s):>13}{_f(c.startup_s):>9}"
-                f"{_f(c.starting_gap_s):>7}"
-                f"{_f(c.construct_s):>10}"
-                f"{_f(c.ready_to_commit_s):>11}{'yes' if c.healed else 'no':>7}"
+                f"{_f(c.construct_s):>10}{_f(c.ready_to_commit_s):>11}"
+                f"{'yes' if c.healed else 'no':>7}"
             )
-    print("\ngoals: job steps >= 0.99, commits >= 0.97, survivors' longest gap <= 0.5 s")
-    for impl, jr, cr, worst in verdicts:
+    print("\ngoals: job steps >= 0.99, commits >= 0.97, no survivor gap over 0.5 s")
+    for impl, jr, cr, worst, outside in verdicts:
         ok = [jr >= 0.99, cr >= 0.97, worst <= 0.5]
         print(
             f"{impl:<10} job steps {jr:.3f} {'met' if ok[0] else 'NOT met'}; commits {cr:.3f} "
             f"{'met' if ok[1] else 'NOT met'}; survivor gap {worst:.2f} s "
-            f"{'met' if ok[2] else 'NOT met'}"
+            f"{'met' if ok[2] else 'NOT met'} ({outside:.2f} s outside restarts' start-up)"
         )
     if timeline:
         for d in results:
@@ -710,6 +729,13 @@ def main() -> None:
     p.add_argument("--kill-every", type=float, default=20.0)
     p.add_argument("--restart-delay", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0, help="of the random victims")
+    p.add_argument(
+        "--compute-s",
+        type=float,
+        default=0.0,
+        help="seconds each step sleeps after forward, standing for an accelerator's share of the "
+        "step (on 2 cores, 3 CPU-bound groups saturate the machine: a dead group frees CPU)",
+    )
     p.add_argument(
         "--interleave",
         action="store_true",
