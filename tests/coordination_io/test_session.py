@@ -346,3 +346,28 @@ def test_a_newer_session_of_the_same_group_survives_the_old_ones_end(make_lighth
     assert (lost.replica_id, lost.quorum_id, lost.reason) == ("x:1", 1, "left: done")
     y_box.put(None)
     channel.close()
+
+
+@pytest.mark.parametrize("lane", ["direct", "stream", "unreachable"])
+def test_sessions_travel_on_the_direct_lane_else_the_grpc_stream(
+    make_lighthouse, make_manager, members, lane
+):
+    # The lighthouse's direct TCP lane when it has one that answers; its gRPC stream when it
+    # has none or the lane cannot be reached. A killed group is gone at once either way.
+    lighthouse = make_lighthouse(
+        heartbeat_timeout_ms=60_000, direct_port=None if lane == "stream" else 0
+    )
+    if lane == "unreachable":
+        # It still announces the lane's port, but nothing answers there any more.
+        lighthouse._server.submit(lighthouse._stop_lane()).result()
+    survivor = make_manager(loopback(lighthouse), replica_id="a:1")
+    assert survivor.session_mode and survivor._link.direct == (lane == "direct")
+    notices: queue.Queue = queue.Queue()
+    survivor.add_lost_listener(lambda *notice: notices.put(notice))
+    victim = members(loopback(lighthouse), "b:1")
+    pending = _quorum(survivor, 5)
+    victim.ask(5)
+    assert pending.join().replica_world_size == 2
+    victim.proc.kill()
+    assert notices.get(timeout=20) == ("b:1", 1, "connection ended")
+    assert _quorum(survivor, 6).join().replica_world_size == 1

@@ -60,7 +60,9 @@ class LighthouseClient:
     speaks for no replica group, so closing it declares nobody dead, and liveness comes from
     heartbeats exactly as with the reference. A reference lighthouse (or one whose lane cannot
     be reached) is called with the reference's unary ``Heartbeat``/``Quorum``. Either way the
-    results and errors are the reference's.
+    results and errors are the reference's. One deliberate difference on the session: a quorum
+    request that times out is withdrawn at once (the reference's lighthouse keeps it until the
+    round is decided, so a quorum could include a requester nobody waits for any more).
 
     Args:
         addr: the lighthouse address, ``http://host:port`` or ``host:port``.

@@ -1,10 +1,13 @@
 """A manager server's link to the lighthouse: a torchheal session, or the reference's unary calls.
 
-With a torchheal lighthouse the link is one long-lived ``torchheal.LighthouseSession/Session``
-stream (``session.proto``): heartbeats and quorum requests go up it, quorums and ``MemberLost``
-notices come down, and if this process dies the stream's end tells the lighthouse at once. A
-reference lighthouse does not serve that method (it answers ``UNIMPLEMENTED``); the link then
-speaks the reference's unary ``Heartbeat``/``Quorum``, exactly as a torchft manager would.
+With a torchheal lighthouse the link is one long-lived session (``session.proto``): heartbeats
+and quorum requests go up it, quorums and ``MemberLost`` notices come down, and if this process
+dies the session's end tells the lighthouse at once. The session travels on the lighthouse's
+direct TCP lane when it announces one (``LighthouseSession/Describe``; ``link_tcp.py``), which
+costs both sides a fraction of a gRPC stream message, and on the
+``torchheal.LighthouseSession/Session`` gRPC stream when the lane cannot be reached. A reference
+lighthouse serves neither (it answers ``UNIMPLEMENTED``); the link then speaks the reference's
+unary ``Heartbeat``/``Quorum``, exactly as a torchft manager would.
 
 A broken session (the lighthouse restarted, the network failed) is reopened in the background,
 with backoff; a quorum request in flight when it broke fails with ``UNAVAILABLE`` and the
@@ -26,6 +29,7 @@ import grpc.aio
 from torchheal._wire import methods
 from torchheal._wire import session_pb2 as spb
 from torchheal._wire import torchft_pb2 as pb
+from torchheal.coordination.link_tcp import DirectStream, StreamClosed
 from torchheal.coordination.rpc.channels import serialize
 from torchheal.coordination.rpc.errors import rpc_error_to_exception
 
@@ -37,6 +41,9 @@ logger: logging.Logger = logging.getLogger(__name__)
 HEARTBEAT_CALL_TIMEOUT_S = 2.0
 # Reopening a broken session: first pause, growth, cap.
 REOPEN_BACKOFF_S = (0.05, 2.0, 2.0)
+# Asking the lighthouse what it offers, and reaching its direct lane.
+DESCRIBE_TIMEOUT_S = 5.0
+DIRECT_CONNECT_TIMEOUT_S = 5.0
 
 
 class LinkError(Exception):
@@ -65,6 +72,7 @@ class LighthouseLink:
         on_lost: called (on the loop) with each ``MemberLost`` notice the lighthouse sends.
         describe: names the lighthouse in log lines.
         log_prefix: prefixes log lines (``[Replica name]``).
+        host: the lighthouse's host, where its direct lane listens (None: the gRPC stream only).
     """
 
     def __init__(
@@ -75,8 +83,10 @@ class LighthouseLink:
         on_lost: Callable[[spb.MemberLost], None],
         describe: str,
         log_prefix: str,
+        host: str | None = None,
     ) -> None:
         self._channel = channel
+        self._host = host
         self._replica_id = replica_id
         self._interval_s = heartbeat_interval_s
         self._on_lost = on_lost
@@ -97,6 +107,13 @@ class LighthouseLink:
             request_serializer=serialize,
             response_deserializer=spb.SessionEvent.FromString,
         )
+        self._describe_call = channel.unary_unary(
+            methods.LIGHTHOUSE_DESCRIBE.path,
+            request_serializer=serialize,
+            response_deserializer=spb.Description.FromString,
+        )
+        #: Whether the live session travels on the direct TCP lane (else the gRPC stream).
+        self.direct = False
         # None until start() knows; then True (session) or False (reference lighthouse).
         self.session_mode: bool | None = None
         self._call: Any = None  # the live session stream, or None while it is (re)opening
@@ -246,8 +263,12 @@ class LighthouseLink:
     # The session
 
     async def _open_session(self) -> None:
-        """Open the stream, say hello, and wait for the welcome."""
-        call = self._open_stream()
+        """Open the session (on the direct lane if the lighthouse has one that answers, else
+        the gRPC stream), say hello, and wait for the welcome."""
+        call: Any = await self._open_direct()
+        self.direct = call is not None
+        if call is None:
+            call = self._open_stream()
         try:
             await self._write(
                 call,
@@ -256,6 +277,9 @@ class LighthouseLink:
                 ),
             )
             event = await call.read()
+        except StreamClosed as e:
+            call.cancel()
+            raise LinkError(grpc.StatusCode.UNAVAILABLE, str(e)) from None
         except grpc.aio.AioRpcError as e:
             # A write can fail before the server's answer is read (a reference lighthouse
             # answers an unknown method with HTTP 404 and closes): the call's final status is
@@ -267,10 +291,48 @@ class LighthouseLink:
                 pass
             call.cancel()
             raise LinkError(code, details) from None
+        if event is grpc.aio.EOF and getattr(call, "closed", None) is not None:
+            closed = call.closed  # the lighthouse said why (direct lane)
+            raise LinkError(_status(closed.code), closed.message)
         if event is grpc.aio.EOF or event.WhichOneof("kind") != "welcome":
             call.cancel()
             raise LinkError(grpc.StatusCode.INTERNAL, f"expected a welcome, got {event!r}")
         self._call = call
+
+    async def _open_direct(self) -> DirectStream | None:
+        """A connection to the lighthouse's direct lane; None: it has none, or it cannot be
+        reached (the gRPC stream carries the session then).
+
+        The lane's port is asked for at every (re)opening: a restarted lighthouse listens on
+        a new one.
+
+        Raises:
+            LinkError: ``UNIMPLEMENTED`` from a reference lighthouse; the status of a
+                lighthouse that cannot be asked.
+        """
+        if self._host is None:
+            return None
+        try:
+            description = await self._describe_call(
+                spb.DescribeRequest(), timeout=DESCRIBE_TIMEOUT_S
+            )
+        except grpc.aio.AioRpcError as e:
+            raise LinkError(e.code(), e.details() or "") from None
+        port = description.session_port
+        if not port:
+            return None
+        try:
+            return await DirectStream.open(self._host, port, DIRECT_CONNECT_TIMEOUT_S)
+        except OSError as e:
+            logger.warning(
+                "%s the direct session lane of lighthouse %s (port %d) cannot be reached (%s); "
+                "using its gRPC session stream",
+                self._prefix,
+                self._describe,
+                port,
+                e,
+            )
+            return None
 
     async def _run_session(self) -> None:
         backoff, growth, cap = REOPEN_BACKOFF_S

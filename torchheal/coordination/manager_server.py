@@ -57,7 +57,7 @@ from torchheal.coordination import convert
 from torchheal.coordination.lighthouse_link import LighthouseLink, LinkError
 from torchheal.coordination.plan import NotParticipatingError, compute_quorum_results
 from torchheal.coordination.round import GiveUp, QuorumRound, RetryPolicy, RoundStart
-from torchheal.coordination.rpc.addresses import format_target
+from torchheal.coordination.rpc.addresses import format_target, parse_address
 from torchheal.coordination.rpc.channels import aio_connect
 from torchheal.coordination.rpc.errors import StatusError, status_name
 from torchheal.coordination.rpc.in_process import InProcessCaller
@@ -318,6 +318,7 @@ class ManagerServer:
             self._member_lost,
             self._lighthouse_addr,
             self._prefix,
+            host=parse_address(self._lighthouse_addr)[0],
         )
         try:
             await self._link.start()
