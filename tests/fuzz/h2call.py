@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import socket
 import struct
+import time
 from dataclasses import dataclass
 
 import h2.config
@@ -56,11 +57,12 @@ def raw_call(
         path: the ``:path``, e.g. ``/torchft.LighthouseService/Heartbeat``.
         headers: regular headers after the pseudo-headers (content-type, te, grpc-timeout...).
         body: the raw DATA bytes (use :func:`frame` for a well-framed message).
-        timeout: socket timeout for the whole exchange.
+        timeout: bound on the whole exchange.
 
     Raises:
         TimeoutError: the server did not end the stream within ``timeout``.
     """
+    deadline = time.monotonic() + timeout
     sock = socket.create_connection(addr, timeout=timeout)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # no Nagle stalls between frames
     try:
@@ -96,6 +98,10 @@ def raw_call(
             pending = conn.data_to_send()
             if pending:
                 sock.sendall(pending)
+            left = deadline - time.monotonic()
+            if left <= 0:  # the server keeps the stream open (its pings are no answer)
+                raise TimeoutError(f"no end of stream within {timeout}s")
+            sock.settimeout(left)
             try:
                 chunk = sock.recv(65536)
             except TimeoutError:

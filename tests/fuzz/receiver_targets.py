@@ -287,10 +287,14 @@ def pg_messages(stream: bytes) -> list[tuple[int, bytes]]:
     starts = [sum(desc.storage_nbytes[:i]) for i in range(len(desc.storage_nbytes))]
     if packed_bytes:
         packed = bytearray(packed_bytes)
+        end = 0  # the packed message stops where the stream's data does (cut short: shorter)
         for i, off in offsets.items():
             piece = data[starts[i] : starts[i] + desc.storage_nbytes[i]]
             packed[off : off + len(piece)] = piece
-        messages.append((_TAG_PACKED, bytes(packed)))
+            if piece:
+                end = off + len(piece)
+        full = len(data) >= desc.data_bytes
+        messages.append((_TAG_PACKED, bytes(packed if full else packed[:end])))
     for i, n in enumerate(desc.storage_nbytes):
         if n and i not in offsets:
             messages.append((_TAG_DATA + i, data[starts[i] : starts[i] + n]))

@@ -96,9 +96,11 @@ class SessionTarget:
         return self._strategy
 
     def known(self) -> list[list[bytes]]:
+        """Each known hostile message alone, and those of a quorum request after a hello."""
         hello = session_messages()["hello"]
-        return [[payload] for _, payload in corpus(spb.SessionRequest)] + [
-            [hello, payload] for _, payload in corpus(spb.SessionRequest)
+        known = corpus(spb.SessionRequest)
+        return [[payload] for _, payload in known] + [
+            [hello, payload] for kind, payload in known if kind.startswith("hostile quorum")
         ]
 
     def send(self, value: list[bytes]) -> Outcome:

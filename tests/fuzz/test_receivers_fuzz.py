@@ -17,7 +17,7 @@ from tests.fuzz.runner import assert_clean, fuzz
 
 TARGETS = all_targets()
 # A PG transfer needs a fresh two-process Gloo group (~0.2 s): fewer generated inputs.
-SHARE = {"checkpoint PG receiver (in place)": 0.3}
+SHARE = {"checkpoint PG receiver (in place)": 0.2}
 
 
 @pytest.mark.parametrize("name", list(TARGETS))
