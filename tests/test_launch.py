@@ -31,7 +31,9 @@ CHILD = textwrap.dedent(
         open(os.path.join(sys.argv[1], "restarted-1"), "a").close()
         emit("step", group, step=6, committed=True)
     else:
-        # Group 0 finishes only once the victim is back: a finished job restarts nobody.
+        # Group 0 trains too (a step kill waits for every group to train), and finishes only
+        # once the victim is back: a finished job restarts nobody.
+        emit("step", group, step=1, committed=True)
         deadline = time.time() + 60
         while not os.path.exists(os.path.join(sys.argv[1], "restarted-1")):
             assert time.time() < deadline

@@ -65,9 +65,9 @@ def test_demo_prints_its_dashboard_first_and_keeps_it_open_until_ctrl_c() -> Non
             "-m",
             "torchheal.cli",
             "demo",
-            # As in test_demo.py: survivors train long enough after the kill for the victim to
-            # come back and heal while they still run.
-            *("--replicas", "3", "--steps", "80", "--kill-at-step", "4", "--step-delay", "0.15"),
+            # Survivors train long enough after the kill (~20 s) for the victim to come back and
+            # heal while they still run, even on a busy machine.
+            *("--replicas", "3", "--steps", "150", "--kill-at-step", "20", "--step-delay", "0.15"),
             *("--dashboard-port", "0", "--keep-open", "--metrics-port", str(metrics)),
         ],
         cwd=ROOT,
@@ -115,11 +115,20 @@ def test_demo_prints_its_dashboard_first_and_keeps_it_open_until_ctrl_c() -> Non
         status = json.loads(_get(url + "api/status?series_since=0"))
         healed = [f for f in status["failures"] if f["group"] == "demo_1"]
         assert healed and healed[0]["state"] == "healed", status["failures"]
-        sizes = status["series"]["quorum_size"]
-        assert 3 in sizes, sizes
-        after_full = sizes[sizes.index(3) :]
-        assert 2 in after_full, f"no dip in the quorum size after the kill: {sizes}"
-        assert 3 in after_full[after_full.index(2) :], f"the quorum never grew back: {sizes}"
+        # The quorum history: all three, then two without group 1, then three again.
+        changes = list(reversed(status["changes"]))  # oldest first
+        left = [c for c in changes if any(m["group"] == "demo_1" for m in c["left"])]
+        assert left and left[0]["size"] == 2, changes
+        back = [c for c in changes if c["t"] > left[0]["t"] and c["size"] == 3]
+        assert back and any(m["group"] == "demo_1" for m in back[0]["joined"]), changes
+        # The chart of quorum size shows the dip from the kill to the return.
+        series = status["series"]
+        after = [
+            z
+            for t, z in zip(series["t"], series["quorum_size"], strict=True)
+            if t + 1 > left[0]["t"]
+        ]
+        assert 2 in after and 3 in after[after.index(2) :], series["quorum_size"]
         assert max(status["series"]["job"]) > 0
 
         proc.send_signal(signal.SIGINT)

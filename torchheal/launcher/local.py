@@ -48,7 +48,9 @@ class KillPlan:
 
     Args:
         every_s: kill a group every this many seconds (None: never on a timer).
-        at_step: kill once, as soon as any group reports this committed step (None: never).
+        at_step: kill once, as soon as a group reports this committed step and every group
+            has committed a step of its own: on a busy machine a group may start late, and a
+            failure before the whole job trains shows nothing (None: never).
         victims: groups that may be killed, taken in turn. Group 0 is spared by default so the
             job always keeps one group that has never failed.
         max_kills: stop injecting after this many kills.
@@ -212,6 +214,7 @@ class Launcher:
         self._victims = [v for v in victims if 0 <= v < replicas]
         self._kill_count = 0
         self._step_kill_done = False
+        self._job_step = 0  # the highest step a group reported
         self._first_steps = FirstSteps()
         self._error: str | None = None
         self._run_id = f"torchheal-launch-{uuid.uuid4().hex[:8]}"
@@ -348,16 +351,19 @@ class Launcher:
         if event.kind == "step" and event.fields.get("committed"):
             g.stepped = True
         self._on_event(event)
+        if event.kind == "step":
+            self._job_step = max(self._job_step, int(event.fields.get("step", 0)))
         if (
             event.kind == "step"
             and self._plan.at_step is not None
             and not self._step_kill_done
-            and int(event.fields.get("step", 0)) >= self._plan.at_step
+            and self._job_step >= self._plan.at_step
+            and all(g.stepped for g in self._groups.values())
         ):
             victim = self._next_victim()
             if victim is not None:
                 self._step_kill_done = True
-                self._kill(victim, f"reached step {self._plan.at_step}")
+                self._kill(victim, f"the job reached step {self._job_step}")
 
     def _exited(self, g: GroupProcess, rank: int, restart_at: dict[int, float]) -> None:
         when = self._rank_exited(g, rank)

@@ -38,9 +38,11 @@ class DemoConfig:
     """
 
     replicas: int = 3
-    steps: int = 120
-    kill_at_step: int = 40
-    step_delay_s: float = 0.05
+    # About half a minute: time to open the dashboard and watch the kill (~10 s in), the
+    # survivors going on, and the heal on the charts.
+    steps: int = 300
+    kill_at_step: int = 100
+    step_delay_s: float = 0.1
     restart_delay_s: float = 1.0
     heartbeat_timeout_ms: int = 2000
     # Longer than a step: a straggler rule shorter than a step lets quorums flip-flop between
