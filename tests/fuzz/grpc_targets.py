@@ -43,6 +43,7 @@ from torchheal._wire import methods
 from torchheal._wire import torchft_pb2 as pb
 from torchheal._wire.methods import Method
 from torchheal.coordination import LighthouseClient, LighthouseServer, ManagerClient, ManagerServer
+from torchheal.coordination.lighthouse_session import MAX_REPLICA_ID_BYTES
 from torchheal.coordination.rpc.addresses import parse_grpc_timeout
 
 REPO = Path(__file__).resolve().parents[2]
@@ -290,6 +291,8 @@ class LighthouseQuorumTarget(GrpcTarget):
         member = request.requester
         if not request.HasField("requester") or not member.replica_id:
             return "no requester id"
+        if len(member.replica_id.encode()) > MAX_REPLICA_ID_BYTES:
+            return "a replica id longer than a session may use"
         if member.step < 0 or member.commit_failures < 0:
             return "a negative step or commit_failures"
         return None
@@ -371,6 +374,8 @@ class LighthouseHeartbeatTarget(GrpcTarget):
         self._client = LighthouseClient(f"127.0.0.1:{self.server.port()}", T)
 
     def impossible(self, request: Message) -> str | None:
+        if len(request.replica_id.encode()) > MAX_REPLICA_ID_BYTES:
+            return "a replica id longer than a session may use"
         return None if request.replica_id else "no replica id"
 
     def snapshot(self) -> Any:

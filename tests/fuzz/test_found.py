@@ -38,6 +38,7 @@ from torchheal.checkpointing.pg_transport import (
 from torchheal.checkpointing.serialization import decode_bytes, encode_bytes, stage
 from torchheal.coordination import LighthouseClient, LighthouseServer, ManagerServer
 from torchheal.coordination.convert import data_from_wire
+from torchheal.coordination.lighthouse_session import MAX_REPLICA_ID_BYTES
 from torchheal.parameter_server import ParameterServer
 from torchheal.process_group.dummy import ProcessGroupDummy
 
@@ -303,3 +304,23 @@ def test_description_with_an_unknown_device_is_a_checkpoint_error(device):
     spoiled = description.replace(b'"v":"cpu"', json.dumps({"v": device})[1:-1].encode())
     with pytest.raises(CheckpointError, match="invalid checkpoint tree node of kind 'device'"):
         decode_bytes(frame(spoiled, data))
+
+
+@pytest.mark.parametrize("method", ["Heartbeat", "Quorum"])
+def test_lighthouse_refuses_a_replica_id_longer_than_a_session_may_use(lighthouse, method):
+    # Found by the Quorum fuzzer (the run grew to 3.8 GB): the unary Heartbeat and Quorum took
+    # replica ids up to gRPC's 4 MiB and kept each for a minute, so 200 heartbeats (a second of
+    # traffic) made the lighthouse hold ~850 MB; the session's hello already refuses > 1 KiB.
+    long_id = "x" * (MAX_REPLICA_ID_BYTES + 1)
+    if method == "Heartbeat":
+        path = methods.LIGHTHOUSE_HEARTBEAT.path
+        request = pb.LighthouseHeartbeatRequest(replica_id=long_id)
+    else:
+        path = methods.LIGHTHOUSE_QUORUM.path
+        request = pb.LighthouseQuorumRequest(requester=pb.QuorumMember(replica_id=long_id))
+    code, details = raw_call(loopback(lighthouse), path, request.SerializeToString())
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert details.endswith(f"replica_id is longer than {MAX_REPLICA_ID_BYTES} bytes")
+    assert lighthouse.status()["heartbeats"] == {}
+    # The longest allowed id is fine.
+    LighthouseClient(loopback(lighthouse), T).heartbeat("y" * MAX_REPLICA_ID_BYTES)

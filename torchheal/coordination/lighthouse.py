@@ -38,7 +38,12 @@ from torchheal._wire import session_pb2 as spb
 from torchheal._wire import torchft_pb2 as pb
 from torchheal.coordination.lighthouse_notices import SessionRegistry
 from torchheal.coordination.lighthouse_rounds import Issued, QuorumRounds, Waiter
-from torchheal.coordination.lighthouse_session import Peer, session_handler, validated_member
+from torchheal.coordination.lighthouse_session import (
+    MAX_REPLICA_ID_BYTES,
+    Peer,
+    session_handler,
+    validated_member,
+)
 from torchheal.coordination.lighthouse_tcp import DirectLane
 from torchheal.coordination.quorum import LighthouseConfig
 from torchheal.coordination.rpc.addresses import format_target, parse_address
@@ -279,6 +284,11 @@ class LighthouseServer:
     ) -> pb.LighthouseHeartbeatResponse:
         if not request.replica_id:
             raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, "missing replica_id")
+        if len(request.replica_id.encode()) > MAX_REPLICA_ID_BYTES:  # as a session's hello
+            raise StatusError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"replica_id is longer than {MAX_REPLICA_ID_BYTES} bytes",
+            )
         self.record_heartbeat(request.replica_id)
         return pb.LighthouseHeartbeatResponse()
 

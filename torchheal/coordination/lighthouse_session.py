@@ -100,6 +100,12 @@ def validated_member(raw: pb.QuorumMember) -> QuorumMember:
     """
     if not raw.replica_id:
         raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, "missing requester.replica_id")
+    if len(raw.replica_id.encode()) > MAX_REPLICA_ID_BYTES:
+        # Kept for a minute after the last request: unbounded, a few requests fill memory.
+        raise StatusError(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"requester.replica_id is longer than {MAX_REPLICA_ID_BYTES} bytes",
+        )
     if raw.step < 0:
         raise StatusError(
             grpc.StatusCode.INVALID_ARGUMENT, f"requester.step must be >= 0, got {raw.step}"
