@@ -176,3 +176,19 @@ def test_in_process_call_on_a_shut_down_server_is_a_runtime_error(make_lighthous
     assert info.value.code == grpc.StatusCode.UNAVAILABLE
     with pytest.raises(RuntimeError, match="shut down"):
         manager.should_commit_in_process(0, 1, True, T)
+
+
+def test_an_in_process_vote_waiting_for_its_group_ends_with_the_server(
+    make_lighthouse, make_manager
+):
+    lighthouse = make_lighthouse()
+    manager = make_manager(loopback(lighthouse), world_size=2)
+    waiting = Background(
+        lambda: manager.should_commit_in_process(0, 1, True, timedelta(seconds=120))
+    )
+    wait_until(lambda: manager._vote.voted == {0}, what="rank 0's vote cast")
+    manager.shutdown()
+    # Ends with the shutdown, long before its deadline, as a gRPC vote would.
+    with pytest.raises(RPCError) as info:
+        waiting.join(timeout=20)
+    assert info.value.code == grpc.StatusCode.UNAVAILABLE

@@ -4,7 +4,7 @@ It gathers the ``Quorum`` calls of all ranks of its group into one lighthouse re
 (who is in the round, deadlines, who speaks for the group and the retry policy are the pure
 ``round.QuorumRound``/``round.RetryPolicy``), heartbeats the lighthouse, answers each rank with
 its own view of the quorum (the pure ``plan.compute_quorum_results``), runs the per-step commit
-vote (the pure ``vote.CommitVote``), serves checkpoint metadata to healing peers, and can be
+vote (``manager_vote.GroupVote`` around the pure ``vote.CommitVote``), serves checkpoint metadata to healing peers, and can be
 told to exit. This module only moves requests, time and answers in and out of those cores.
 
 All state is touched only on the server's event-loop thread, so it needs no lock.
@@ -30,16 +30,22 @@ is gone) are forwarded to every rank of the group, which watch this server
 can abort the collective it has in flight with the lost group. With a reference lighthouse the
 server speaks its unary protocol, as a torchft manager does.
 
-Group rank 0 runs in the same process as this server, so it skips gRPC: ``quorum_in_process`` and
-``should_commit_in_process`` run the very coroutines behind the ``Quorum`` and ``ShouldCommit``
-handlers on the server's loop, with the same deadline (the coroutine is cancelled when it passes,
-as gRPC cancels a handler) and the same errors as :class:`~torchheal.coordination.client.ManagerClient`
-(:class:`~torchheal.coordination.rpc.in_process.InProcessCaller`).
+Group rank 0 runs in the same process as this server, so it skips gRPC, with the same deadlines
+and errors as :class:`~torchheal.coordination.client.ManagerClient`: ``quorum_in_process`` runs
+the very coroutine behind the ``Quorum`` handler on the server's loop (cancelled when its deadline
+passes, as gRPC cancels a handler; :class:`~torchheal.coordination.rpc.in_process.InProcessCaller`),
+and ``should_commit_in_process`` casts its vote from the caller's thread into the same round the
+``ShouldCommit`` handler casts into (``manager_vote.py``): when that vote completes the round (a
+group of one rank, or rank 0 voting last) the decision is back without a trip through the loop.
+
+Parts of its own: ``manager_quorum.py`` (the group's lighthouse request and its retries),
+``manager_vote.py`` (the commit vote), ``manager_notices.py`` (passing notices on to the ranks).
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import os
 from collections.abc import AsyncIterator, Callable
@@ -55,15 +61,21 @@ from torchheal._wire import session_pb2 as spb
 from torchheal._wire import torchft_pb2 as pb
 from torchheal.coordination import convert
 from torchheal.coordination.lighthouse_link import LighthouseLink, LinkError
+from torchheal.coordination.manager_notices import NoticeFanout
+from torchheal.coordination.manager_quorum import (
+    MIN_RETRY_SLEEP_S,
+    LighthouseFailed,
+    request_quorum,
+)
+from torchheal.coordination.manager_vote import GroupVote
 from torchheal.coordination.plan import NotParticipatingError, compute_quorum_results
-from torchheal.coordination.round import GiveUp, QuorumRound, RetryPolicy, RoundStart
+from torchheal.coordination.round import QuorumRound, RetryPolicy, RoundStart
 from torchheal.coordination.rpc.addresses import format_target, parse_address
 from torchheal.coordination.rpc.channels import aio_connect
-from torchheal.coordination.rpc.errors import StatusError, status_name
+from torchheal.coordination.rpc.errors import StatusError, status_error
 from torchheal.coordination.rpc.in_process import InProcessCaller
 from torchheal.coordination.rpc.server import AioServerThread, unary_handler, unary_stream_handler
 from torchheal.coordination.types import Quorum, QuorumMember, QuorumResult
-from torchheal.coordination.vote import CommitVote, Decision
 
 __all__ = ["ManagerServer"]
 
@@ -73,20 +85,10 @@ logger: logging.Logger = logging.getLogger(__name__)
 GOODBYE_TIMEOUT_S = 2.0
 # The process exits this long after answering a Kill, so the answer can leave first.
 KILL_EXIT_DELAY_S = 0.1
-# Minimum pause between lighthouse attempts (reference §5).
-MIN_RETRY_SLEEP_S = 0.1
-# Longest lighthouse call. A rank may send any grpc-timeout up to 99999999H (~11,000 years),
-# but the gRPC client overflows past ~7e9 s and fails such a call at once; a year is forever.
-MAX_LIGHTHOUSE_CALL_S = 365 * 24 * 3600.0
 
 
-class _LighthouseFailed(Exception):
-    """The lighthouse call of a round failed for good; carries the status to give the ranks."""
-
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(details)
-        self.code = code
-        self.details = details
+class _ServerGone(Exception):
+    """The manager server shut down while a vote waited for the rest of the group."""
 
 
 class ManagerServer:
@@ -149,17 +151,17 @@ class ManagerServer:
         self._round = QuorumRound(world_size)
         self._round_outcomes: dict[int, asyncio.Future[Quorum]] = {}
         self._retry = RetryPolicy(quorum_retries, MIN_RETRY_SLEEP_S)
-        self._vote = CommitVote(world_size)
-        self._commit_round: asyncio.Future[Decision] | None = None
+        # The commit vote: cast into from the loop (gRPC ranks) and from rank 0's thread.
+        self._vote = GroupVote(world_size, self._prefix)
+        self._shut_down = False
         self._lighthouse: grpc.aio.Channel | None = None
         self._link: LighthouseLink | None = None
-        # Who hears the lighthouse's lost-member notices: each watching rank's queue, and
-        # in-process listeners (rank 0's Manager); loop thread only.
-        self._watchers: set[asyncio.Queue[bytes]] = set()
-        self._lost_listeners: list[Callable[[str, int, str], None]] = []
+        # Who hears the lighthouse's lost-member notices (loop thread only).
+        self._notices = NoticeFanout(replica_id, self._prefix)
 
+        self._server_name = f"torchheal-manager-{replica_id.split(':', 1)[0]}"
         self._server = AioServerThread(
-            f"torchheal-manager-{replica_id.split(':', 1)[0]}",
+            self._server_name,
             bind,
             {
                 methods.MANAGER_SERVICE: {
@@ -184,9 +186,7 @@ class ManagerServer:
         self._quorum_in_process = InProcessCaller(
             self._server.submit, methods.MANAGER_QUORUM, self.address()
         )
-        self._should_commit_in_process = InProcessCaller(
-            self._server.submit, methods.MANAGER_SHOULD_COMMIT, self.address()
-        )
+        self._commit_what = f"ManagerService/ShouldCommit to {self.address()}"
         logger.info(
             "%s manager server listening on %s, lighthouse %s",
             self._prefix,
@@ -211,6 +211,7 @@ class ManagerServer:
         With a torchheal lighthouse the session says goodbye first, so the other groups go on
         without this one at once.
         """
+        self._shut_down = True
         link = self._link
         if link is not None and link.session_mode:
             try:
@@ -233,7 +234,7 @@ class ManagerServer:
         """
 
         async def add() -> None:
-            self._lost_listeners.append(listener)
+            self._notices.add_listener(listener)
 
         self._server.submit(add()).result()
 
@@ -300,11 +301,27 @@ class ManagerServer:
             TimeoutError: not all ranks voted within ``timeout``.
             RuntimeError: the vote was rejected, or the server is shut down.
         """
+        # The vote is cast on this thread; the vote that completes the round (always, in a
+        # group of one rank) has its answer at once, without waiting on the event loop.
         timeout_s = to_seconds(timeout)
-        return self._should_commit_in_process(
-            self._cast_vote(group_rank, step, should_commit),
-            timeout_s,
-        )
+        what = self._commit_what
+        if self._shut_down:
+            raise status_error(
+                what, grpc.StatusCode.UNAVAILABLE, f"{self._server_name} is shut down"
+            )
+        try:
+            round_ = self._vote.cast(group_rank, step, should_commit)
+        except ValueError as e:
+            raise status_error(what, grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+        try:
+            return round_.result(timeout_s).commit
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError(
+                f'{what} failed: status: Cancelled, message: "Timeout expired" '
+                f"(in-process deadline of {timeout_s:g}s exceeded)"
+            ) from None
+        except _ServerGone as e:
+            raise status_error(what, grpc.StatusCode.UNAVAILABLE, str(e)) from None
 
     # ---------------------------------------------------------------------------------------
     # Lighthouse connection and heartbeats
@@ -315,7 +332,7 @@ class ManagerServer:
             self._lighthouse,
             self._replica_id,
             self._heartbeat_interval_s,
-            self._member_lost,
+            self._notices.forward,
             self._lighthouse_addr,
             self._prefix,
             host=parse_address(self._lighthouse_addr)[0],
@@ -328,6 +345,7 @@ class ManagerServer:
             ) from None
 
     async def _close_lighthouse(self) -> None:
+        self._vote.abandon(_ServerGone("manager server shut down"))
         if self._link is not None:
             await self._link.close()
         if self._lighthouse is not None:
@@ -340,26 +358,6 @@ class ManagerServer:
     # ---------------------------------------------------------------------------------------
     # Lost-member notices
 
-    def _member_lost(self, lost: spb.MemberLost) -> None:
-        """The lighthouse says a group of quorum ``lost.quorum_id`` is gone: tell every rank."""
-        if lost.replica_id == self._replica_id:
-            return  # about ourselves (a stale session of ours ended): nothing to abort
-        logger.warning(
-            "%s lighthouse: replica %s of quorum %d is lost (%s)",
-            self._prefix,
-            lost.replica_id,
-            lost.quorum_id,
-            lost.reason,
-        )
-        notice = spb.Notice(lost=lost).SerializeToString()
-        for queue in list(self._watchers):
-            queue.put_nowait(notice)
-        for listener in list(self._lost_listeners):
-            try:
-                listener(lost.replica_id, lost.quorum_id, lost.reason)
-            except Exception:
-                logger.exception("%s a lost-member listener failed", self._prefix)
-
     async def _watch(
         self, request: spb.WatchRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[bytes]:
@@ -367,13 +365,8 @@ class ManagerServer:
             self._round.check(request.group_rank, 0, 0)
         except ValueError as e:
             raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
-        queue: asyncio.Queue[bytes] = asyncio.Queue()
-        self._watchers.add(queue)
-        try:
-            while True:
-                yield await queue.get()
-        finally:
-            self._watchers.discard(queue)
+        async for notice in self._notices.watch():
+            yield notice
 
     # ---------------------------------------------------------------------------------------
     # Quorum
@@ -451,7 +444,7 @@ class ManagerServer:
                     "%s rank %d left the quorum round before it started", self._prefix, rank
                 )
             raise
-        except _LighthouseFailed as e:
+        except LighthouseFailed as e:
             raise StatusError(e.code, e.details) from None
 
         try:
@@ -460,49 +453,12 @@ class ManagerServer:
             raise StatusError(grpc.StatusCode.NOT_FOUND, str(e)) from None
 
     async def _run_quorum(self, start: RoundStart, outcome: asyncio.Future[Quorum]) -> None:
-        """Make the group's lighthouse request, retrying as the policy says; settle ``outcome``."""
-        requester = convert.member_to_pb(start.member)
-        timeout_s = min(start.timeout_s, MAX_LIGHTHOUSE_CALL_S)
+        """Make the group's lighthouse request (retried as the policy says); settle ``outcome``."""
         assert self._link is not None
-        attempt = 0
-        while True:
-            try:
-                quorum = convert.quorum_from_pb(
-                    await self._link.quorum(requester, timeout_s), strict_data=False
-                )
-                logger.debug(
-                    "%s got quorum %d with %d participants",
-                    self._prefix,
-                    quorum.quorum_id,
-                    len(quorum.participants),
-                )
-                outcome.set_result(quorum)
-                return
-            except LinkError as e:
-                code = e.code
-                got_status = not e.local
-                timed_out = code in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
-                error = f"status: {status_name(code)}, message: {e.details!r}"
-            logger.warning(
-                "%s lighthouse quorum attempt %d/%d failed: %s",
-                self._prefix,
-                attempt + 1,
-                self._retry.retries + 1,
-                error,
-            )
-            decision = self._retry.after_failure(
-                attempt, timeout_s, got_status=got_status, timed_out=timed_out, error=error
-            )
-            if isinstance(decision, GiveUp):
-                code = (
-                    grpc.StatusCode.DEADLINE_EXCEEDED
-                    if decision.timed_out
-                    else grpc.StatusCode.INTERNAL
-                )
-                outcome.set_exception(_LighthouseFailed(code, decision.message))
-                return
-            attempt += 1
-            await asyncio.sleep(decision.sleep_s)
+        try:
+            outcome.set_result(await request_quorum(self._link, start, self._retry, self._prefix))
+        except LighthouseFailed as e:
+            outcome.set_exception(e)
 
     # ---------------------------------------------------------------------------------------
     # Commit vote, checkpoint metadata, kill
@@ -510,38 +466,17 @@ class ManagerServer:
     async def _should_commit_rpc(
         self, request: pb.ShouldCommitRequest, context: grpc.aio.ServicerContext
     ) -> pb.ShouldCommitResponse:
-        commit = await self._cast_vote(request.group_rank, request.step, request.should_commit)
-        return pb.ShouldCommitResponse(should_commit=commit)
-
-    async def _cast_vote(self, rank: int, step: int, vote: bool) -> bool:
-        """One rank's commit vote; returns the group's decision (gRPC handler and in-process).
-
-        Raises:
-            StatusError: the vote was rejected.
-        """
         try:
             # Also rejects a group rank outside the group, and a stale vote (StaleVoteError).
-            decision = self._vote.cast(rank, step, vote)
+            round_ = self._vote.cast(request.group_rank, request.step, request.should_commit)
         except ValueError as e:
             raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
-        if self._commit_round is None:
-            self._commit_round = _new_future()
-        round_ = self._commit_round
-        if decision is not None:
-            self._commit_round = None
-            # Per step, so DEBUG; a failed vote is worth a user's attention.
-            if not decision.commit:
-                logger.info(
-                    "%s step %d: should_commit=False (failed ranks: %s)",
-                    self._prefix,
-                    decision.step,
-                    sorted(decision.failed_ranks),
-                )
-            elif logger.isEnabledFor(logging.DEBUG):
-                logger.debug("%s step %d: should_commit=True", self._prefix, decision.step)
-            round_.set_result(decision)
-        decision = await asyncio.shield(round_)
-        return decision.commit
+        # shield: a rank that gives up keeps its vote in the round, as before its deadline.
+        try:
+            decision = await asyncio.shield(asyncio.wrap_future(round_))
+        except _ServerGone as e:
+            raise StatusError(grpc.StatusCode.UNAVAILABLE, str(e)) from None
+        return pb.ShouldCommitResponse(should_commit=decision.commit)
 
     async def _checkpoint_metadata_rpc(
         self, request: pb.CheckpointMetadataRequest, context: grpc.aio.ServicerContext

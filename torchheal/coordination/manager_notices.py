@@ -1,0 +1,69 @@
+"""A manager server passing the lighthouse's ``MemberLost`` notices on to its group's ranks.
+
+When another group of the current quorum is gone, the lighthouse tells every session; each
+manager server forwards the notice to every rank of its own group, so each can abort the
+collective it has in flight with the lost group at once. Ranks > 0 watch their server over gRPC
+(``torchheal.ManagerNotices/Watch``, a stream of notices); group rank 0 lives in the server's
+process and registers a listener. Everything here runs on the server's event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+
+from torchheal._wire import session_pb2 as spb
+
+__all__ = ["NoticeFanout"]
+
+logger: logging.Logger = logging.getLogger("torchheal.coordination.manager_server.notices")
+
+
+class NoticeFanout:
+    """Who hears a group's lost-member notices: watching ranks and in-process listeners.
+
+    Args:
+        replica_id: this group's full id (notices about itself are not passed on).
+        log_prefix: prefixes log lines (``[Replica name]``).
+    """
+
+    def __init__(self, replica_id: str, log_prefix: str) -> None:
+        self._replica_id = replica_id
+        self._prefix = log_prefix
+        self._watchers: set[asyncio.Queue[bytes]] = set()
+        self._listeners: list[Callable[[str, int, str], None]] = []
+
+    def add_listener(self, listener: Callable[[str, int, str], None]) -> None:
+        """Also call ``listener(replica_id, quorum_id, reason)`` for every notice (loop thread)."""
+        self._listeners.append(listener)
+
+    def forward(self, lost: spb.MemberLost) -> None:
+        """The lighthouse says a group of quorum ``lost.quorum_id`` is gone: tell every rank."""
+        if lost.replica_id == self._replica_id:
+            return  # about ourselves (a stale session of ours ended): nothing to abort
+        logger.warning(
+            "%s lighthouse: replica %s of quorum %d is lost (%s)",
+            self._prefix,
+            lost.replica_id,
+            lost.quorum_id,
+            lost.reason,
+        )
+        notice = spb.Notice(lost=lost).SerializeToString()
+        for queue in list(self._watchers):
+            queue.put_nowait(notice)
+        for listener in list(self._listeners):
+            try:
+                listener(lost.replica_id, lost.quorum_id, lost.reason)
+            except Exception:
+                logger.exception("%s a lost-member listener failed", self._prefix)
+
+    async def watch(self) -> AsyncIterator[bytes]:
+        """The serialized ``Notice`` messages for one watching rank, as they come."""
+        queue: asyncio.Queue[bytes] = asyncio.Queue()
+        self._watchers.add(queue)
+        try:
+            while True:
+                yield await queue.get()
+        finally:
+            self._watchers.discard(queue)

@@ -1,0 +1,93 @@
+"""A replica group's commit vote as its manager server runs it: a barrier open to two kinds of
+voters.
+
+Every rank of the group votes on each step (``ShouldCommit``); the step commits only if all of
+them voted yes (the pure ``vote.CommitVote`` decides). Ranks > 0 vote over gRPC, on the server's
+event loop; group rank 0 lives in the server's process and votes from its own training thread.
+:class:`GroupVote` lets both cast into one round under a lock and hands each voter the round's
+outcome as a thread-safe future, so the vote that completes a round answers at once, wherever
+it was cast: in a group of one rank (or when rank 0 votes last), the training thread gets its
+decision without waiting on the event loop, which keeps the vote off the step's critical path.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+
+from torchheal.coordination.vote import CommitVote, Decision
+
+__all__ = ["GroupVote"]
+
+logger: logging.Logger = logging.getLogger("torchheal.coordination.manager_server.vote")
+
+
+class GroupVote:
+    """The commit vote of one replica group, safe to cast into from any thread.
+
+    Args:
+        world_size: the ranks that vote on every step.
+        log_prefix: prefixes log lines (``[Replica name]``).
+    """
+
+    def __init__(self, world_size: int, log_prefix: str) -> None:
+        self._lock = threading.Lock()
+        self._vote = CommitVote(world_size)
+        self._round: concurrent.futures.Future[Decision] | None = None
+        self._prefix = log_prefix
+
+    @property
+    def step(self) -> int | None:
+        """The step being decided (None between rounds)."""
+        with self._lock:
+            return self._vote.step
+
+    @property
+    def voted(self) -> frozenset[int]:
+        """The ranks that voted in the round in progress."""
+        with self._lock:
+            return frozenset(self._vote.voted)
+
+    @property
+    def last_decision(self) -> Decision | None:
+        """The last round's decision."""
+        with self._lock:
+            return self._vote.last_decision
+
+    def cast(self, rank: int, step: int, vote: bool) -> concurrent.futures.Future[Decision]:
+        """Cast ``rank``'s vote on ``step``; the returned future holds the round's decision.
+
+        The future is already done when this vote completed the round.
+
+        Raises:
+            ValueError: an impossible rank or step, or a stale vote (``StaleVoteError``).
+        """
+        with self._lock:
+            decision = self._vote.cast(rank, step, vote)
+            round_ = self._round
+            if round_ is None:
+                round_ = self._round = concurrent.futures.Future()
+            if decision is not None:
+                self._round = None
+        if decision is not None:
+            # Per step, so DEBUG; a failed vote is worth a user's attention.
+            if not decision.commit:
+                logger.info(
+                    "%s step %d: should_commit=False (failed ranks: %s)",
+                    self._prefix,
+                    decision.step,
+                    sorted(decision.failed_ranks),
+                )
+            elif logger.isEnabledFor(logging.DEBUG):
+                logger.debug("%s step %d: should_commit=True", self._prefix, decision.step)
+            round_.set_result(decision)
+        return round_
+
+    def abandon(self, error: Exception) -> None:
+        """Fail the round in progress (the server is going away); its voters get ``error``."""
+        with self._lock:
+            round_, self._round = self._round, None
+            self._vote.reset()
+        if round_ is not None and not round_.done():
+            round_.set_exception(error)
