@@ -118,8 +118,13 @@ class _TimeoutManager:
                     target=self._watch, name="torchheal-TimeoutWatchdog", daemon=True
                 )
                 self._watchdog.start()
+            earliest = not self._heap or handle.deadline < self._heap[0][0]
             heapq.heappush(self._heap, (handle.deadline, next(self._seq), handle))
-            self._cond.notify()
+            if earliest:
+                # The thread sleeps until the earliest deadline; a later one needs no wake-up
+                # (every collective of every step schedules one: waking for each cost a
+                # context switch per collective).
+                self._cond.notify()
         return handle
 
     def _run(self) -> None:

@@ -545,7 +545,7 @@ class Manager:
 
         def normalize(fut: torch.futures.Future[Any]) -> torch.Tensor:
             fut.value()  # surfaces an error of the collective
-            if is_avg and num_participants > 0:
+            if is_avg and num_participants > 1:  # x / 1 == x: skip a pass over the tensor
                 tensor.div_(num_participants)
             return tensor
 
