@@ -19,6 +19,11 @@ Script commands (one per line; ``#`` starts a comment; names are replica ids):
 ``connect a b``          a and b open torchheal sessions (alive from now on, heartbeating).
 ``crash a``              a dies and its session ends: the lighthouse knows at once.
 ``freeze a``             a stops heartbeating but its session stays open (SIGSTOP, a hung host).
+``restart [persisted]``  the lighthouse dies and starts again: it forgets everything (with
+                         ``persisted``, it reloads the last quorum it issued, as from its state
+                         file); pending requests die with their connections; nobody is heard
+                         from until it heartbeats, joins or reconnects.
+``reconnect a b``        a and b open new sessions, reporting the last quorum they received.
 ``advance 5s``           time passes; live replicas heartbeat along the way.
 ``tick [500ms]``         (optionally advance first, then) one lighthouse tick.
 ``expect quorum 2 a,b``  the last tick issued quorum id 2 with exactly a and b.
@@ -49,6 +54,7 @@ from torchheal.coordination.quorum import (
     join,
     lost_members,
     requeue,
+    restore,
     session_ended,
     session_opened,
     tick,
@@ -119,6 +125,8 @@ class Cluster:
     received: dict[str, Quorum] = field(default_factory=dict)
     last_quorum: Quorum | None = None
     last_reason: str | None = None
+    # The last quorum the lighthouse issued (what its state file would hold).
+    last_issued: Quorum | None = None
 
     @property
     def now(self) -> float:
@@ -138,6 +146,7 @@ class Cluster:
         self.last_quorum, self.last_reason = quorum, reason
         if quorum is None:
             return
+        self.last_issued = quorum
         members = {m.replica_id for m in quorum.participants}
         for name, request in sorted(self.waiting.items()):
             if name in members:
@@ -197,6 +206,20 @@ def run_command(cluster: Cluster, words: list[str]) -> None:
             cluster.alive.discard(name)
             cluster.waiting.pop(name, None)
             session_ended(cluster.state, name)
+    elif cmd == "restart":
+        if args not in ([], ["persisted"]):
+            raise ScriptError(f"restart takes nothing or 'persisted', got {args}")
+        cluster.state = LighthouseState()
+        cluster.alive.clear()
+        cluster.waiting.clear()
+        if args and cluster.last_issued is not None:
+            restore(cluster.state, cluster.last_issued, cluster.now)
+    elif cmd == "reconnect":
+        cluster.alive.update(args)
+        for name in args:
+            session_opened(cluster.state, name, cluster.now)
+            if name in cluster.received:
+                restore(cluster.state, cluster.received[name], cluster.now)
     elif cmd == "freeze":
         for name in args:
             cluster.alive.discard(name)

@@ -5,8 +5,9 @@ which replicas count as healthy, the fast path that keeps a stable membership, t
 ``min_replicas``/split-brain/straggler checks, ``shrink_only`` filtering and when the quorum id
 moves. The lighthouse server holds one :class:`LighthouseState` under a lock and feeds it
 requests (:func:`join`), heartbeats (:func:`heartbeat`), the opening and end of torchheal
-sessions (:func:`session_opened`, :func:`session_ended`) and ticks (:func:`tick`); it never
-decides anything itself. Nothing here does I/O, starts threads or reads a clock: ``now`` is a monotonic
+sessions (:func:`session_opened`, :func:`session_ended`), what it learns of quorums issued
+before it (re)started (:func:`restore`) and ticks (:func:`tick`); it never decides anything
+itself. Nothing here does I/O, starts threads or reads a clock: ``now`` is a monotonic
 time in float seconds supplied by the caller, ``wall`` the wall-clock stamp put on issued quorums.
 
 Reason strings match the reference byte for byte because operators and tests read them (the
@@ -28,6 +29,7 @@ __all__ = [
     "lost_members",
     "quorum_compute",
     "requeue",
+    "restore",
     "session_ended",
     "session_opened",
     "tick",
@@ -81,6 +83,9 @@ class LighthouseState:
         prev_quorum_at: monotonic time ``prev_quorum`` was issued (None before the first).
         sessions: replicas with a live torchheal session: the lighthouse knows they are alive
             for as long as it lasts, and that they are gone as soon as it ends.
+        restored: ``prev_quorum`` was learned (:func:`restore`), not issued by this lighthouse.
+        fresh_id: the next issued quorum must take a new id, whatever its membership: ids up
+            to ``quorum_id`` may be in use by quorums this lighthouse did not issue.
     """
 
     participants: dict[str, tuple[float, QuorumMember]] = field(default_factory=dict)
@@ -89,6 +94,8 @@ class LighthouseState:
     quorum_id: int = 0
     prev_quorum_at: float | None = None
     sessions: set[str] = field(default_factory=set)
+    restored: bool = False
+    fresh_id: bool = False
 
 
 def heartbeat(state: LighthouseState, replica_id: str, now: float) -> None:
@@ -149,6 +156,48 @@ def session_ended(state: LighthouseState, replica_id: str) -> bool:
     state.participants.pop(replica_id, None)
     prev = state.prev_quorum
     return prev is not None and any(m.replica_id == replica_id for m in prev.participants)
+
+
+def restore(state: LighthouseState, quorum: Quorum, now: float) -> bool:
+    """Learn of a quorum issued before this lighthouse (re)started; adopt it if it is newer.
+
+    A restarted lighthouse starts from nothing, while the groups still hold the quorum they got
+    from its previous life (each torchheal group reports its last one in its session's Hello; a
+    state file or etcd remembers it for groups that do not). Two rules keep a restart safe:
+
+    * **Ids never go backwards, and never repeat.** The next issued quorum takes an id above
+      every reported one, even with the same members: a group only rebuilds its process group
+      when the id changes, so an id it already holds must never name a different quorum.
+    * **The restored quorum is waited for as the last quorum would have been.** Its members
+      that have not come back yet count as heard from now, so the first quorum after the
+      restart is not issued to the first group that reconnects while the others are still
+      reopening their sessions: the split-brain guard and the straggler wait treat them as
+      they would have without the restart, until their heartbeat timeout (a member that died
+      with the lighthouse is then dropped, as it would have been).
+
+    A quorum older than the latest known one changes nothing (every ordinary reconnection
+    reports one): the lighthouse never adopts an older past. A newer one arriving after this
+    lighthouse already issued quorums (a group that was slow to reconnect) only moves the id.
+
+    Args:
+        state: the lighthouse state to update.
+        quorum: the reported quorum (its members as they were when it was issued).
+        now: monotonic time in seconds.
+
+    Returns:
+        Whether the quorum was newer than any known and was adopted.
+    """
+    if quorum.quorum_id <= state.quorum_id:
+        return False
+    state.quorum_id = quorum.quorum_id
+    state.fresh_id = True
+    if state.prev_quorum is None or state.restored:
+        state.prev_quorum = quorum
+        state.prev_quorum_at = None
+        state.restored = True
+        for member in quorum.participants:
+            state.heartbeats.setdefault(member.replica_id, now)
+    return True
 
 
 def lost_members(state: LighthouseState, config: LighthouseConfig, now: float) -> list[str]:
@@ -430,7 +479,10 @@ def tick(
 
     prev = state.prev_quorum
     new_ids = [member.replica_id for member in candidates]
-    if prev is None or new_ids != [member.replica_id for member in prev.participants]:
+    if state.fresh_id:
+        # Quorums this lighthouse did not issue may use ids up to quorum_id (see restore).
+        state.quorum_id += 1
+    elif prev is None or new_ids != [member.replica_id for member in prev.participants]:
         state.quorum_id += 1
     elif any(member.commit_failures > 0 for member in candidates):
         # Same members, but someone could not commit: a fresh id makes every group rebuild its
@@ -440,5 +492,7 @@ def tick(
     quorum = Quorum(quorum_id=state.quorum_id, participants=tuple(candidates), created=wall)
     state.prev_quorum = quorum
     state.prev_quorum_at = now
+    state.restored = False
+    state.fresh_id = False
     state.participants.clear()
     return quorum, reason
