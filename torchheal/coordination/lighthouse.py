@@ -44,6 +44,7 @@ from torchheal.coordination.lighthouse_session import (
     session_handler,
     validated_member,
 )
+from torchheal.coordination.lighthouse_state import QuorumStore, StoreError
 from torchheal.coordination.lighthouse_tcp import DirectLane
 from torchheal.coordination.quorum import LighthouseConfig
 from torchheal.coordination.rpc.addresses import format_target, parse_address
@@ -114,6 +115,9 @@ class LighthouseServer:
             (see :class:`LighthouseObserver`); None for none.
         direct_port: TCP port of the direct session lane, on ``bind``'s host (0: any free
             port; None: no direct lane, torchheal peers use the gRPC session stream).
+        store: where the last issued quorum is kept across restarts (``lighthouse_state``:
+            a file, etcd); what it holds is restored before serving. None: nowhere (torchheal
+            groups still report their last quorum when they reconnect).
 
     Raises:
         ValueError: an option is out of range or ``bind`` is malformed.
@@ -129,6 +133,7 @@ class LighthouseServer:
         heartbeat_timeout_ms: int | None = None,
         observer: LighthouseObserver | None = None,
         direct_port: int | None = 0,
+        store: QuorumStore | None = None,
     ) -> None:
         self._observer = observer
         self._config = LighthouseConfig(
@@ -146,7 +151,10 @@ class LighthouseServer:
             raise ValueError(f"direct_port must be in [0, 65535] or None, got {direct_port!r}")
         host, _ = parse_address(bind)
         observed = observer is not None
-        self._rounds = QuorumRounds(self._config, self._notify, observed)
+        try:
+            self._rounds = QuorumRounds(self._config, self._notify, observed, store)
+        except StoreError as e:
+            raise RuntimeError(f"lighthouse: {e}") from e
         self._sessions = SessionRegistry(self._rounds, self._notify, observed)
         # The state and its lock, under the names tests and tools have read them by.
         self._state = self._rounds.state
@@ -328,9 +336,12 @@ class LighthouseServer:
             except Exception:
                 logger.exception("lighthouse observer failed on heartbeat")
 
-    def open_session(self, replica_id: str, peer: Peer) -> int:
-        """A group opened its session (its Hello). Returns the latest quorum id."""
-        return self._sessions.open(replica_id, peer)
+    def open_session(
+        self, replica_id: str, peer: Peer, last_quorum: pb.Quorum | None = None
+    ) -> int:
+        """A group opened its session (its Hello, with the last quorum it received, if any).
+        Returns the latest quorum id."""
+        return self._sessions.open(replica_id, peer, last_quorum)
 
     def end_session(self, replica_id: str, peer: Peer, reason: str) -> None:
         """A group's session ended: the group is gone now (unless a newer session replaced it)."""

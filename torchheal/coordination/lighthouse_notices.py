@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from torchheal._wire import session_pb2 as spb
+from torchheal._wire import torchft_pb2 as pb
 from torchheal.coordination.lighthouse_rounds import QuorumRounds
 from torchheal.coordination.quorum import lost_members, session_ended, session_opened
 
@@ -59,13 +60,19 @@ class SessionRegistry:
     def __len__(self) -> int:
         return len(self._sessions)
 
-    def open(self, replica_id: str, peer: Peer) -> int:
+    def open(self, replica_id: str, peer: Peer, last_quorum: pb.Quorum | None = None) -> int:
         """A group opened its session; a newer session replaces an older one.
 
+        Args:
+            replica_id: the group's full id.
+            peer: the session.
+            last_quorum: the last quorum the group received (its Hello's), if it said.
+
         Returns:
-            The latest quorum id, for the group's Welcome.
+            The latest quorum id, for the group's Welcome (after adopting ``last_quorum``).
         """
         self._sessions[replica_id] = peer
+        self._rounds.restore(last_quorum, f"replica {replica_id}")
         rounds = self._rounds
         with rounds.lock:
             session_opened(rounds.state, replica_id, time.monotonic())

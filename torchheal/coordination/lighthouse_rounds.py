@@ -12,6 +12,12 @@ bookkeeping of the requests waiting for a quorum and the delivery of an issued o
 * The quorum is serialized once per round; each waiter's envelope is built around those bytes.
 * The decision runs once per event-loop turn in which requests arrived (requests that arrive
   together share it), not once per request, which would make a round of N requests O(N^2).
+* With a :class:`~torchheal.coordination.lighthouse_state.QuorumStore`, an issued quorum whose id
+  or members changed is saved before anyone receives it (a quorum that reached a group is always
+  on record); a quorum that cannot be saved is not delivered, and its requests wait for the next
+  tick, which tries again.
+* What the lighthouse learns of quorums issued before it started (its store, the groups'
+  session Hellos) goes to the pure ``quorum.restore``.
 
 Everything here runs on the lighthouse's event-loop thread, except :meth:`QuorumRounds.snapshot`.
 """
@@ -28,6 +34,7 @@ from typing import NamedTuple
 from torchheal._wire import torchft_pb2 as pb
 from torchheal._wire.splice import message_field, uint_field, varint
 from torchheal.coordination import convert
+from torchheal.coordination.lighthouse_state import QuorumStore, StoreError
 from torchheal.coordination.quorum import (
     LighthouseConfig,
     LighthouseState,
@@ -36,6 +43,7 @@ from torchheal.coordination.quorum import (
     join,
     quorum_compute,
     requeue,
+    restore,
     tick,
     withdraw,
 )
@@ -106,6 +114,11 @@ class QuorumRounds:
         config: the validated quorum options.
         notify: ``notify(event, *args)`` tells the observer (no-op without one).
         observed: whether there is an observer (spares building its arguments when not).
+        store: where issued quorums are recorded before delivery (None: nowhere); what it
+            holds is restored at once.
+
+    Raises:
+        StoreError: the store holds a record it cannot read.
     """
 
     def __init__(
@@ -113,10 +126,25 @@ class QuorumRounds:
         config: LighthouseConfig,
         notify: Callable[..., None],
         observed: bool,
+        store: QuorumStore | None = None,
     ) -> None:
         self.config = config
         self.lock = threading.Lock()
         self.state = LighthouseState()
+        self._store = store
+        # (quorum id, member ids) of the last record saved in the store.
+        self._saved: tuple[int, tuple[str, ...]] | None = None
+        if store is not None:
+            saved = store.load()
+            if saved is not None:
+                self._saved = _record_key(saved)
+                restore(self.state, saved, time.monotonic())
+                logger.info(
+                    "Restored quorum %d (%s) from the lighthouse's store: the next quorum "
+                    "takes a higher id",
+                    saved.quorum_id,
+                    [m.replica_id for m in saved.participants],
+                )
         self._notify = notify
         self._observed = observed
         # replica_id -> the requester's message as received, for participants of the round.
@@ -194,6 +222,32 @@ class QuorumRounds:
             withdraw(self.state, waiter.member)
         return True
 
+    def restore(self, raw: pb.Quorum | None, source: str) -> None:
+        """Learn of a quorum issued before this lighthouse started (see ``quorum.restore``).
+
+        Args:
+            raw: the quorum as a group reported it (None: it reported none).
+            source: who reported it, for the log.
+        """
+        if raw is None:
+            return
+        try:
+            quorum = convert.quorum_from_pb(raw, strict_data=False)
+        except (ValueError, TypeError) as e:
+            logger.warning("Ignoring the last quorum reported by %s: %s", source, e)
+            return
+        with self.lock:
+            adopted = restore(self.state, quorum, time.monotonic())
+        if adopted:
+            logger.warning(
+                "Adopted quorum %d (%s) reported by %s: it was issued before this lighthouse "
+                "started; the next quorum takes a higher id",
+                quorum.quorum_id,
+                [m.replica_id for m in quorum.participants],
+                source,
+            )
+            self.schedule_tick()
+
     # ------------------------------------------------------------------------------------------
     # Decisions
 
@@ -238,6 +292,12 @@ class QuorumRounds:
                     logger.info("Forgot heartbeats of departed replicas: %s", forgotten)
             if quorum is None:
                 return
+            if not self._save(quorum):
+                # Nobody may receive a quorum that is not on record: every request waits for
+                # the next tick, which issues (and tries to save) it again.
+                for waiter in self._waiters:
+                    requeue(self.state, waiter.member, now)
+                return
             round_s = 0.0 if self._round_started is None else now - self._round_started
             self._round_started = None
             raw = self._raw
@@ -246,6 +306,22 @@ class QuorumRounds:
         self._deliver(quorum, raw, now)
         if self._observed:
             self._notify("quorum_issued", quorum, reason, round_s, now)
+
+    def _save(self, quorum: Quorum) -> bool:
+        """Record ``quorum`` if its id or members changed since the last record; False when the
+        store failed. Under the lock: a save is rare (membership changes) and small."""
+        if self._store is None:
+            return True
+        key = _record_key(quorum)
+        if key == self._saved:
+            return True
+        try:
+            self._store.save(quorum)
+        except StoreError as e:
+            logger.error("Not issuing quorum %d: %s", quorum.quorum_id, e)
+            return False
+        self._saved = key
+        return True
 
     def _deliver(self, quorum: Quorum, raw: dict[str, pb.QuorumMember], now: float) -> None:
         """Answer every waiting request the quorum includes; put the others back. One pass."""
@@ -302,3 +378,7 @@ class QuorumRounds:
             waiting = sorted(self.state.participants)
             quorum_id = self.state.quorum_id
         return reason, prev, heartbeats, waiting, quorum_id
+
+
+def _record_key(quorum: Quorum) -> tuple[int, tuple[str, ...]]:
+    return quorum.quorum_id, tuple(m.replica_id for m in quorum.participants)

@@ -73,7 +73,9 @@ class _Lighthouse(Protocol):
 
     def record_heartbeat(self, replica_id: str) -> None: ...
 
-    def open_session(self, replica_id: str, peer: Peer) -> int: ...
+    def open_session(
+        self, replica_id: str, peer: Peer, last_quorum: pb.Quorum | None = None
+    ) -> int: ...
 
     def end_session(self, replica_id: str, peer: Peer, reason: str) -> None: ...
 
@@ -218,7 +220,11 @@ class SessionProtocol:
             quorum_id = 0
             logger.debug("detached session %s opened", self.replica_id)
         else:
-            quorum_id = self._lighthouse.open_session(self.replica_id, self._peer)
+            # The group's last quorum, if it reported one: a restarted lighthouse learns from
+            # it the ids already in use (quorum.restore). A malformed one is ignored: the
+            # report only protects the group that sends it.
+            last = hello.last_quorum if hello.HasField("last_quorum") else None
+            quorum_id = self._lighthouse.open_session(self.replica_id, self._peer, last)
         self._peer.send(
             spb.SessionEvent(
                 welcome=spb.Welcome(protocol=methods.SESSION_PROTOCOL, quorum_id=quorum_id)
