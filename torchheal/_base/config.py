@@ -8,6 +8,7 @@ the launcher only *passes* an environment to the processes it starts). What is r
 * :func:`watchdog_timeout_s` - how long one timeout callback may run (``torchheal.futures``).
 * :func:`use_bucketization` - DiLoCo's flat-bucket allreduce switch.
 * :func:`checkpoint_token` - the shared secret of the HTTP checkpoint transport.
+* :func:`job_token`, :class:`SecurityEnv` - the job token and TLS files of every endpoint.
 * :class:`LauncherEnv` - what a launcher tells a replica group (group id, group count, log level).
 * :func:`nccl_debug_pipe_prefix` - where NCCL's flight recorder listens for dump requests.
 * :class:`TelemetryEnv` - a trainer's metrics port, the job id of its log records, OpenTelemetry.
@@ -246,27 +247,62 @@ def use_bucketization(environ: Mapping[str, str] | None = None) -> bool:
 
 
 def checkpoint_token(environ: Mapping[str, str] | None = None) -> str | None:
-    """The HTTP checkpoint transport's shared secret (``TORCHHEAL_CHECKPOINT_TOKEN``), or None.
+    """The HTTP checkpoint transport's shared secret, or None.
+
+    ``TORCHHEAL_CHECKPOINT_TOKEN`` (its older, transport-only name) when set, else the job
+    token (:func:`job_token`), so one ``TORCHHEAL_TOKEN`` guards the transport too.
 
     Args:
         environ: the environment to read; ``os.environ`` when None.
+
+    Raises:
+        ValueError: the job token's file cannot be read or holds no valid token.
     """
-    return _environ(environ).get(CHECKPOINT_TOKEN_ENV) or None
+    env = _environ(environ)
+    return env.get(CHECKPOINT_TOKEN_ENV) or job_token(env)
 
 
-#: The job's shared secret for actions (the dashboard's kill today); generalised by the auth work.
+#: The job's shared secret, required on every torchheal endpoint when set (docs/security.md).
 JOB_TOKEN_ENV: str = "TORCHHEAL_TOKEN"
+#: A file holding the job token (kept out of ``ps`` and of the environment of every process).
+TOKEN_FILE_ENV: str = "TORCHHEAL_TOKEN_FILE"
 #: The lighthouse dashboard's HTTP port (``torchheal lighthouse --dashboard_port``).
 DASHBOARD_PORT_ENV: str = "TORCHHEAL_DASHBOARD_PORT"
 
 
 def job_token(environ: Mapping[str, str] | None = None) -> str | None:
-    """The job token (``TORCHHEAL_TOKEN``), or None when unset or blank.
+    """The job token: ``TORCHHEAL_TOKEN``, or the contents of ``TORCHHEAL_TOKEN_FILE``.
+
+    Surrounding white space (a file's final newline) is not part of the token. A token is
+    printable ASCII without spaces, so that it fits an HTTP header and gRPC metadata as is.
 
     Args:
         environ: the environment to read; ``os.environ`` when None.
+
+    Returns:
+        The token, or None when neither variable is set (or both are blank).
+
+    Raises:
+        ValueError: both variables are set, the file cannot be read or is empty, or the token
+            has a character outside printable ASCII; the message names the variable.
     """
-    value = _environ(environ).get(JOB_TOKEN_ENV, "").strip()
+    env = _environ(environ)
+    value = env.get(JOB_TOKEN_ENV, "").strip()
+    path = env.get(TOKEN_FILE_ENV, "").strip()
+    if value and path:
+        raise ValueError(f"set {JOB_TOKEN_ENV} or {TOKEN_FILE_ENV}, not both")
+    name = JOB_TOKEN_ENV
+    if path:
+        name = f"{TOKEN_FILE_ENV}={path!r}"
+        try:
+            with open(path, encoding="utf-8") as f:
+                value = f.read().strip()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"{name}: cannot read the token file: {e}") from None
+        if not value:
+            raise ValueError(f"{name}: the token file is empty")
+    if value and not all("!" <= c <= "~" for c in value):
+        raise ValueError(f"{name}: the token must be printable ASCII without spaces")
     return value or None
 
 
@@ -535,3 +571,106 @@ class TelemetryEnv:
             use_otel=use_otel.strip().lower() not in _OFF,
             otel_resource_attributes_json=attributes,
         )
+
+
+# -- security: the job token and TLS on every endpoint (docs/security.md) ----------------------
+
+#: PEM certificate chain a server presents (with :data:`TLS_KEY_ENV`); setting it turns TLS on.
+TLS_CERT_ENV: str = "TORCHHEAL_TLS_CERT"
+#: PEM private key of that certificate.
+TLS_KEY_ENV: str = "TORCHHEAL_TLS_KEY"
+#: PEM bundle of the certificate authorities a client trusts; setting it turns TLS on.
+TLS_CA_ENV: str = "TORCHHEAL_TLS_CA"
+#: ``1``/``true``: ``/metrics`` needs the job token too (default: open, as Prometheus expects).
+METRICS_AUTH_ENV: str = "TORCHHEAL_METRICS_AUTH"
+
+
+@dataclass(frozen=True)
+class SecurityEnv:
+    """Who may talk to torchheal's endpoints, and over what: read from the environment.
+
+    With nothing set, every endpoint speaks the reference's plain wire (no token, no TLS).
+
+    Attributes:
+        token: the job token every server requires and every client sends (:func:`job_token`).
+        tls_cert: ``TORCHHEAL_TLS_CERT``: the certificate chain servers present (PEM path).
+        tls_key: ``TORCHHEAL_TLS_KEY``: its private key (PEM path).
+        tls_ca: ``TORCHHEAL_TLS_CA``: the authorities clients verify servers with (PEM path);
+            None with TLS on: the system's default authorities.
+        metrics_auth: ``TORCHHEAL_METRICS_AUTH``: ``/metrics`` requires the token as well.
+    """
+
+    token: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_ca: str | None = None
+    metrics_auth: bool = False
+
+    @property
+    def tls(self) -> bool:
+        """Whether TLS is on (a certificate or an authority bundle is configured)."""
+        return self.tls_cert is not None or self.tls_ca is not None
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> SecurityEnv:
+        """Reads and validates the variables.
+
+        Args:
+            environ: the environment to read; ``os.environ`` when None.
+
+        Raises:
+            ValueError: a token problem (see :func:`job_token`), a certificate without its key
+                (or the reverse), or a file that does not exist; the message names the variable.
+        """
+        env = _environ(environ)
+        paths: dict[str, str | None] = {}
+        for field, name in (
+            ("tls_cert", TLS_CERT_ENV),
+            ("tls_key", TLS_KEY_ENV),
+            ("tls_ca", TLS_CA_ENV),
+        ):
+            value = env.get(name, "").strip()
+            if value and not os.path.isfile(value):
+                raise ValueError(f"{name}={value!r}: no such file")
+            paths[field] = value or None
+        if (paths["tls_cert"] is None) != (paths["tls_key"] is None):
+            raise ValueError(f"set {TLS_CERT_ENV} and {TLS_KEY_ENV} together")
+        return cls(
+            token=job_token(env),
+            metrics_auth=env.get(METRICS_AUTH_ENV, "").strip().lower() not in _OFF,
+            **paths,
+        )
+
+
+def export_security(
+    token_file: str | None = None,
+    tls_cert: str | None = None,
+    tls_key: str | None = None,
+    tls_ca: str | None = None,
+) -> SecurityEnv:
+    """Put a command line's security flags into this process's environment, and validate.
+
+    The CLIs' ``--token-file``/``--tls-*`` flags land here, so that every server and client the
+    command creates reads them, and the processes it starts inherit them (a path, never the
+    token itself: it stays out of ``ps``). A flag given replaces the variable; one not given
+    leaves it as it is.
+
+    Args:
+        token_file: ``--token-file`` (replaces ``TORCHHEAL_TOKEN``, which is then removed).
+        tls_cert: ``--tls-cert``.
+        tls_key: ``--tls-key``.
+        tls_ca: ``--tls-ca``.
+
+    Returns:
+        The resulting settings.
+
+    Raises:
+        ValueError: the resulting settings are invalid (see :meth:`SecurityEnv.from_env`).
+    """
+    if token_file is not None:
+        os.environ.pop(JOB_TOKEN_ENV, None)
+        os.environ[TOKEN_FILE_ENV] = token_file
+    for name, value in ((TLS_CERT_ENV, tls_cert), (TLS_KEY_ENV, tls_key), (TLS_CA_ENV, tls_ca)):
+        if value is not None:
+            os.environ[name] = value
+    return SecurityEnv.from_env()

@@ -13,6 +13,12 @@ connection with it. TCP keep-alive probes end a connection whose peer vanished w
 (a partition, a host gone) within about the heartbeat timeout, never sooner, as HTTP/2 pings do
 on the gRPC lane. A session that breaks the protocol is told why (a ``SessionClosed`` event, the
 status a gRPC stream would end with) and disconnected; the lighthouse keeps serving.
+
+Security (``docs/security.md``): with a job token, the session's first message must be a
+``Hello`` carrying it (the gRPC stream carries it as call metadata instead); anything else ends
+the connection with ``UNAUTHENTICATED`` before the lighthouse hears of the session. With TLS
+on, the lane is not opened at all (``Describe`` then announces port 0) and every session takes
+the gRPC stream, which is encrypted.
 """
 
 from __future__ import annotations
@@ -23,10 +29,13 @@ import socket
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 
+from torchheal._base.config import SecurityEnv
 from torchheal._wire import session_pb2 as spb
 from torchheal._wire.splice import varint
 from torchheal.coordination.lighthouse_session import SessionProtocol
+from torchheal.coordination.rpc.auth import RefusalLog, token_matches
 from torchheal.coordination.rpc.errors import StatusError
 from torchheal.coordination.rpc.frames import DEFAULT_MAX_FRAME, FrameError, FrameReader
 
@@ -79,10 +88,19 @@ class _Peer:
 class _Connection(asyncio.Protocol):
     """One direct-lane connection: frames in, session events out."""
 
-    def __init__(self, lighthouse: Any, keepalive_s: float, live: set[_Connection]) -> None:
+    def __init__(
+        self,
+        lighthouse: Any,
+        keepalive_s: float,
+        live: set[_Connection],
+        token: str | None,
+        refusals: RefusalLog,
+    ) -> None:
         self._lighthouse = lighthouse
         self._keepalive_s = keepalive_s
         self._live = live
+        self._token = token  # None once the hello proved it (or when there is none)
+        self._refusals = refusals
         self._reader = FrameReader(DEFAULT_MAX_FRAME)
         self._transport: asyncio.Transport | None = None
         self._session: SessionProtocol | None = None
@@ -108,6 +126,8 @@ class _Connection(asyncio.Protocol):
         assert session is not None
         try:
             for message in self._reader.feed(data):
+                if self._token is not None:
+                    self._admit(message)
                 if not session.handle(message):
                     self._end(None)  # goodbye
                     return
@@ -118,6 +138,30 @@ class _Connection(asyncio.Protocol):
         except Exception as e:  # a bug of ours must not take the lighthouse down
             logger.exception("direct lane: handling a session request failed")
             self._end(StatusError(grpc.StatusCode.INTERNAL, f"session request failed: {e}"))
+
+    def _admit(self, message: bytes) -> None:
+        """Check the job token in the session's first message (a ``Hello``).
+
+        Raises:
+            StatusError: ``UNAUTHENTICATED``: not a hello, or a hello without the token.
+        """
+        assert self._token is not None
+        try:
+            request = spb.SessionRequest.FromString(message)
+        except DecodeError:
+            request = spb.SessionRequest()
+        given = request.hello.token if request.WhichOneof("kind") == "hello" else ""
+        if not token_matches(given, self._token):
+            why = "wrong job token" if given else "no job token"
+            assert self._transport is not None
+            self._refusals.refused(
+                "a direct-lane session", self._transport.get_extra_info("peername"), why
+            )
+            raise StatusError(
+                grpc.StatusCode.UNAUTHENTICATED,
+                f"{why}: this lighthouse requires the job token (TORCHHEAL_TOKEN) in the hello",
+            )
+        self._token = None
 
     def eof_received(self) -> bool:
         return False  # the peer is done: close our side too
@@ -173,11 +217,17 @@ class DirectLane:
     Args:
         lighthouse: what sessions talk to (see ``lighthouse_session._Lighthouse``).
         keepalive_s: how long a peer that stopped answering keeps its session.
+        security: job token and TLS settings (default: read from the environment); with TLS
+            on, :meth:`start` opens nothing and :attr:`port` stays 0.
     """
 
-    def __init__(self, lighthouse: Any, keepalive_s: float) -> None:
+    def __init__(
+        self, lighthouse: Any, keepalive_s: float, security: SecurityEnv | None = None
+    ) -> None:
         self._lighthouse = lighthouse
         self._keepalive_s = keepalive_s
+        self._security = SecurityEnv.from_env() if security is None else security
+        self._refusals = RefusalLog(logger)
         self._live: set[_Connection] = set()
         self._server: asyncio.AbstractServer | None = None
         self.port = 0
@@ -188,10 +238,18 @@ class DirectLane:
         Raises:
             OSError: the address could not be bound.
         """
+        if self._security.tls:
+            # The lane is plain TCP: with TLS on, sessions take the (encrypted) gRPC stream.
+            logger.info("TLS is on: no direct session lane; sessions use the gRPC stream")
+            return
         sock = _listening_socket(host, port)
+        token = self._security.token
         try:
             self._server = await asyncio.get_running_loop().create_server(
-                lambda: _Connection(self._lighthouse, self._keepalive_s, self._live), sock=sock
+                lambda: _Connection(
+                    self._lighthouse, self._keepalive_s, self._live, token, self._refusals
+                ),
+                sock=sock,
             )
         except BaseException:
             sock.close()

@@ -10,6 +10,10 @@ Failures read as the link expects: a write on a broken connection raises
 connection is over, whether the lighthouse closed it, the network broke it, or the lighthouse
 ended the session with a ``SessionClosed`` event (its status is then :attr:`DirectStream.closed`).
 The connection's end is what the lighthouse takes for this group's death, as with the stream.
+
+The job token (``docs/security.md``): the link writes the same ``Hello`` on either lane; on
+this one :meth:`DirectStream.write` puts the token in it (a gRPC stream carries it as call
+metadata), so the link need not know which lane it speaks on.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from typing import Any
 import grpc.aio
 from google.protobuf.message import DecodeError, Message
 
+from torchheal._base.config import SecurityEnv
 from torchheal._wire import session_pb2 as spb
 from torchheal.coordination.rpc.frames import FrameError, FrameReader, frame
 
@@ -70,20 +75,33 @@ class _Protocol(asyncio.Protocol):
 class DirectStream:
     """One session on the lighthouse's direct lane (use :meth:`open`)."""
 
-    def __init__(self, transport: asyncio.Transport, protocol: _Protocol) -> None:
+    def __init__(
+        self, transport: asyncio.Transport, protocol: _Protocol, token: str | None = None
+    ) -> None:
         self._transport = transport
         self._protocol = protocol
+        self._token = token
         self._cancelled = False
         #: The status the lighthouse ended the session with, if it said (``SessionClosed``).
         self.closed: spb.SessionClosed | None = None
 
     @classmethod
-    async def open(cls, host: str, port: int, timeout_s: float) -> DirectStream:
+    async def open(
+        cls, host: str, port: int, timeout_s: float, security: SecurityEnv | None = None
+    ) -> DirectStream:
         """Connect to the lane at ``host:port``.
 
+        Args:
+            host: the lighthouse's host.
+            port: its direct lane's port.
+            timeout_s: how long connecting may take.
+            security: the job token to send in the hello (default: read from the environment).
+
         Raises:
+            ValueError: the security settings are malformed.
             OSError: the lane could not be reached within ``timeout_s`` (``TimeoutError``).
         """
+        token = (SecurityEnv.from_env() if security is None else security).token
         loop = asyncio.get_running_loop()
         transport, protocol = await asyncio.wait_for(
             loop.create_connection(_Protocol, host, port), timeout_s
@@ -92,7 +110,7 @@ class DirectStream:
         sock = transport.get_extra_info("socket")
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        return cls(transport, protocol)
+        return cls(transport, protocol, token)
 
     async def write(self, request: Message | bytes) -> None:
         """Send one ``SessionRequest``.
@@ -102,6 +120,15 @@ class DirectStream:
         """
         if self._transport.is_closing():
             raise StreamClosed("the direct session is closed")
+        if (
+            self._token is not None
+            and isinstance(request, spb.SessionRequest)
+            and request.WhichOneof("kind") == "hello"
+        ):
+            stamped = spb.SessionRequest()
+            stamped.CopyFrom(request)  # the caller's message stays as it was
+            stamped.hello.token = self._token
+            request = stamped
         data = request if isinstance(request, bytes) else request.SerializeToString()
         self._transport.write(frame(data))
 

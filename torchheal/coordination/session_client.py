@@ -14,6 +14,9 @@ caller pays one ``send`` and one ``recv``, which is what makes the lane cheap.
 Errors are data: a refused or timed-out request comes back as :class:`Refused` (a gRPC status
 code and message, which the client words as the reference does); a connection that breaks
 fails every waiting call with :class:`SessionBroken`, and the session is not used again.
+
+With a job token the hello carries it (``docs/security.md``); with TLS on, the lighthouse opens
+no lane and the client never gets here.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from typing import NamedTuple
 import grpc
 from google.protobuf.message import DecodeError
 
+from torchheal._base.config import SecurityEnv
 from torchheal._wire import methods
 from torchheal._wire import session_pb2 as spb
 from torchheal._wire.splice import message_field, uint_field
@@ -144,13 +148,22 @@ class DirectSession:
         port: its direct lane's port.
         label: names the session in the lighthouse's logs.
         timeout_s: how long connecting and the lighthouse's welcome may take.
+        security: the job token to send (default: read from the environment).
 
     Raises:
         OSError: the lane could not be reached.
-        SessionBroken: the lighthouse refused the session.
+        SessionBroken: the lighthouse refused the session (a missing or wrong job token, too).
     """
 
-    def __init__(self, host: str, port: int, label: str, timeout_s: float) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        label: str,
+        timeout_s: float,
+        security: SecurityEnv | None = None,
+    ) -> None:
+        token = (SecurityEnv.from_env() if security is None else security).token
         self._sock = socket.create_connection((host, port), timeout=timeout_s)
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         # Blocking mode with kernel time limits (SO_RCVTIMEO/SO_SNDTIMEO) rather than Python's
@@ -168,7 +181,12 @@ class DirectSession:
         self._broken: SessionBroken | None = None
         self._next_id = 1
         hello = spb.SessionRequest(
-            hello=spb.Hello(replica_id=label, protocol=methods.SESSION_PROTOCOL, detached=True)
+            hello=spb.Hello(
+                replica_id=label,
+                protocol=methods.SESSION_PROTOCOL,
+                detached=True,
+                token=token or "",
+            )
         )
         welcome = self._call(0, hello.SerializeToString(), time.monotonic() + timeout_s)
         if isinstance(welcome, Refused):

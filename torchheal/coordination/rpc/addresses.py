@@ -16,7 +16,8 @@ def parse_address(addr: str) -> tuple[str, int]:
     """Split an address into host and port.
 
     Accepts ``http://host:port``, ``host:port`` and ``[v6addr]:port`` (with or without the
-    ``http://`` scheme; a trailing ``/`` is ignored).
+    ``http://`` or ``https://`` scheme; a trailing ``/`` is ignored; whether TLS is used is
+    the security settings' choice, not the scheme's).
 
     Args:
         addr: the address.
@@ -33,7 +34,7 @@ def parse_address(addr: str) -> tuple[str, int]:
     rest = addr.strip()
     if "://" in rest:
         scheme, _, rest = rest.partition("://")
-        if scheme != "http":
+        if scheme not in ("http", "https"):  # https: TLS is on (docs/security.md)
             raise ValueError(f"unsupported scheme {scheme!r} in address {addr!r}; use http://")
     rest = rest.rstrip("/")
     if rest.startswith("["):

@@ -3,6 +3,9 @@
 :func:`connect` and :func:`aio_connect` open a channel and wait until it is ready (a clear
 ``RuntimeError`` when the server cannot be reached in time); :class:`UnaryCaller` sends one
 method with a deadline and maps failures through :mod:`torchheal.coordination.rpc.errors`.
+
+Security (``docs/security.md``): a channel sends the job token on every call and speaks TLS when
+the environment (or the ``security`` argument) says so; with neither it is a plain channel.
 """
 
 from __future__ import annotations
@@ -15,10 +18,13 @@ import grpc
 import grpc.aio
 from google.protobuf.message import Message
 
+from torchheal._base.config import SecurityEnv
 from torchheal._base.timeouts import to_seconds
 from torchheal._wire.methods import Method
 from torchheal.coordination.rpc.addresses import format_target, parse_address
+from torchheal.coordination.rpc.auth import aio_client_interceptors, client_interceptors
 from torchheal.coordination.rpc.errors import rpc_error_to_exception
+from torchheal.coordination.rpc.tls import channel_credentials
 
 __all__ = ["CHANNEL_OPTIONS", "UnaryCaller", "aio_connect", "connect", "serialize"]
 
@@ -36,23 +42,34 @@ CHANNEL_OPTIONS: list[tuple[str, Any]] = [
 ]
 
 
-def connect(addr: str, connect_timeout: timedelta | float) -> grpc.Channel:
+def connect(
+    addr: str, connect_timeout: timedelta | float, security: SecurityEnv | None = None
+) -> grpc.Channel:
     """Open a blocking channel and wait until it is connected.
 
     Args:
         addr: server address (see :func:`parse_address`).
         connect_timeout: how long to keep trying before giving up.
+        security: job token and TLS settings (default: read from the environment).
 
     Returns:
         A ready channel; safe to share between threads.
 
     Raises:
-        ValueError: the address is malformed.
+        ValueError: the address or the security settings are malformed.
         RuntimeError: the server could not be reached within ``connect_timeout``.
     """
     target = format_target(*parse_address(addr))
     timeout_s = to_seconds(connect_timeout)
-    channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+    security = SecurityEnv.from_env() if security is None else security
+    if security.tls:
+        channel = grpc.secure_channel(
+            target, channel_credentials(security), options=CHANNEL_OPTIONS
+        )
+    else:
+        channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+    if security.token is not None:
+        channel = grpc.intercept_channel(channel, *client_interceptors(security.token))
     try:
         grpc.channel_ready_future(channel).result(timeout=timeout_s)
     except grpc.FutureTimeoutError:
@@ -64,20 +81,35 @@ def connect(addr: str, connect_timeout: timedelta | float) -> grpc.Channel:
     return channel
 
 
-async def aio_connect(addr: str, connect_timeout: timedelta | float) -> grpc.aio.Channel:
+async def aio_connect(
+    addr: str, connect_timeout: timedelta | float, security: SecurityEnv | None = None
+) -> grpc.aio.Channel:
     """Open an asyncio channel and wait until it is connected.
 
     Args:
         addr: server address (see :func:`parse_address`).
         connect_timeout: how long to keep trying before giving up.
+        security: job token and TLS settings (default: read from the environment).
 
     Raises:
-        ValueError: the address is malformed.
+        ValueError: the address or the security settings are malformed.
         RuntimeError: the server could not be reached within ``connect_timeout``.
     """
     target = format_target(*parse_address(addr))
     timeout_s = to_seconds(connect_timeout)
-    channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+    security = SecurityEnv.from_env() if security is None else security
+    interceptors = None if security.token is None else aio_client_interceptors(security.token)
+    if security.tls:
+        channel = grpc.aio.secure_channel(
+            target,
+            channel_credentials(security),
+            options=CHANNEL_OPTIONS,
+            interceptors=interceptors,
+        )
+    else:
+        channel = grpc.aio.insecure_channel(
+            target, options=CHANNEL_OPTIONS, interceptors=interceptors
+        )
     try:
         await asyncio.wait_for(channel.channel_ready(), timeout_s)
     except asyncio.TimeoutError:

@@ -4,6 +4,9 @@
 ``INVALID_ARGUMENT``) and turns a handler's :class:`~torchheal.coordination.rpc.errors.StatusError`
 into that status; :class:`AioServerThread` runs the server on a daemon thread so that it never
 blocks the thread that created it (in a training process: the training thread).
+
+Security (``docs/security.md``): with a job token every call must carry it (``auth.TokenGuard``
+answers ``UNAUTHENTICATED`` before any handler runs); with TLS the port speaks TLS only.
 """
 
 from __future__ import annotations
@@ -19,10 +22,13 @@ import grpc
 import grpc.aio
 from google.protobuf.message import DecodeError, Message
 
+from torchheal._base.config import SecurityEnv
 from torchheal._wire.methods import Method
 from torchheal.coordination.rpc.addresses import format_target, parse_address
+from torchheal.coordination.rpc.auth import TokenGuard
 from torchheal.coordination.rpc.channels import serialize
 from torchheal.coordination.rpc.errors import StatusError
+from torchheal.coordination.rpc.tls import server_credentials
 
 __all__ = [
     "SERVER_OPTIONS",
@@ -142,10 +148,12 @@ class AioServerThread:
         cleanup: optional coroutine function run on the loop at shutdown, after the server
             stopped (for example, to close channels opened by ``startup``).
         options: gRPC server options (default :data:`SERVER_OPTIONS`).
+        security: job token and TLS settings (default: read from the environment).
 
     Raises:
-        ValueError: ``bind`` is malformed.
-        RuntimeError: the address could not be bound, or ``startup`` failed.
+        ValueError: ``bind`` or the security settings are malformed.
+        RuntimeError: the address could not be bound, ``startup`` failed, or TLS is on without
+            a certificate.
     """
 
     def __init__(
@@ -156,8 +164,10 @@ class AioServerThread:
         startup: Callable[[], Coroutine[Any, Any, None]] | None = None,
         cleanup: Callable[[], Coroutine[Any, Any, None]] | None = None,
         options: list[tuple[str, Any]] | None = None,
+        security: SecurityEnv | None = None,
     ) -> None:
         self._name = name
+        self._security = SecurityEnv.from_env() if security is None else security
         self._options = SERVER_OPTIONS if options is None else options
         self._target = format_target(*parse_address(bind))
         self._handlers = handlers
@@ -220,7 +230,12 @@ class AioServerThread:
     async def _start(self) -> None:
         if self._startup is not None:
             await self._startup()
-        server = grpc.aio.server(options=self._options)
+        security = self._security
+        credentials = server_credentials(security, self._name) if security.tls else None
+        server = grpc.aio.server(
+            options=self._options,
+            interceptors=None if security.token is None else [TokenGuard(security.token)],
+        )
         server.add_generic_rpc_handlers(
             [
                 grpc.method_handlers_generic_handler(service, methods)
@@ -228,7 +243,10 @@ class AioServerThread:
             ]
         )
         try:
-            port = server.add_insecure_port(self._target)
+            if credentials is not None:
+                port = server.add_secure_port(self._target, credentials)
+            else:
+                port = server.add_insecure_port(self._target)
         except RuntimeError as e:
             raise RuntimeError(f"{self._name}: failed to bind {self._target}: {e}") from e
         if port == 0:
