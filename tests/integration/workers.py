@@ -141,6 +141,14 @@ class CountingTransport:
     def metadata(self) -> str:
         return self.inner.metadata()
 
+    @property
+    def copies_state(self) -> bool:  # what the inner transport says (HTTP: it copies)
+        return getattr(self.inner, "copies_state", False)
+
+    @property
+    def runs_beside_collectives(self) -> bool:  # so heals run beside the collectives
+        return getattr(self.inner, "runs_beside_collectives", False)
+
     def send_checkpoint(
         self, dst_ranks: list[int], step: int, state_dict: Any, timeout: Any
     ) -> None:

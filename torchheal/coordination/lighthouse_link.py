@@ -116,6 +116,9 @@ class LighthouseLink:
         self.direct = False
         # None until start() knows; then True (session) or False (reference lighthouse).
         self.session_mode: bool | None = None
+        # The lighthouse's latest quorum id when our first session opened (None: no session):
+        # above 0, the job was already running when this group (re)started.
+        self.first_welcome_quorum_id: int | None = None
         self._call: Any = None  # the live session stream, or None while it is (re)opening
         self._pending: dict[int, asyncio.Future[pb.Quorum]] = {}
         self._ids = itertools.count(1)
@@ -297,6 +300,8 @@ class LighthouseLink:
         if event is grpc.aio.EOF or event.WhichOneof("kind") != "welcome":
             call.cancel()
             raise LinkError(grpc.StatusCode.INTERNAL, f"expected a welcome, got {event!r}")
+        if self.first_welcome_quorum_id is None:
+            self.first_welcome_quorum_id = event.welcome.quorum_id
         self._call = call
 
     async def _open_direct(self) -> DirectStream | None:

@@ -225,6 +225,16 @@ class ManagerServer:
         """Whether the lighthouse link is a torchheal session (False: a reference lighthouse)."""
         return bool(self._link is not None and self._link.session_mode)
 
+    @property
+    def joined_running_job(self) -> bool:
+        """Whether the lighthouse had already issued a quorum when this group first said hello.
+
+        A group that (re)starts into a running job warms up before it counts (see the
+        Manager). Always False with a reference lighthouse (no session, no welcome).
+        """
+        link = self._link
+        return bool(link is not None and (link.first_welcome_quorum_id or 0) > 0)
+
     def add_lost_listener(self, listener: Callable[[str, int, str], None]) -> None:
         """Also tell ``listener`` about lost members (for a rank living in this process).
 

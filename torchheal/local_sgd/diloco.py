@@ -42,6 +42,7 @@ from torchheal.local_sgd.localsgd import (
 
 __all__ = ["DiLoCo"]
 
+
 def _side_stream(device: torch.device) -> torch.Stream | None:
     """A stream to overlap allreduces with compute; None on CPU where there is nothing to gain."""
     if device.type == "cpu" or not torch.accelerator.is_available():

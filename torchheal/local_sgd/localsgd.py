@@ -150,6 +150,11 @@ class LocalSGD(OptimizerStepHooks):
         self._sync_every = sync_every
         self._local_step = 0
         self._hooks = []
+        # The first sync comes after sync_every local steps: the warm-up a restarted group's
+        # Manager would take alone is done by then, and would only delay its heal by a window.
+        skip_warmup = getattr(manager, "skip_warmup", None)
+        if skip_warmup is not None:
+            skip_warmup()
 
     def _after_step(self) -> None:
         self._local_step += 1

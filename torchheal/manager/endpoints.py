@@ -35,6 +35,9 @@ WATCH_RETRY_S = 0.5
 
 MANAGER_ADDR_KEY: str = "manager_addr"
 REPLICA_ID_KEY: str = "replica_id"
+#: ``"{session}{joined_running}"`` as two "0"/"1" characters, published by group rank 0 so every
+#: rank of the group takes the same decisions (background transfers, a warm-up step).
+LIGHTHOUSE_MODE_KEY: str = "torchheal_lighthouse_mode"
 
 
 @dataclass
@@ -47,12 +50,17 @@ class GroupEndpoints:
         client: client of the group's manager server (every rank; rank 0 uses it only to
             check at start-up that the published address works).
         replica_id: the group's full id (``"{name}:{uuid}"``), read from the store.
+        session_mode: the lighthouse is torchheal's (a session), not the reference's.
+        joined_running: the lighthouse had issued a quorum before this group said hello: the
+            job was already running when this group (re)started.
     """
 
     store: TCPStore
     server: ManagerServer | None
     client: ManagerClient
     replica_id: str
+    session_mode: bool = False
+    joined_running: bool = False
     _closed: threading.Event = field(default_factory=threading.Event)
 
     def quorum(
@@ -201,14 +209,24 @@ def open_endpoints(
             connect_timeout=connect_timeout,
             quorum_retries=quorum_retries,
         )
+        mode = f"{int(server.session_mode)}{int(server.joined_running_job)}"
+        store.set(LIGHTHOUSE_MODE_KEY, mode)  # before the address, which the others wait for
         store.set(MANAGER_ADDR_KEY, server.address())
         store.set(REPLICA_ID_KEY, full_id)
     try:
         address = store.get(MANAGER_ADDR_KEY).decode("utf-8")
         client = ManagerClient(address, connect_timeout=connect_timeout)
         replica_id = store.get(REPLICA_ID_KEY).decode("utf-8")
+        mode = store.get(LIGHTHOUSE_MODE_KEY).decode("utf-8")
     except BaseException:
         if server is not None:
             server.shutdown()
         raise
-    return GroupEndpoints(store=store, server=server, client=client, replica_id=replica_id)
+    return GroupEndpoints(
+        store=store,
+        server=server,
+        client=client,
+        replica_id=replica_id,
+        session_mode=mode[:1] == "1",
+        joined_running=mode[1:2] == "1",
+    )

@@ -16,6 +16,16 @@ copy; received state is loaded on the training thread (in ``start_quorum`` with 
 quorum, in ``should_commit`` with asynchronous quorum). The reference calls them from its
 quorum thread during the forward pass, which breaks FSDP2/DTensor models.
 
+Healing fast (with a torchheal lighthouse and a transport that does not use the process
+group, HTTP by default): a healer contributes zeros to its heal step's reductions, so the
+transfer runs beside the step's collectives instead of before them; ``should_commit`` waits
+for it and loads on the training thread. The source stages a private copy (the transport's),
+so neither side's collectives wait for the copy or the wire. A group that (re)starts into a
+running job takes its first step alone (:meth:`Manager._start_warmup`): its slow first
+iteration is paid before it counts, so the others never wait for it. With a reference
+lighthouse the transfer stays inside the quorum, as the reference does: its join timeout
+would drop a healer that is late for the next round.
+
 Failing fast: when the lighthouse says a group of the current quorum is gone (its session
 ended, or its heartbeat expired), every rank aborts its cross-replica process group at once
 (:meth:`Manager._on_member_lost`): a collective blocked on a frozen or dead group fails now
@@ -36,6 +46,7 @@ import warnings
 from collections.abc import Callable
 from concurrent.futures import Future as ConcurrentFuture
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -50,7 +61,7 @@ from torchheal.coordination.vote import local_vote, retry_limit_error
 from torchheal.futures import future_timeout
 from torchheal.manager.endpoints import open_endpoints
 from torchheal.manager.log import ManagerLogger
-from torchheal.manager.quorum_worker import QuorumOutcome, QuorumWorker, StepRequest
+from torchheal.manager.quorum_worker import QuorumOutcome, QuorumWorker, StepRequest, Transfer
 from torchheal.manager.recovery import Recovery, metadata_over_grpc
 from torchheal.manager.settings import ManagerSettings
 from torchheal.manager.state import StateRegistry
@@ -197,6 +208,22 @@ class Manager:
             self._endpoints.close()
             raise
         self._ledger = StepLedger()
+        # Read with getattr: a transport may be any object with the methods (duck-typed).
+        copies = getattr(self._checkpoint_transport, "copies_state", False) is True
+        # Heal beside the step's collectives (see start_quorum): a healer contributes zeros, so
+        # its peers need not wait for its transfer. Only with a torchheal lighthouse: a
+        # reference one drops a member that is late for the next round (its join timeout),
+        # and a healer that loads after the round's allreduce is late by design.
+        self._background_transfer = (
+            use_async_quorum
+            and getattr(self._checkpoint_transport, "runs_beside_collectives", False) is True
+            and self._endpoints.session_mode
+        )
+        # A group that (re)starts into a running job takes its first step alone (see
+        # start_quorum); with a synchronous quorum it heals before computing anyway.
+        self._warmup_pending = use_async_quorum and self._endpoints.joined_running
+        self._warming_up = False
+        self._transfer: tuple[ConcurrentFuture[Transfer], int] | None = None
         self._worker = QuorumWorker(
             quorum_call=self._endpoints.quorum,
             process_group=lambda: self._pg,
@@ -209,7 +236,10 @@ class Manager:
                     self._logger.info,
                 )
             ),
-            snapshot=self._state.copy,
+            # A transport that copies the state itself needs no copy of ours, only the read
+            # lock around its own (DiLoCo/LocalSGD block reads while they change the state).
+            snapshot=(lambda state: state) if copies else self._state.copy,
+            send_guard=self._state.lock.r_lock if copies else nullcontext,
             metadata=self._checkpoint_transport.metadata,
             group_rank=self._group_rank,
             replica_name=replica_id,
@@ -339,10 +369,16 @@ class Manager:
             if error is not None and previous is not self._raised_quorum_future:
                 self._raised_quorum_future = previous
                 raise error
+        self._drain_transfer()
         self._ledger.begin()
         self._healing = False
         self._pending_state_dict = None
         self._pre_heal_state = None
+        self._warming_up = False
+        if self._warmup_pending:
+            self._warmup_pending = False
+            self._start_warmup()
+            return
 
         # Capture what a healing peer would receive on this (the training) thread.
         captured = self._capture_state_dict() if allow_heal else None
@@ -356,6 +392,7 @@ class Manager:
             captured=captured,
             device=torch.cuda.current_device() if torch.cuda.is_available() else -1,
             can_load=not self._state.empty,
+            background=self._background_transfer,
         )
         self._quorum_future = self._executor.submit(self._async_quorum, request)
         if not self._use_async_quorum:
@@ -364,6 +401,33 @@ class Manager:
                 # Load before the forward pass; this replica then contributes like the others.
                 self._apply_pending_state_dict()
                 self._healing = False
+
+    def _start_warmup(self) -> None:
+        """This group (re)started into a running job: its first step runs alone.
+
+        A restarted process's first iteration is its slowest (allocations, autograd and DDP
+        warm-up); taken inside a quorum, every other group would wait for it in the step's
+        collectives. So that step joins no quorum: its collectives are local no-ops, it counts
+        no participant, and ``should_commit`` returns False without voting (nothing is applied,
+        the step counter stays). The next step joins the quorum and heals, at full speed.
+        Decided once, from the lighthouse's welcome (a torchheal lighthouse that had issued a
+        quorum before this group said hello), the same on every rank of the group.
+        """
+        self._warming_up = True
+        done: ConcurrentFuture[None] = ConcurrentFuture()
+        done.set_result(None)
+        self._quorum_future = done
+        self._participation = Participation(rank=None, count=0)
+        mark("warmup.begin")
+        self._logger.info("joining a running job: warming up with one local step first")
+
+    def skip_warmup(self) -> None:
+        """Joins the quorum at the first step even when the job is already running.
+
+        For training loops whose first ``start_quorum`` comes after many local steps (LocalSGD),
+        where the warm-up is already done and a local first sync would only delay the heal.
+        """
+        self._warmup_pending = False
 
     def wait_quorum(self) -> None:
         """Waits for the in-flight quorum; re-raises its error.
@@ -429,17 +493,61 @@ class Manager:
             self.report_error(error)
         if outcome.recovery_event is not None:
             self._recovery_event = outcome.recovery_event
+        if outcome.transfer is not None:
+            # Runs beside the step's collectives; should_commit waits for it.
+            self._transfer = (outcome.transfer, outcome.quorum.max_step)
         if not outcome.healing:
             return
         self._healing = True
-        received = outcome.received
-        if received is not None:
-            self._pre_heal_state = self.state_dict()
-            self._pending_state_dict = received
+        if outcome.received is not None:
             # The manager's own counters are restored now, as the reference does; the user
             # state waits for the training thread.
-            self.load_state_dict(received["torchft"])
-            self._step = outcome.quorum.max_step
+            self._take_received(outcome.received, outcome.quorum.max_step)
+
+    def _take_received(self, received: dict[str, Any], max_step: int) -> None:
+        """Keeps what arrived for the training thread and restores the manager's counters."""
+        self._pre_heal_state = self.state_dict()
+        self._pending_state_dict = received
+        self.load_state_dict(received["torchft"])
+        self._step = max_step
+
+    def _settle_transfer(self) -> None:
+        """Training thread: waits for the transfer that ran beside the step's collectives.
+
+        Its failures fail the step; what arrived is kept for loading (a healer). Bounded by
+        the manager's timeout; a transfer still running then fails the step, and what it
+        receives later is dropped.
+        """
+        pending, self._transfer = self._transfer, None
+        if pending is None:
+            return
+        future, max_step = pending
+        started = time.perf_counter()
+        try:
+            transfer = future.result(timeout=self._timeout.total_seconds())
+        except Exception as e:  # the transfer outlived the timeout (its own errors are data)
+            self.report_error(
+                TimeoutError(f"state transfer did not finish within {self._timeout}: {e!r}")
+            )
+            return
+        finally:
+            self._telemetry.waited(time.perf_counter() - started)
+        for error in transfer.errors:
+            self.report_error(error)
+        if transfer.recovery_event is not None:
+            self._recovery_event = transfer.recovery_event
+        if transfer.received is not None and self._healing:
+            self._take_received(transfer.received, max_step)
+
+    def _drain_transfer(self) -> None:
+        """Training thread, step start: the last step's transfer (its should_commit never came)
+        ends before this step's begins; its result is dropped."""
+        pending, self._transfer = self._transfer, None
+        if pending is not None:
+            try:
+                pending[0].result(timeout=self._timeout.total_seconds())
+            except Exception as e:
+                self._logger.warning(f"an unfinished state transfer was dropped: {e!r}")
 
     def _on_member_lost(self, replica_id: str, quorum_id: int, reason: str) -> None:
         """The lighthouse says ``replica_id`` of quorum ``quorum_id`` is gone: stop waiting on it.
@@ -513,8 +621,8 @@ class Manager:
             ValueError: AVG on a non-floating point tensor.
             TimeoutError, RuntimeError: the quorum of this step failed.
         """
-        if self.errored():
-            return _DummyWork(tensor)
+        if self.errored() or self._warming_up:
+            return _DummyWork(tensor)  # the warm-up step's collectives are local no-ops
         self.wait_quorum()
         num_participants = self.num_participants()
         is_avg = reduce_op == ReduceOp.AVG
@@ -609,6 +717,12 @@ class Manager:
         """
         # Every collective of this step must have landed (or failed) before we vote.
         self._ledger.settle()
+        if self._warming_up:
+            self._warming_up = False
+            mark("warmup.end")
+            self._logger.info("warm-up step done (not committed); the next step joins the quorum")
+            return False
+        self._settle_transfer()
         if self._recovery_event is not None:
             self._recovery_event.synchronize()
             self._recovery_event = None
@@ -642,7 +756,10 @@ class Manager:
             errored,
         )
         self._telemetry.committed(self._step, self._quorum_id, decision)
-        self._checkpoint_transport.disallow_checkpoint()
+        if getattr(self._checkpoint_transport, "copies_state", False) is not True:
+            # The state changes after this: stop serving it. A transport serving its own copy
+            # lets a slow healer finish instead (its next send replaces the copy).
+            self._checkpoint_transport.disallow_checkpoint()
         if decision:
             self._step += 1
             self._batches_committed += num_participants
@@ -715,4 +832,5 @@ class Manager:
         self._checkpoint_transport.shutdown(wait=wait)
         self._endpoints.close()
         self._executor.shutdown(wait=wait)
+        self._worker.shutdown(wait=wait)
         self._telemetry.close()

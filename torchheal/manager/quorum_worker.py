@@ -8,12 +8,21 @@ a :class:`QuorumOutcome` (the quorum, the participation, whether the group was r
 arrived, what failed), and the Manager alone updates its step, quorum id and healing status
 from it. A quorum RPC error is raised (the training loop must see it); every other failure is
 collected in the outcome (it makes the step not commit).
+
+The transfer runs either inside the quorum work (the step's collectives wait for it, as in the
+reference) or, when the request says ``background``, beside the step's collectives on a
+transfer thread: the outcome then carries a future of its :class:`Transfer`, which the Manager
+waits for in ``should_commit``. A healer contributes zeros to the step's reductions either way,
+so its peers need not wait for its transfer; and a source stages a private copy, so its own
+collectives need not wait for the copy either. The healer's source's metadata is fetched while
+the process group is being rebuilt.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import nullcontext
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Protocol
@@ -28,7 +37,7 @@ from torchheal.manager.recovery import Recovery
 from torchheal.process_group.base import accepts_quorum_keywords
 from torchheal.utils import quorum_global_ranks
 
-__all__ = ["QuorumOutcome", "QuorumWorker"]
+__all__ = ["QuorumOutcome", "QuorumWorker", "StepRequest", "Transfer"]
 
 
 class _QuorumCall(Protocol):
@@ -46,6 +55,21 @@ class _QuorumCall(Protocol):
 
 
 @dataclass
+class Transfer:
+    """What one step's state transfer produced.
+
+    Args:
+        received: the state that arrived (``{"user", "torchft"}``), or None.
+        errors: what failed; any of them makes the step not commit.
+        recovery_event: a CUDA event after the transfer (None without CUDA).
+    """
+
+    received: dict[str, Any] | None = None
+    errors: list[Exception] = field(default_factory=list)
+    recovery_event: Any = None
+
+
+@dataclass
 class QuorumOutcome:
     """What one step's quorum work produced.
 
@@ -57,6 +81,8 @@ class QuorumOutcome:
         received: the state that arrived (``{"user", "torchft"}``), or None.
         errors: what failed, in order; any of them makes the step not commit.
         recovery_event: a CUDA event after the transfer (None without CUDA).
+        transfer: the transfer running beside the step's collectives (a background request
+            that moves state), whose result replaces ``received`` and adds to ``errors``.
     """
 
     quorum: QuorumResult
@@ -66,6 +92,7 @@ class QuorumOutcome:
     received: dict[str, Any] | None = None
     errors: list[Exception] = field(default_factory=list)
     recovery_event: Any = None
+    transfer: Future[Transfer] | None = None
 
 
 @dataclass(frozen=True)
@@ -83,6 +110,8 @@ class StepRequest:
         device: the training thread's CUDA device (-1 without CUDA).
         can_load: a ``load_state_dict`` function is registered, so this replica can heal
             (torchtitan registers them only after building the Manager).
+        background: move state beside the step's collectives (``QuorumOutcome.transfer``)
+            instead of before them.
     """
 
     step: int
@@ -94,6 +123,7 @@ class StepRequest:
     captured: dict[str, Any] | None
     device: int = -1
     can_load: bool = True
+    background: bool = False
 
 
 class QuorumWorker:
@@ -104,7 +134,10 @@ class QuorumWorker:
         process_group: returns the cross-replica process group (``configure`` is called on a
             new quorum); read each time, so whoever swaps the Manager's ``_pg`` is followed.
         recovery: sends and receives state.
-        snapshot: makes a private copy of captured state before it is sent.
+        snapshot: makes a private copy of captured state before it is sent (the identity
+            when the transport copies it itself).
+        send_guard: held around the snapshot and the send (the state's read lock when the
+            transport copies the state itself).
         metadata: returns this replica's checkpoint transport metadata.
         group_rank: this rank's index in its replica group.
         replica_name: the user's replica id (passed to ``pg.configure``; ``"0"`` when None).
@@ -133,8 +166,12 @@ class QuorumWorker:
         min_replica_size: int,
         log: ManagerLogger,
         group_world_size: int = 1,
+        send_guard: Callable[[], AbstractContextManager[Any]] = nullcontext,
     ) -> None:
         self._quorum_call = quorum_call
+        self._send_guard = send_guard
+        # Background transfers and the metadata fetch that overlaps the group's rebuild.
+        self._transfers = ThreadPoolExecutor(2, thread_name_prefix="torchheal-transfer")
         self._process_group = process_group
         self._recovery = recovery
         self._snapshot = snapshot
@@ -181,17 +218,44 @@ class QuorumWorker:
                 self._min_replica_size,
             ),
         )
+        moves = request.allow_heal and (quorum.heal or bool(quorum.recover_dst_replica_ranks))
+        metadata: Future[str] | None = None
+        if moves and request.background:
+            # The transport does not use the process group: the transfer starts now, while
+            # the group is being rebuilt, and runs on beside the step's collectives.
+            outcome.healing = quorum.heal
+            outcome.transfer = self._transfers.submit(
+                self._transfer, quorum, request.captured, request.can_load, None
+            )
+        elif moves and quorum.heal and request.can_load:
+            # Ask the source how to reach its state while the group is being rebuilt.
+            metadata = self._transfers.submit(self._recovery.fetch_metadata, quorum)
         if quorum.quorum_id != request.current_quorum_id:
             try:
                 self._reconfigure(outcome)
             except Exception as e:
-                # No transfer this step; the quorum id stays, so the next step tries again.
+                # No transfer in the quorum this step (one already running beside it fails
+                # the step all the same); the quorum id stays, so the next step tries again.
                 self._log.exception(f"applying quorum {quorum.quorum_id} failed: {e}")
                 outcome.errors.append(e)
                 return outcome
-        if request.allow_heal:
-            self._move_state(outcome, request.captured, request.can_load)
+        if moves and not request.background:
+            outcome.healing = quorum.heal
+            transfer = self._transfer(quorum, request.captured, request.can_load, metadata)
+            outcome.received = transfer.received
+            outcome.errors.extend(transfer.errors)
+            outcome.recovery_event = transfer.recovery_event
+        elif request.allow_heal:
+            outcome.healing = quorum.heal
         return outcome
+
+    def shutdown(self, wait: bool = True) -> None:
+        """Stops the transfer threads.
+
+        Args:
+            wait: wait for a transfer in progress.
+        """
+        self._transfers.shutdown(wait=wait)
 
     def _reconfigure(self, outcome: QuorumOutcome) -> None:
         quorum = outcome.quorum
@@ -221,10 +285,14 @@ class QuorumWorker:
         outcome.reconfigured = True
         mark("configure.end", quorum_id=quorum.quorum_id)
 
-    def _move_state(
-        self, outcome: QuorumOutcome, captured: dict[str, Any] | None, can_load: bool = True
-    ) -> None:
-        quorum = outcome.quorum
+    def _transfer(
+        self,
+        quorum: QuorumResult,
+        captured: dict[str, Any] | None,
+        can_load: bool,
+        metadata: Future[str] | None,
+    ) -> Transfer:
+        outcome = Transfer()
         stream = self._recovery_stream
         with torch.cuda.stream(stream) if stream is not None else nullcontext():
             try:
@@ -234,13 +302,13 @@ class QuorumWorker:
                             "peers need recovery but no state was captured at start_quorum "
                             "(no state_dict function registered, or reads were disallowed)"
                         )
-                    mark("snapshot.begin")
-                    snapshot = self._snapshot(captured)
-                    mark("snapshot.end")
-                    self._recovery.send(quorum, snapshot)
+                    with self._send_guard():
+                        mark("snapshot.begin")
+                        snapshot = self._snapshot(captured)
+                        mark("snapshot.end")
+                        self._recovery.send(quorum, snapshot)
                     mark("send.end")
                 if quorum.heal:
-                    outcome.healing = True
                     if not can_load:
                         # Fail the step now rather than fetch state nobody can load.
                         raise RuntimeError(
@@ -250,10 +318,12 @@ class QuorumWorker:
                             "call register_state_dict_fn() before the first step"
                         )
                     mark("receive.begin")
-                    outcome.received = self._recovery.receive(quorum)
+                    address = metadata.result() if metadata is not None else None
+                    outcome.received = self._recovery.receive(quorum, address)
                     mark("receive.end")
             except Exception as e:
                 self._log.exception(f"recovery failed: {e}")
                 outcome.errors.append(e)
             if stream is not None:
                 outcome.recovery_event = stream.record_event()
+        return outcome

@@ -12,13 +12,19 @@ in-memory transport and no servers; :func:`metadata_over_grpc` is the real one.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+import grpc
+
+from torchheal._wire import methods
+from torchheal._wire import torchft_pb2 as pb
 from torchheal.checkpointing import CheckpointTransport
 from torchheal.checkpointing.timeline import mark
-from torchheal.coordination.client import ManagerClient
+from torchheal.coordination.rpc.channels import aio_connect, serialize
+from torchheal.coordination.rpc.errors import rpc_error_to_exception
 from torchheal.coordination.types import QuorumResult
 
 __all__ = ["MetadataFetcher", "Recovery", "metadata_over_grpc"]
@@ -28,20 +34,44 @@ MetadataFetcher = Callable[[str, int, timedelta], str]
 
 
 def metadata_over_grpc(connect_timeout: timedelta) -> MetadataFetcher:
-    """A fetcher that asks the source's ManagerServer (a fresh client per heal, closed after).
+    """A fetcher that asks the source's ManagerServer (a fresh channel per heal, closed after).
+
+    The call runs on grpc's asyncio stack, on an event loop of its own: the first call of a
+    fresh blocking channel completes through grpc's channel-spin thread, which in a busy
+    process (training, a process group being rebuilt) was measured handing the answer over
+    ~200 ms after it had arrived, its polling period. The asyncio call has no such hand-over.
 
     Args:
         connect_timeout: how long to try to reach the source's server.
     """
 
     def fetch(address: str, group_rank: int, timeout: timedelta) -> str:
-        client = ManagerClient(address, connect_timeout=connect_timeout)
-        try:
-            return client._checkpoint_metadata(group_rank, timeout=timeout)
-        finally:
-            client.close()
+        return asyncio.run(_fetch_metadata(address, group_rank, timeout, connect_timeout))
 
     return fetch
+
+
+async def _fetch_metadata(
+    address: str, group_rank: int, timeout: timedelta, connect_timeout: timedelta
+) -> str:
+    method = methods.MANAGER_CHECKPOINT_METADATA
+    channel = await aio_connect(address, connect_timeout)
+    try:
+        call = channel.unary_unary(
+            method.path,
+            request_serializer=serialize,
+            response_deserializer=method.response.FromString,
+        )
+        request = pb.CheckpointMetadataRequest(rank=group_rank)
+        try:
+            response = await call(request, timeout=timeout.total_seconds())
+        except grpc.RpcError as e:
+            raise rpc_error_to_exception(
+                e, f"ManagerService/CheckpointMetadata to {address}"
+            ) from None
+        return response.checkpoint_metadata
+    finally:
+        await channel.close()
 
 
 class Recovery:
@@ -83,11 +113,31 @@ class Recovery:
             dst_ranks=destinations, step=quorum.max_step, state_dict=state, timeout=self._timeout
         )
 
-    def receive(self, quorum: QuorumResult) -> dict[str, Any]:
+    def fetch_metadata(self, quorum: QuorumResult) -> str:
+        """Asks the assigned source how to reach its state (its transport's metadata).
+
+        Args:
+            quorum: this rank's quorum result (``heal`` is True).
+
+        Raises:
+            RuntimeError: the quorum names no source.
+            Exception: whatever the metadata request raised.
+        """
+        if quorum.recover_src_replica_rank is None:
+            raise RuntimeError("quorum says heal but names no source replica rank")
+        mark("metadata.begin")
+        metadata = self._fetch_metadata(
+            quorum.recover_src_manager_address, self._group_rank, self._timeout
+        )
+        mark("metadata.end")
+        return metadata
+
+    def receive(self, quorum: QuorumResult, metadata: str | None = None) -> dict[str, Any]:
         """Fetches the state of step ``quorum.max_step`` from the assigned source.
 
         Args:
             quorum: this rank's quorum result (``heal`` is True).
+            metadata: the source's metadata when already fetched (:meth:`fetch_metadata`).
 
         Returns:
             the received ``{"user": ..., "torchft": ...}`` state dict.
@@ -101,9 +151,8 @@ class Recovery:
             raise RuntimeError("quorum says heal but names no source replica rank")
         address = quorum.recover_src_manager_address
         self._log(f"healing to step {quorum.max_step} from replica rank {source} ({address})")
-        mark("metadata.begin")
-        metadata = self._fetch_metadata(address, self._group_rank, self._timeout)
-        mark("metadata.end")
+        if metadata is None:
+            metadata = self.fetch_metadata(quorum)
         received = self._transport.recv_checkpoint(
             src_rank=source, metadata=metadata, step=quorum.max_step, timeout=self._timeout
         )
