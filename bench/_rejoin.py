@@ -40,7 +40,6 @@ from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-BIN = Path(sys.executable).parent
 PREFIX = "@rejoin "
 
 # ---------------------------------------------------------------------------------------------
@@ -207,16 +206,14 @@ def _free_port() -> int:
 def lighthouse_process(impl: str) -> Iterator[str]:
     """A lighthouse of ``impl`` in its own process, at the reference's defaults."""
     port = _free_port()
-    cmd = (
-        [str(BIN / "torchft_lighthouse")]
-        if impl == "torchft"
-        else [str(BIN / "torchheal"), "lighthouse"]
+    # Through Python rather than the console scripts, which a bare environment may lack.
+    cmd = [sys.executable, "-m", "bench._rejoin", "lighthouse", "--impl", impl, "--port", str(port)]
+    env = {**os.environ, "RUST_LOG": "warn"}
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
-    cmd += ["--bind", f"127.0.0.1:{port}", "--min_replicas", "1", "--join_timeout_ms", "100"]
-    cmd += ["--quorum_tick_ms", "100", "--heartbeat_timeout_ms", "5000"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        deadline = time.time() + 30
+        deadline = time.time() + 60
         while True:
             with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
                 break
@@ -430,9 +427,30 @@ def print_timeline(r: Rejoin) -> None:
         print(f"{(t - t0) * 1000:9.1f}  {side:<9} {what}")
 
 
+def serve_lighthouse(impl: str, port: int) -> None:
+    """A lighthouse at the reference's defaults until this process is terminated."""
+    mod = importlib.import_module(
+        "torchft.coordination" if impl == "torchft" else "torchheal.coordination"
+    )
+    server = mod.LighthouseServer(
+        bind=f"127.0.0.1:{port}",
+        min_replicas=1,
+        join_timeout_ms=100,
+        quorum_tick_ms=100,
+        heartbeat_timeout_ms=5000,
+    )
+    stopped = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stopped.set())
+    stopped.wait()
+    server.shutdown()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="cmd")
+    lh = sub.add_parser("lighthouse")
+    lh.add_argument("--port", type=int, required=True)
+    lh.add_argument("--impl", default="torchheal")
     w = sub.add_parser("worker")
     w.add_argument("--impl", default="torchheal")
     w.add_argument("--group", type=int, required=True)
@@ -448,6 +466,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.cmd == "worker":
         worker(args)
+        return
+    if args.cmd == "lighthouse":
+        serve_lighthouse(args.impl, args.port)
         return
     r = run_rejoin(
         args.impl, state_mb=args.state_mb, transport=args.transport, timeline=args.timeline

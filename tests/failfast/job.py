@@ -135,7 +135,8 @@ class Job:
                 event.setdefault("inc", proc.incarnation)
                 with self._cond:
                     self.events.append(event)
-                    self._cond.notify_all()
+                    if event["kind"] not in ("step", "reduce"):
+                        self._cond.notify_all()  # a marker a test may act on at once
         with self._cond:
             self._cond.notify_all()  # its exit may be what a waiter looks for
 
@@ -156,14 +157,14 @@ class Job:
         return when
 
     def release(self, group: int) -> None:
-        """Lets a group that holds in its comm hook (``--hold-at-step``) go on."""
+        """Lets a group that holds in its comm hook (``--hold-after``) go on."""
         stdin = self.current(group).popen.stdin
         assert stdin is not None
         stdin.write("go\n")
         stdin.flush()
 
     def expect_death(self, group: int) -> None:
-        """The group's current process will SIGKILL itself (``--die-in-hook-at-step``)."""
+        """The group's current process will SIGKILL itself (``--die-after``)."""
         self.current(group).killed = True
 
     # -- waiting --------------------------------------------------------------------------
@@ -187,7 +188,8 @@ class Job:
                     raise AssertionError(
                         f"timed out after {timeout_s:.0f}s waiting for {what}\n" + self.describe()
                     )
-                self._cond.wait(min(left, 0.5))
+                # Steps come every few ms: look again every 0.1 s rather than on each of them.
+                self._cond.wait(min(left, 0.1))
 
     def _check_exits(self) -> None:
         for procs in self.procs.values():
@@ -236,12 +238,14 @@ class Job:
     # -- the end ------------------------------------------------------------------------------
 
     def finish(
-        self, margin: int = 10, timeout_s: float = 60.0
+        self, margin: int = 100, timeout_s: float = 60.0
     ) -> dict[int, dict[str, torch.Tensor]]:
         """Lets every group stop at a common step and returns each group's final weights.
 
         The target is ``margin`` steps past the highest step seen, so no group has reached it
-        when the file appears; the workers then stop at the first full commit at or past it.
+        when the file appears (steps take ~10 ms: this leaves a second for the events to reach
+        us; a group that finds the target already passed exits with an error, loudly); the
+        workers then stop at the first full commit at or past it.
         """
         target = self.top_step() + margin
         tmp = self.target_file.with_suffix(".tmp")
