@@ -95,7 +95,7 @@ def test_kill_needs_the_token_when_one_is_set() -> None:
         status, body = post(target)
         assert status == 401 and "requires the job token" in body["error"]
         status, body = post(target, {"Authorization": "Bearer nope"})
-        assert status == 403 and body["error"] == "refused: wrong job token"
+        assert status == 401 and body["error"] == "refused: wrong job token"
         status, body = post(
             target, {"Authorization": "Bearer s3cret", "Origin": "http://elsewhere.example"}
         )

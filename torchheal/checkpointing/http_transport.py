@@ -15,16 +15,20 @@ Client: reads the description, validates it, preallocates every storage and ``re
 the bytes directly into them (``num_chunks`` parallel connections when > 0), checking each
 block's CRC before anything is returned.
 
-Access control: with a token (argument, else ``TORCHHEAL_CHECKPOINT_TOKEN``) every request
-must carry ``Authorization: Bearer <token>``: missing -> 401, wrong -> 403, nothing served.
+Access control (``docs/security.md``): with a token (argument, else
+``TORCHHEAL_CHECKPOINT_TOKEN``, else the job token ``TORCHHEAL_TOKEN``/``TORCHHEAL_TOKEN_FILE``)
+every request must carry ``Authorization: Bearer <token>``: a missing or wrong one is answered
+401 (and logged), nothing served. With TLS configured (``TORCHHEAL_TLS_*``) the server speaks
+HTTPS only, publishes an ``https://`` address, and the client verifies the server's certificate;
+a TLS client refuses to fetch from a plain ``http://`` peer.
 """
 
 from __future__ import annotations
 
-import hmac
 import http.client
 import logging
 import socket
+import ssl
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
@@ -33,7 +37,7 @@ from socketserver import TCPServer
 from typing import Any, TypeVar
 from urllib.parse import parse_qs, urlsplit
 
-from torchheal._base.config import checkpoint_token
+from torchheal._base.config import SecurityEnv, checkpoint_token
 from torchheal._base.timeouts import to_seconds
 from torchheal.checkpointing._verify import BlockVerifier
 from torchheal.checkpointing.rwlock import RWLock
@@ -56,6 +60,8 @@ from torchheal.checkpointing.transport import (
     CheckpointTimeoutError,
     CheckpointTransport,
 )
+from torchheal.coordination.rpc.auth import RefusalLog, bearer, bearer_matches
+from torchheal.coordination.rpc.tls import client_ssl_context, server_ssl_context
 
 logger = logging.getLogger(__name__)
 
@@ -70,8 +76,10 @@ class _Server(ThreadingHTTPServer):
     daemon_threads = True
     request_queue_size = 1024
 
-    def __init__(self, transport: HTTPTransport) -> None:
+    def __init__(self, transport: HTTPTransport, context: ssl.SSLContext | None) -> None:
         self.transport = transport
+        self.ssl_context = context
+        self.refusals = RefusalLog(logger)
         self.address_family = socket.AF_INET6 if socket.has_ipv6 else socket.AF_INET
         host = "::" if self.address_family == socket.AF_INET6 else "0.0.0.0"
         super().__init__((host, 0), _Handler)
@@ -84,6 +92,16 @@ class _Server(ThreadingHTTPServer):
         TCPServer.server_bind(self)
         self.server_name, self.server_port = "", self.server_address[1]
 
+    def get_request(self) -> tuple[socket.socket, Any]:
+        sock, address = self.socket.accept()
+        if self.ssl_context is not None:
+            # The handshake happens in the request's own thread (_Handler.setup), under its
+            # timeout: a peer that never completes it cannot stall the accepting thread.
+            sock = self.ssl_context.wrap_socket(
+                sock, server_side=True, do_handshake_on_connect=False
+            )
+        return sock, address
+
     def handle_error(self, request: Any, client_address: Any) -> None:
         logger.warning("checkpoint server: error serving %s", client_address, exc_info=True)
 
@@ -95,6 +113,9 @@ class _Handler(BaseHTTPRequestHandler):
 
     def setup(self) -> None:
         self.timeout = self.server.transport._timeout  # per-connection socket timeout
+        if isinstance(self.request, ssl.SSLSocket):
+            self.request.settimeout(self.timeout)
+            self.request.do_handshake()
         super().setup()
 
     def log_message(self, format: str, *args: Any) -> None:
@@ -122,11 +143,14 @@ class _Handler(BaseHTTPRequestHandler):
         token = transport._token
         if token is not None:
             auth = self.headers.get("Authorization")
-            if auth is None:
-                self._error(401, "checkpoint token required", {"WWW-Authenticate": "Bearer"})
-                return
-            if not hmac.compare_digest(auth.encode(), f"Bearer {token}".encode()):
-                self._error(403, "invalid checkpoint token")
+            if not bearer_matches(auth, token):
+                why = "no job token" if auth is None else "wrong job token"
+                self.server.refusals.refused(f"GET {self.path[:200]}", self.client_address, why)
+                self._error(
+                    401,
+                    f"{why}: this checkpoint server requires the job token",
+                    {"WWW-Authenticate": "Bearer"},
+                )
                 return
         url = urlsplit(self.path)
         parts = url.path.split("/")
@@ -200,9 +224,11 @@ class HTTPTransport(CheckpointTransport[T]):
         timeout: bound on every lock wait and socket operation (``timedelta`` or seconds).
         num_chunks: 0 fetches one stream; ``n > 0`` fetches ``n`` byte-balanced chunks over
             parallel connections.
-        token: shared secret required on every request (both directions); defaults to the
-            ``TORCHHEAL_CHECKPOINT_TOKEN`` environment variable; ``None``/empty disables it.
+        token: shared secret required on every request (both directions); defaults to
+            ``TORCHHEAL_CHECKPOINT_TOKEN``, else the job token; ``None``/empty disables it.
         hostname: name published in ``metadata()``; defaults to ``socket.gethostname()``.
+        security: TLS settings (default: read from the environment); with TLS on the server
+            speaks HTTPS and the client verifies its peers.
     """
 
     def __init__(
@@ -213,12 +239,20 @@ class HTTPTransport(CheckpointTransport[T]):
         *,
         hostname: str | None = None,
         block_bytes: int = DEFAULT_BLOCK_BYTES,
+        security: SecurityEnv | None = None,
     ) -> None:
         if not 0 <= num_chunks <= _MAX_CHUNKS:
             raise ValueError(f"num_chunks must be in [0, {_MAX_CHUNKS}], got {num_chunks}")
         self._timeout = to_seconds(timeout)
         self._num_chunks = num_chunks
-        self._token = token if token is not None else checkpoint_token()
+        self._token = (token if token is not None else checkpoint_token()) or None
+        security = SecurityEnv.from_env() if security is None else security
+        self._client_context: ssl.SSLContext | None = None
+        server_context: ssl.SSLContext | None = None
+        if security.tls:
+            server_context = server_ssl_context(security, "checkpoint server")
+            self._client_context = client_ssl_context(security)
+        self._scheme = "https" if security.tls else "http"
         self._block_bytes = block_bytes
         self._hostname = hostname or socket.gethostname()
         self._state_lock = threading.Lock()  # orders allow/disallow against each other
@@ -227,7 +261,7 @@ class HTTPTransport(CheckpointTransport[T]):
         self._step = -1
         self._staged: StagedCheckpoint | None = None
         self._pool = StagingPool()
-        self._server = _Server(self)
+        self._server = _Server(self, server_context)
         # A short poll interval keeps shutdown() quick; the idle cost is negligible.
         self._thread = threading.Thread(
             target=self._server.serve_forever,
@@ -238,11 +272,11 @@ class HTTPTransport(CheckpointTransport[T]):
         self._thread.start()
 
     def address(self) -> str:
-        """The URL prefix peers fetch from: ``http://{host}:{port}/checkpoint/``."""
+        """The URL prefix peers fetch from: ``http(s)://{host}:{port}/checkpoint/``."""
         host = self._hostname
         if ":" in host:
             host = f"[{host}]"
-        return f"http://{host}:{self._server.server_port}/checkpoint/"
+        return f"{self._scheme}://{host}:{self._server.server_port}/checkpoint/"
 
     def metadata(self) -> str:
         """Same as ``address()``."""
@@ -307,10 +341,17 @@ class HTTPTransport(CheckpointTransport[T]):
         """
         seconds = self._timeout if timeout is None else to_seconds(timeout)
         url = urlsplit(metadata)
-        if url.scheme != "http" or not url.hostname or url.port is None:
+        if url.scheme not in ("http", "https") or not url.hostname or url.port is None:
             raise CheckpointError(f"invalid checkpoint address {metadata!r}")
+        if url.scheme != self._scheme:
+            # Never downgrade: with TLS on, a plain peer is refused (and the other way round
+            # there are no authorities to verify it with).
+            raise CheckpointError(
+                f"checkpoint address {metadata!r} is {url.scheme} but this transport speaks "
+                f"{self._scheme}: set the same TORCHHEAL_TLS_* on every replica group"
+            )
         base = f"{url.path.rstrip('/')}/{step}"
-        client = _Client(url.hostname, url.port, seconds, self._token)
+        client = _Client(url.hostname, url.port, seconds, self._token, self._client_context)
         try:
             return self._fetch(client, base, step)
         except TimeoutError as e:
@@ -374,12 +415,26 @@ class HTTPTransport(CheckpointTransport[T]):
 class _Client:
     """One GET per connection, with the token and a socket timeout."""
 
-    def __init__(self, host: str, port: int, timeout: float, token: str | None) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        timeout: float,
+        token: str | None,
+        context: ssl.SSLContext | None = None,
+    ) -> None:
         self._host, self._port, self._timeout, self._token = host, port, timeout, token
+        self._context = context
 
     def get(self, path: str) -> http.client.HTTPResponse:
-        conn = http.client.HTTPConnection(self._host, self._port, timeout=self._timeout)
-        headers = {"Authorization": f"Bearer {self._token}"} if self._token else {}
+        conn: http.client.HTTPConnection
+        if self._context is not None:
+            conn = http.client.HTTPSConnection(
+                self._host, self._port, timeout=self._timeout, context=self._context
+            )
+        else:
+            conn = http.client.HTTPConnection(self._host, self._port, timeout=self._timeout)
+        headers = {"Authorization": bearer(self._token)} if self._token else {}
         conn.request("GET", path, headers=headers)
         resp = conn.getresponse()
         if resp.status != 200:

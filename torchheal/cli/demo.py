@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import threading
 
+from torchheal.cli.security_flags import add_security_flags, apply_security_flags
 from torchheal.launcher.demo.run import DemoConfig, run_demo
 
 
@@ -68,6 +69,7 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         action="store_true",
         help="after the summary, keep the lighthouse and its dashboard up until Ctrl-C",
     )
+    add_security_flags(parser)
     return parser
 
 
@@ -94,6 +96,7 @@ def run(args: argparse.Namespace) -> int:
     from torchheal._base.config import dashboard_port, job_token
 
     try:
+        apply_security_flags(args)  # the groups it starts inherit the settings
         port = args.dashboard_port if args.dashboard_port is not None else dashboard_port()
         if port is not None and not 0 <= port <= 65535:
             raise ValueError(f"--dashboard-port must be in 0..65535, got {port}")

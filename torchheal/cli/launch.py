@@ -147,6 +147,9 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="end everything after this long",
     )
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the training command, after --")
+    from torchheal.cli.security_flags import add_security_flags
+
+    add_security_flags(parser)
     return parser
 
 
@@ -194,6 +197,13 @@ def run(args: argparse.Namespace) -> int:
         command = command[1:]
     if not command:
         print("torchheal launch: give the training command after --", file=sys.stderr)
+        return 2
+    from torchheal.cli.security_flags import apply_security_flags
+
+    try:
+        apply_security_flags(args)  # the groups it starts inherit the settings
+    except ValueError as e:
+        print(f"torchheal launch: {e}", file=sys.stderr)
         return 2
     local = None
     addr = args.lighthouse

@@ -9,6 +9,10 @@ stderr; SIGINT or SIGTERM stops it cleanly with exit code 0.
 It also serves its dashboard, ``/metrics`` and ``/api/status`` on ``--dashboard_port`` (default
 29511, or ``TORCHHEAL_DASHBOARD_PORT``) and prints ``dashboard: http://HOST:PORT/``; killing a
 replica group from the page needs ``TORCHHEAL_TOKEN`` when that is set.
+
+Security (``docs/security.md``): ``--token-file`` (or ``TORCHHEAL_TOKEN``/``TORCHHEAL_TOKEN_FILE``)
+makes every endpoint require the job token; ``--tls-cert``/``--tls-key`` (``TORCHHEAL_TLS_*``)
+serve gRPC and the dashboard over TLS.
 """
 
 from __future__ import annotations
@@ -98,6 +102,12 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "for SECONDS: the job is over (for launchers such as torchx whose job ends when every "
         "role exits; default: run until interrupted)",
     )
+    from torchheal.cli.security_flags import add_security_flags
+
+    add_security_flags(parser)
+    from torchheal.cli.lighthouse_store import add_store_flags
+
+    add_store_flags(parser)
     return parser
 
 
@@ -133,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
         0 after a clean stop, 2 when the options are invalid or the address cannot be bound.
     """
     # Imported here so that building the parser (for --help) stays cheap.
-    from torchheal._base.config import job_token
+    from torchheal.cli.security_flags import apply_security_flags
     from torchheal.coordination.dashboard import DashboardServer, LighthouseRecorder
     from torchheal.coordination.lighthouse import LighthouseServer
     from torchheal.coordination.rpc.addresses import parse_address
@@ -154,8 +164,13 @@ def run(args: argparse.Namespace) -> int:
     try:
         recorder = LighthouseRecorder()
         try:
+            security = apply_security_flags(args)
             host, bind_port = parse_address(args.bind)
             port = _dashboard_port(args, bind_port)
+            from torchheal.cli.lighthouse_store import open_store
+
+            # A standby (--etcd) waits here until it holds the lease.
+            store = open_store(args, stop)
             server = LighthouseServer(
                 bind=args.bind,
                 min_replicas=args.min_replicas,
@@ -163,12 +178,23 @@ def run(args: argparse.Namespace) -> int:
                 quorum_tick_ms=args.quorum_tick_ms,
                 heartbeat_timeout_ms=args.heartbeat_timeout_ms,
                 observer=recorder,
+                store=store,
             )
         except (ValueError, RuntimeError) as e:
             print(f"torchheal lighthouse: {e}", file=sys.stderr)
             return 2
         try:
-            dashboard = DashboardServer(server, recorder, host=host, port=port, token=job_token())
+            from torchheal.coordination.rpc.tls import server_ssl_context
+
+            dashboard = DashboardServer(
+                server,
+                recorder,
+                host=host,
+                port=port,
+                token=security.token,
+                metrics_auth=security.metrics_auth,
+                ssl_context=server_ssl_context(security, "dashboard") if security.tls else None,
+            )
         except RuntimeError as e:
             server.shutdown()
             print(f"torchheal lighthouse: {e}", file=sys.stderr)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import ssl
 import sys
 import threading
 import urllib.error
@@ -50,29 +51,36 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument(
         "--timeout", type=float, default=5.0, help="seconds to wait for an answer (default: 5)"
     )
+    from torchheal.cli.security_flags import add_security_flags
+
+    add_security_flags(parser)
     return parser
 
 
-def _url(addr: str) -> str:
+def _url(addr: str, tls: bool = False) -> str:
     addr = addr.strip().rstrip("/")
     if "://" not in addr:
-        addr = "http://" + addr
+        addr = ("https://" if tls else "http://") + addr
     return addr + "/api/status"
 
 
-def fetch_status(addr: str, timeout: float = 5.0) -> dict[str, Any]:
+def fetch_status(
+    addr: str, timeout: float = 5.0, context: ssl.SSLContext | None = None
+) -> dict[str, Any]:
     """The status document of the lighthouse dashboard at ``addr``.
 
     Args:
-        addr: ``host:port`` or ``http://host:port`` of the dashboard.
+        addr: ``host:port`` or ``http(s)://host:port`` of the dashboard.
         timeout: seconds to wait for the answer.
+        context: TLS settings for an ``https`` dashboard (a bare ``host:port`` then means
+            ``https``); None: the defaults.
 
     Raises:
         RuntimeError: the dashboard could not be reached or answered something else.
     """
-    url = _url(addr)
+    url = _url(addr, context is not None)
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as response:
+        with urllib.request.urlopen(url, timeout=timeout, context=context) as response:
             return json.loads(response.read())
     except urllib.error.HTTPError as e:
         raise RuntimeError(f"{url} answered HTTP {e.code}: {e.read()[:200]!r}") from None
@@ -95,13 +103,21 @@ def run(args: argparse.Namespace) -> int:
     Returns:
         0 on success, 1 when the dashboard cannot be read.
     """
+    from torchheal.cli.security_flags import apply_security_flags
     from torchheal.coordination.dashboard.terminal import render
+    from torchheal.coordination.rpc.tls import client_ssl_context
 
     addr = args.addr or DEFAULT_ADDR
+    try:
+        security = apply_security_flags(args)
+        context = client_ssl_context(security) if security.tls else None
+    except (ValueError, RuntimeError) as e:
+        print(f"torchheal status: {e}", file=sys.stderr)
+        return 2
     stop = threading.Event()
     while True:
         try:
-            doc = fetch_status(addr, args.timeout)
+            doc = fetch_status(addr, args.timeout, context)
         except RuntimeError as e:
             print(f"torchheal status: {e}", file=sys.stderr)
             if args.watch is None:

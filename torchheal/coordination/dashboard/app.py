@@ -7,10 +7,12 @@ Routes:
   ``static/vendor/`` (fetched from the npm registry by ``scripts/setup_env.sh``).
 * ``GET /api/status[?series_since=T]`` — the status document (``view.py``); with
   ``series_since``, the chart buckets newer than ``T`` too (``0``: all of them).
-* ``GET /metrics`` — Prometheus metrics of the lighthouse.
+* ``GET /metrics`` — Prometheus metrics of the lighthouse (with ``metrics_auth``,
+  ``TORCHHEAL_METRICS_AUTH``, it needs the job token too).
 * ``POST /api/replicas/{replica_id}/kill`` (and the reference's ``POST
   /replica/{replica_id}/kill``) — ask that replica group's manager to exit. When a job token is
-  set it must come as ``Authorization: Bearer <token>``.
+  set it must come as ``Authorization: Bearer <token>`` (missing or wrong: 401, logged; the
+  check is ``rpc.auth``'s, the one every torchheal endpoint uses).
 
 Everything here runs on the dashboard's own event loop (``server.py``); the only blocking call,
 the kill RPC, runs in the loop's thread pool.
@@ -19,7 +21,6 @@ the kill RPC, runs in the loop's thread pool.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import time
@@ -35,6 +36,7 @@ from torchheal.coordination.dashboard.events import group_name
 from torchheal.coordination.dashboard.history import History
 from torchheal.coordination.dashboard.recorder import LighthouseRecorder
 from torchheal.coordination.dashboard.view import build_status
+from torchheal.coordination.rpc.auth import RefusalLog, bearer_matches
 from torchheal.metrics.exposition import new_registry, render
 from torchheal.metrics.lighthouse import LighthouseCollector
 
@@ -89,6 +91,7 @@ class DashboardApp:
         kill: ``(manager address, message) -> None``: asks a manager to exit; raises on failure.
             Called on a worker thread.
         token: the job token actions need; None or empty: actions are open.
+        metrics_auth: ``/metrics`` needs the token too (when one is set).
         address: the lighthouse's gRPC address, shown on the page.
         history: the history to fold events into (default: a new one).
         static_dir: where the page's files are.
@@ -103,11 +106,14 @@ class DashboardApp:
         address: str = "",
         history: History | None = None,
         static_dir: Path = STATIC_DIR,
+        metrics_auth: bool = False,
     ) -> None:
         self._status = status
         self._recorder = recorder
         self._kill = kill
         self._token = token or None
+        self._metrics_auth = metrics_auth
+        self._refusals = RefusalLog(logger)
         self._address = address
         self.history = history or History()
         self._static = static_dir.resolve()
@@ -189,6 +195,16 @@ class DashboardApp:
         return web.json_response(document, dumps=_dumps)
 
     async def metrics(self, request: web.Request) -> web.Response:
+        if self._metrics_auth and self._token is not None:
+            header = request.headers.get("Authorization")
+            if not bearer_matches(header, self._token):
+                why = "no job token" if header is None else "wrong job token"
+                self._refusals.refused("GET /metrics", request.remote, why)
+                return web.Response(
+                    status=401,
+                    text=f"{why}: /metrics requires the job token\n",
+                    headers={"WWW-Authenticate": "Bearer"},
+                )
         body, content_type = render(self.registry, request.headers.get("Accept"))
         response = web.Response(body=body)
         response.headers["Content-Type"] = content_type
@@ -234,16 +250,15 @@ class DashboardApp:
         header = request.headers.get("Authorization", "")
         scheme, _, given = header.partition(" ")
         if scheme.lower() != "bearer" or not given.strip():
+            self._refusals.refused(f"POST {request.path[:200]}", request.remote, "no job token")
             return _error(
                 401,
                 "refused: this lighthouse requires the job token for actions; enter it in the "
                 "token field (it is the TORCHHEAL_TOKEN the job was started with)",
             )
-        # Header bytes that are not UTF-8 arrive as surrogates: compare the bytes as sent.
-        if not hmac.compare_digest(
-            given.strip().encode("utf-8", "surrogateescape"), self._token.encode()
-        ):
-            return _error(403, "refused: wrong job token")
+        if not bearer_matches(header, self._token):
+            self._refusals.refused(f"POST {request.path[:200]}", request.remote, "wrong job token")
+            return _error(401, "refused: wrong job token")
         return None
 
 

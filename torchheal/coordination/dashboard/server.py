@@ -14,6 +14,7 @@ import concurrent.futures
 import contextlib
 import logging
 import socket
+import ssl
 import threading
 from collections.abc import Callable
 from datetime import timedelta
@@ -67,6 +68,8 @@ class DashboardServer:
         token: the job token actions need (None or empty: actions are open).
         kill: replaces :func:`kill_replica` (tests that have no manager to kill).
         static_dir: where the page's files are (default: the installed ones).
+        metrics_auth: ``/metrics`` needs the token too (``TORCHHEAL_METRICS_AUTH``).
+        ssl_context: serve HTTPS with this context (``rpc.tls.server_ssl_context``); None: HTTP.
 
     Raises:
         RuntimeError: the port could not be bound.
@@ -81,6 +84,8 @@ class DashboardServer:
         token: str | None = None,
         kill: Callable[[str, str], None] = kill_replica,
         static_dir: Path = STATIC_DIR,
+        metrics_auth: bool = False,
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         self.app = DashboardApp(
             lighthouse.status,
@@ -89,7 +94,9 @@ class DashboardServer:
             token=token,
             address=lighthouse.address(),
             static_dir=static_dir,
+            metrics_auth=metrics_auth,
         )
+        self._ssl = ssl_context
         sock = _listen(host, port)
         self._port = sock.getsockname()[1]
         self._loop = asyncio.new_event_loop()
@@ -108,12 +115,13 @@ class DashboardServer:
         return self._port
 
     def url(self, host: str | None = None) -> str:
-        """The page's URL, ``http://{host}:{port}/``.
+        """The page's URL, ``http(s)://{host}:{port}/``.
 
         Args:
             host: the host to put in the URL (default: this machine's name).
         """
-        return f"http://{format_target(host or socket.gethostname(), self._port)}/"
+        scheme = "http" if self._ssl is None else "https"
+        return f"{scheme}://{format_target(host or socket.gethostname(), self._port)}/"
 
     def shutdown(self, timeout: float = 5.0) -> None:
         """Stop serving and end the thread. Idempotent, thread-safe.
@@ -153,7 +161,7 @@ class DashboardServer:
             self.app.build(), access_log=None, handle_signals=False, shutdown_timeout=1.0
         )
         await runner.setup()
-        await web.SockSite(runner, sock).start()
+        await web.SockSite(runner, sock, ssl_context=self._ssl).start()
         self._runner = runner
         self._loop.create_task(self._sync_forever())
 

@@ -1,0 +1,80 @@
+"""The security flags every ``torchheal`` command shares: ``--token-file`` and ``--tls-*``.
+
+Each flag stands for its environment variable (``docs/security.md``) and is put into this
+process's environment by :func:`apply_security_flags`, so every server and client the command
+creates reads it and every process it starts inherits it. The token itself is never a flag: a
+command line is visible to every user in ``ps``; a file path is not a secret.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+__all__ = ["add_security_flags", "apply_security_flags"]
+
+
+def add_security_flags(parser: argparse.ArgumentParser) -> None:
+    """Add ``--token-file``, ``--tls-cert``, ``--tls-key`` and ``--tls-ca`` to ``parser``.
+
+    Args:
+        parser: the (sub)parser to fill.
+    """
+    group = parser.add_argument_group(
+        "security", "job token and TLS (default: the TORCHHEAL_TOKEN*/TORCHHEAL_TLS_* variables)"
+    )
+    group.add_argument(
+        "--token-file",
+        "--token_file",
+        dest="token_file",
+        default=None,
+        metavar="PATH",
+        help="file holding the job token every endpoint requires (sets TORCHHEAL_TOKEN_FILE)",
+    )
+    group.add_argument(
+        "--tls-cert",
+        "--tls_cert",
+        dest="tls_cert",
+        default=None,
+        metavar="PEM",
+        help="certificate chain the servers present; turns TLS on (sets TORCHHEAL_TLS_CERT)",
+    )
+    group.add_argument(
+        "--tls-key",
+        "--tls_key",
+        dest="tls_key",
+        default=None,
+        metavar="PEM",
+        help="private key of --tls-cert (sets TORCHHEAL_TLS_KEY)",
+    )
+    group.add_argument(
+        "--tls-ca",
+        "--tls_ca",
+        dest="tls_ca",
+        default=None,
+        metavar="PEM",
+        help="authorities clients verify servers with; turns TLS on (sets TORCHHEAL_TLS_CA)",
+    )
+
+
+def apply_security_flags(args: argparse.Namespace) -> Any:
+    """Export the flags given to the environment and return the resulting settings.
+
+    Args:
+        args: parsed options (from a parser given :func:`add_security_flags`).
+
+    Returns:
+        The ``SecurityEnv`` now in force.
+
+    Raises:
+        ValueError: the settings are invalid (an unreadable token file, a certificate without
+            its key, a missing file); the message names the variable.
+    """
+    from torchheal._base.config import export_security
+
+    return export_security(
+        token_file=getattr(args, "token_file", None),
+        tls_cert=getattr(args, "tls_cert", None),
+        tls_key=getattr(args, "tls_key", None),
+        tls_ca=getattr(args, "tls_ca", None),
+    )
