@@ -94,3 +94,35 @@ def test_a_quorum_not_on_record_is_not_delivered() -> None:
         assert store.quorum is not None and store.quorum.quorum_id == 1
     finally:
         lighthouse.shutdown()
+
+
+def _together(url: str, *names: str) -> list[int]:
+    """Every name asks at once (each with its own client); the quorum ids they got."""
+
+    def ask(name: str) -> int:
+        client = LighthouseClient(url, timedelta(seconds=5))
+        try:
+            return client.quorum(name, TIMEOUT).quorum_id
+        finally:
+            client.close()
+
+    calls = [Background(lambda n=n: ask(n)) for n in names]
+    return [call.join() for call in calls]
+
+
+def test_cli_state_file_survives_a_sigkill(tmp_path: Path) -> None:
+    from tests.lighthouse_restart.procs import LighthouseProcess
+
+    state = tmp_path / "lighthouse.json"
+    # min_replicas 2: the lone unary requesters (they do not heartbeat while they wait) are
+    # only ever issued a quorum together.
+    flags = ("--min_replicas", "2", "--state-file", str(state))
+    lh = LighthouseProcess(tmp_path / "lighthouse.log", *flags)
+    try:
+        assert _together(lh.url, "a", "b") == [1, 1]
+        lh.kill()
+        lh.start()
+        # Unary requests, as reference peers send: they report nothing, the file remembers.
+        assert _together(lh.url, "a", "b") == [2, 2]
+    finally:
+        lh.stop()

@@ -119,6 +119,9 @@ class LighthouseLink:
         # The lighthouse's latest quorum id when our first session opened (None: no session):
         # above 0, the job was already running when this group (re)started.
         self.first_welcome_quorum_id: int | None = None
+        # The last quorum the lighthouse gave us, told to it again in every Hello: a restarted
+        # lighthouse must never issue an id that goes backwards or repeats (quorum.restore).
+        self._last_quorum: pb.Quorum | None = None
         self._call: Any = None  # the live session stream, or None while it is (re)opening
         self._pending: dict[int, asyncio.Future[pb.Quorum]] = {}
         self._ids = itertools.count(1)
@@ -232,7 +235,10 @@ class LighthouseLink:
                 ),
             )
             # The lighthouse answers a timed-out request itself; our timer is the backstop.
-            return await asyncio.wait_for(asyncio.shield(future), timeout_s + 1.0)
+            quorum = await asyncio.wait_for(asyncio.shield(future), timeout_s + 1.0)
+            if self._last_quorum is None or quorum.quorum_id >= self._last_quorum.quorum_id:
+                self._last_quorum = quorum
+            return quorum
         except asyncio.TimeoutError:
             raise LinkError(
                 grpc.StatusCode.DEADLINE_EXCEEDED, f"no quorum within {timeout_s:.3f}s", local=True
@@ -276,7 +282,11 @@ class LighthouseLink:
             await self._write(
                 call,
                 spb.SessionRequest(
-                    hello=spb.Hello(replica_id=self._replica_id, protocol=methods.SESSION_PROTOCOL)
+                    hello=spb.Hello(
+                        replica_id=self._replica_id,
+                        protocol=methods.SESSION_PROTOCOL,
+                        last_quorum=self._last_quorum,
+                    )
                 ),
             )
             event = await call.read()

@@ -5,12 +5,20 @@ the lighthouse once on the group's behalf, through its link (a session, or the r
 unary call). A failed attempt is retried as the pure ``round.RetryPolicy`` decides; when it gives
 up, the round's ranks get the failure (``DEADLINE_EXCEEDED`` when the lighthouse timed out, else
 ``INTERNAL``), all at once.
+
+A lighthouse that cannot be reached at all (``UNAVAILABLE``: its process died, it is restarting,
+our session with it is reopening) is not a failed attempt: nothing was decided, so the request
+is sent again every :data:`UNAVAILABLE_RETRY_S` until the round's timeout is spent, whatever
+``quorum_retries`` says. A lighthouse restarted within the quorum timeout then costs the job a
+pause, not every group's life (the reference gives up "after 0 retries" and the error reaches the
+training loop; issue 12).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import grpc
 
@@ -20,7 +28,14 @@ from torchheal.coordination.round import GiveUp, RetryPolicy, RoundStart
 from torchheal.coordination.rpc.errors import status_name
 from torchheal.coordination.types import Quorum
 
-__all__ = ["MAX_LIGHTHOUSE_CALL_S", "MIN_RETRY_SLEEP_S", "LighthouseFailed", "request_quorum"]
+__all__ = [
+    "MAX_LIGHTHOUSE_CALL_S",
+    "MIN_RETRY_SLEEP_S",
+    "UNAVAILABLE_RETRY_S",
+    "LighthouseFailed",
+    "is_unreachable",
+    "request_quorum",
+]
 
 logger: logging.Logger = logging.getLogger("torchheal.coordination.manager_server.quorum")
 
@@ -29,6 +44,9 @@ MIN_RETRY_SLEEP_S = 0.1
 # Longest lighthouse call. A rank may send any grpc-timeout up to 99999999H (~11,000 years),
 # but the gRPC client overflows past ~7e9 s and fails such a call at once; a year is forever.
 MAX_LIGHTHOUSE_CALL_S = 365 * 24 * 3600.0
+# Pause between requests while the lighthouse cannot be reached (its session reopens with a
+# backoff of its own; this only bounds how late the request follows a reopened session).
+UNAVAILABLE_RETRY_S = 0.1
 
 
 class LighthouseFailed(Exception):
@@ -43,6 +61,35 @@ class LighthouseFailed(Exception):
         super().__init__(details)
         self.code = code
         self.details = details
+
+
+# What gRPC core (and our own link) says when nobody answered at all: the lighthouse's process
+# is gone, restarting, or cannot be reached. A lighthouse that answers with a status of its own
+# (even UNAVAILABLE) made a decision, and the retry policy counts it as a failed attempt.
+_UNREACHABLE_DETAILS = (
+    "the lighthouse session",  # lighthouse_link: reopening, or broke under the request
+    "failed to connect",
+    "connection refused",
+    "connection reset",
+    "socket closed",
+    "broken pipe",
+    "connections to all backends failing",
+    "goaway",
+    "keepalive",
+    "end of tcp stream",
+)
+
+
+def is_unreachable(error: LinkError) -> bool:
+    """Whether ``error`` means the lighthouse could not be reached (rather than refused).
+
+    Args:
+        error: a failed lighthouse request.
+    """
+    if error.code != grpc.StatusCode.UNAVAILABLE:
+        return False
+    details = error.details.lower()
+    return any(phrase in details for phrase in _UNREACHABLE_DETAILS)
 
 
 async def request_quorum(
@@ -61,12 +108,24 @@ async def request_quorum(
     """
     requester = convert.member_to_pb(start.member)
     timeout_s = min(start.timeout_s, MAX_LIGHTHOUSE_CALL_S)
+    deadline = time.monotonic() + timeout_s
     attempt = 0
+    unreachable_since: float | None = None
     while True:
+        # After an outage the ranks have only what is left of their timeout to wait.
+        attempt_s = (
+            timeout_s if unreachable_since is None else max(0.001, deadline - time.monotonic())
+        )
         try:
             quorum = convert.quorum_from_pb(
-                await link.quorum(requester, timeout_s), strict_data=False
+                await link.quorum(requester, attempt_s), strict_data=False
             )
+            if unreachable_since is not None:
+                logger.info(
+                    "%s the lighthouse answers again after %.1fs unreachable",
+                    log_prefix,
+                    time.monotonic() - unreachable_since,
+                )
             logger.debug(
                 "%s got quorum %d with %d participants",
                 log_prefix,
@@ -79,6 +138,28 @@ async def request_quorum(
             got_status = not e.local
             timed_out = code in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
             error = f"status: {status_name(code)}, message: {e.details!r}"
+            unreachable = is_unreachable(e)
+        if unreachable:
+            left_s = deadline - time.monotonic()
+            if unreachable_since is None:
+                unreachable_since = time.monotonic()
+                logger.warning(
+                    "%s the lighthouse cannot be reached (%s); asking again every %.1fs for "
+                    "up to %.1fs",
+                    log_prefix,
+                    error,
+                    UNAVAILABLE_RETRY_S,
+                    max(0.0, left_s),
+                )
+            if left_s > UNAVAILABLE_RETRY_S:
+                await asyncio.sleep(UNAVAILABLE_RETRY_S)
+                continue
+            raise LighthouseFailed(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"lighthouse quorum failed: the lighthouse could not be reached for "
+                f"{time.monotonic() - unreachable_since:.1f}s (the round's timeout). last error: "
+                f"{error}",
+            )
         logger.warning(
             "%s lighthouse quorum attempt %d/%d failed: %s",
             log_prefix,
