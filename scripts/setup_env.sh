@@ -25,6 +25,19 @@ if ! command -v chromium >/dev/null 2>&1 || ! command -v chromedriver >/dev/null
       "apt-get): the dashboard browser test will be skipped, loudly"
   fi
 fi
+# etcd for the lighthouse's high-availability test (docs/lighthouse_ha.md): Debian's etcd-server,
+# installed only when missing. Its test fails (never skips) without it, so CI must have it.
+if ! command -v etcd >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "installing Debian's etcd-server for the lighthouse high-availability test"
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+        --no-install-recommends etcd-server >/dev/null; } \
+      || { echo "ERROR: could not install etcd-server (the HA test needs it)" >&2; exit 1; }
+  else
+    echo "WARNING: etcd missing and not installable here (needs root and apt-get): the" \
+      "lighthouse high-availability test will fail until etcd is on PATH"
+  fi
+fi
 # The reference implementation, used only by interop tests and benchmarks (never imported by
 # torchheal itself). In CI (CI set, as .ci/run does) a failed install stops the set-up: the
 # interop tests must run there. A developer offline gets a clear note, and the interop tests

@@ -1,0 +1,278 @@
+"""High availability: the lighthouse's record in etcd, written only by the lighthouse that leads.
+
+Several lighthouses of one job are started with the same etcd endpoints and key prefix. Each
+asks for a lease and tries to create ``{prefix}/leader`` bound to it; the one that succeeds leads
+(builds its ``LighthouseServer`` and serves), the others stand by, trying again as long as the key
+exists. The leader keeps its lease alive; if it dies, the lease expires after ``lease_s``, etcd
+deletes the key and a standby takes over, starting from the record the leader left:
+
+* ``{prefix}/quorum`` holds the last issued quorum (``lighthouse_state.encode``), written by a
+  transaction that succeeds only while ``{prefix}/leader`` is still this lighthouse's (its value
+  is a random token of this process): a deposed leader can never write, and a quorum that cannot
+  be written is never delivered (``QuorumRounds``). A new leader therefore starts above every id
+  any leader ever delivered, and waits for the members of that quorum (``quorum.restore``).
+* A leader that cannot renew its lease (etcd unreachable for the lease time, or the lease gone)
+  stops serving at once: ``on_lost`` is called (the CLI ends the process), so two lighthouses
+  never serve one job for longer than it takes the lost one to notice.
+
+The etcd client is ``etcd3gw`` (etcd's v3 JSON gateway over HTTP, kept by OpenStack), an
+optional dependency: ``pip install torchheal[ha]``. Calls are synchronous and small; the leader
+makes one per lease third (keep-alive) and one per change of quorum id or members (save).
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import secrets
+import signal
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+from urllib.parse import urlsplit
+
+from torchheal.coordination.lighthouse_state import StoreError, decode, encode
+from torchheal.coordination.types import Quorum
+
+__all__ = ["EtcdLeaderStore"]
+
+logger: logging.Logger = logging.getLogger("torchheal.coordination.lighthouse.etcd")
+
+# One etcd call may take this long before the next endpoint is tried.
+CALL_TIMEOUT_S = 2.0
+# A standby looks for a vacant leadership this often.
+STANDBY_POLL_S = 0.25
+
+
+def _client_module() -> Any:
+    try:
+        import etcd3gw  # noqa: F401
+        from etcd3gw import exceptions, utils
+        from etcd3gw.client import Etcd3Client
+    except ImportError as e:  # an optional dependency: say how to get it
+        raise StoreError(
+            "--etcd needs the etcd3gw package: pip install 'torchheal[ha]' (or etcd3gw)"
+        ) from e
+    return Etcd3Client, exceptions, utils
+
+
+def _terminate_self() -> None:
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+class EtcdLeaderStore:
+    """The lighthouse's record in etcd, guarded by a leadership lease.
+
+    Args:
+        endpoints: comma-separated etcd URLs (``http://127.0.0.1:2379``); tried in turn.
+        prefix: the job's key prefix (every lighthouse of the job uses the same).
+        lease_s: the leadership lease (whole seconds >= 1): how long after the leader dies a
+            standby takes over.
+        on_lost: called (once, from the keep-alive thread) when this lighthouse loses the
+            leadership; default: SIGTERM to this process, which stops the lighthouse CLI.
+
+    Raises:
+        StoreError: etcd3gw is missing, or an option is malformed.
+    """
+
+    def __init__(
+        self,
+        endpoints: str,
+        prefix: str,
+        lease_s: int,
+        on_lost: Callable[[], None] = _terminate_self,
+    ) -> None:
+        etcd_client, exceptions, utils = _client_module()
+        if isinstance(lease_s, bool) or not isinstance(lease_s, int) or lease_s < 1:
+            raise StoreError(f"the etcd lease must be a whole number of seconds >= 1: {lease_s!r}")
+        self._errors = (exceptions.Etcd3Exception,)
+        self._encode = utils._encode
+        self._clients = []
+        for url in (u.strip() for u in endpoints.split(",")):
+            parts = urlsplit(url if "://" in url else f"http://{url}")
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise StoreError(f"bad etcd endpoint {url!r}: use http://HOST:PORT")
+            self._clients.append(
+                etcd_client(
+                    host=parts.hostname,
+                    port=parts.port or 2379,
+                    protocol=parts.scheme,
+                    timeout=CALL_TIMEOUT_S,
+                    api_path="/v3/",
+                )
+            )
+        if not self._clients:
+            raise StoreError("no etcd endpoint given")
+        prefix = prefix.rstrip("/")
+        self.leader_key = f"{prefix}/leader"
+        self.quorum_key = f"{prefix}/quorum"
+        self.lease_s = lease_s
+        self.token = secrets.token_hex(16)
+        self._on_lost = on_lost
+        self._lease: Any = None
+        self._current = 0
+        self._stop = threading.Event()
+        self._keeper: threading.Thread | None = None
+        self._lost = False
+        self._lost_lock = threading.Lock()
+        #: Elections tried so far (a standby's progress, for tests and logs).
+        self.attempts = 0
+
+    # ------------------------------------------------------------------------------------------
+    # etcd calls, on the first endpoint that answers
+
+    def _call(self, what: str, fn: Callable[[Any], Any]) -> Any:
+        errors = []
+        for i in range(len(self._clients)):
+            index = (self._current + i) % len(self._clients)
+            try:
+                result = fn(self._clients[index])
+            except self._errors as e:
+                errors.append(f"{self._clients[index].base_url}: {e}")
+                continue
+            self._current = index
+            return result
+        raise StoreError(f"etcd: {what} failed on every endpoint: {'; '.join(errors)}")
+
+    # ------------------------------------------------------------------------------------------
+    # Leadership
+
+    def acquire(self, stop: threading.Event) -> bool:
+        """Stand by until this lighthouse leads; then keep its lease alive in the background.
+
+        Args:
+            stop: set to give up waiting.
+
+        Returns:
+            True once leading; False when ``stop`` was set first.
+
+        Raises:
+            StoreError: etcd cannot be reached.
+        """
+        announced = False
+        while not stop.is_set():
+            self.attempts += 1
+            lease = self._call("lease grant", lambda c: c.lease(self.lease_s))
+            # The lease must be granted on the client that creates the key (same cluster).
+            won = self._call(
+                "leader election",
+                lambda c, lease=lease: c.create(self.leader_key, self.token, lease=lease),
+            )
+            if won:
+                self._lease = lease
+                logger.warning(
+                    "This lighthouse leads (etcd key %s, lease %ds)", self.leader_key, self.lease_s
+                )
+                self._keeper = threading.Thread(
+                    target=self._keep_alive, name="torchheal-lighthouse-lease", daemon=True
+                )
+                self._keeper.start()
+                # A clean exit hands the leadership over at once instead of after the lease.
+                atexit.register(self.close)
+                return True
+            self._revoke(lease)
+            if not announced:
+                logger.warning(
+                    "Standing by: another lighthouse leads (etcd key %s); taking over when its "
+                    "lease (%ds) lapses",
+                    self.leader_key,
+                    self.lease_s,
+                )
+                announced = True
+            stop.wait(STANDBY_POLL_S)
+        return False
+
+    def _revoke(self, lease: Any) -> None:
+        try:
+            self._call(
+                "lease revoke",
+                lambda c: c.post(c.get_url("/kv/lease/revoke"), json={"ID": lease.id}),
+            )
+        except StoreError:
+            pass  # it expires by itself
+
+    def _keep_alive(self) -> None:
+        period = self.lease_s / 3.0
+        last_ok = time.monotonic()
+        while not self._stop.wait(period):
+            try:
+                ttl = self._call("lease keep-alive", lambda c: self._refresh(c))
+            except StoreError as e:
+                if time.monotonic() - last_ok < self.lease_s:
+                    logger.warning("renewing the leadership lease failed (retrying): %s", e)
+                    continue
+                ttl = -1
+                logger.error("etcd unreachable for the lease time: %s", e)
+            if ttl <= 0:
+                self._lose(f"lease {self._lease.id} expired")
+                return
+            last_ok = time.monotonic()
+
+    def _lose(self, why: str) -> None:
+        with self._lost_lock:
+            if self._lost:
+                return
+            self._lost = True
+        logger.error("This lighthouse lost the leadership (%s): it stops serving", why)
+        self._stop.set()
+        self._on_lost()
+
+    def _refresh(self, client: Any) -> int:
+        result = client.post(client.get_url("/lease/keepalive"), json={"ID": self._lease.id})
+        return int(result.get("result", {}).get("TTL", -1))
+
+    def pause(self) -> None:
+        """Stop renewing the lease without giving it up (what a dead leader does; tests)."""
+        self._stop.set()
+
+    def close(self) -> None:
+        """Stop renewing and give the leadership up at once (a clean shutdown)."""
+        self._stop.set()
+        if self._lease is not None:
+            self._revoke(self._lease)
+
+    # ------------------------------------------------------------------------------------------
+    # The record
+
+    def load(self) -> Quorum | None:
+        """The last quorum any leader saved, or None."""
+        values = self._call("read", lambda c: c.get(self.quorum_key))
+        if not values:
+            return None
+        return decode(values[0], f"etcd key {self.quorum_key}")
+
+    def save(self, quorum: Quorum) -> None:
+        """Write ``quorum``'s record, only while this lighthouse still leads.
+
+        Raises:
+            StoreError: etcd cannot be reached, or another lighthouse leads now.
+        """
+        leader = self._encode(self.leader_key)
+        txn = {
+            "compare": [
+                {
+                    "key": leader,
+                    "result": "EQUAL",
+                    "target": "VALUE",
+                    "value": self._encode(self.token),
+                }
+            ],
+            "success": [
+                {
+                    "request_put": {
+                        "key": self._encode(self.quorum_key),
+                        "value": self._encode(encode(quorum)),
+                    }
+                }
+            ],
+            "failure": [],
+        }
+        result = self._call("save", lambda c: c.transaction(txn))
+        if not result.get("succeeded", False):
+            self._lose("another lighthouse leads")
+            raise StoreError(
+                f"etcd: this lighthouse no longer leads ({self.leader_key} is not its token); "
+                f"quorum {quorum.quorum_id} not saved"
+            )
