@@ -1,35 +1,21 @@
 """The :class:`Manager`: the per-step fault-tolerance lifecycle on every rank (reference §6).
 
-It composes parts that each do one job and are tested alone (see the package docstring):
-:class:`~torchheal.manager.state.StateRegistry`, :class:`~torchheal.manager.step.StepLedger`,
-:class:`~torchheal.manager.quorum_worker.QuorumWorker` (with its
-:class:`~torchheal.manager.recovery.Recovery`) and
-:class:`~torchheal.manager.endpoints.GroupEndpoints`. The Manager alone writes its step, quorum
-id and healing status; the rules it applies are pure functions in
-``torchheal.coordination.plan`` (who participates) and ``torchheal.coordination.vote`` (the
-local vote, the retry limit).
+It composes parts that each do one job and are tested alone (see the package docstring), built
+by :func:`~torchheal.manager.build.build_parts`. The Manager alone writes its step, quorum id
+and participation; the rules it applies are pure functions in ``torchheal.coordination.plan``
+(who participates) and ``torchheal.coordination.vote`` (the local vote, the retry limit).
 
 Deliberate difference from the reference: the user's ``state_dict``/``load_state_dict`` run
 only on the training thread. ``start_quorum`` captures ``_manager_state_dict()`` (tensor
 references, cheap) before handing the quorum to the background thread, which only moves a
-copy; received state is loaded on the training thread (in ``start_quorum`` with synchronous
-quorum, in ``should_commit`` with asynchronous quorum). The reference calls them from its
-quorum thread during the forward pass, which breaks FSDP2/DTensor models.
+copy; the received state is loaded on the training thread
+(:class:`~torchheal.manager.heal.HealStep`, which also holds why and when a healer's transfer
+runs beside the step's collectives, and the warm-up of a group joining a running job).
 
-Healing fast (with a torchheal lighthouse and a transport that does not use the process
-group, HTTP by default): a healer contributes zeros to its heal step's reductions, so the
-transfer runs beside the step's collectives instead of before them; ``should_commit`` waits
-for it and loads on the training thread. The source stages a private copy (the transport's),
-so neither side's collectives wait for the copy or the wire. A group that (re)starts into a
-running job takes its first step alone (:meth:`Manager._start_warmup`): its slow first
-iteration is paid before it counts, so the others never wait for it. With a reference
-lighthouse the transfer stays inside the quorum, as the reference does: its join timeout
-would drop a healer that is late for the next round.
-
-Failing fast: when the lighthouse says a group of the current quorum is gone (its session
-ended, or its heartbeat expired), every rank aborts its cross-replica process group at once
-(:meth:`Manager._on_member_lost`): a collective blocked on a frozen or dead group fails now
-instead of at its timeout (and the step with it), and the next quorum rebuilds the group.
+Failing fast: when the lighthouse says a group of the current quorum is gone, every rank
+aborts its cross-replica process group at once
+(:class:`~torchheal.manager.failfast.ConnectedQuorum`), so a collective blocked on a dead group
+fails now instead of at its timeout.
 
 Errors: a quorum RPC error (timeout, lighthouse unreachable, not in the quorum) and a
 ``should_commit`` RPC error are raised; any other failure in a step (process-group
@@ -40,41 +26,33 @@ from __future__ import annotations
 
 import logging
 import socket
-import threading
 import time
 import warnings
 from collections.abc import Callable
 from concurrent.futures import Future as ConcurrentFuture
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import nullcontext
 from datetime import timedelta
 from typing import Any, TypeVar
 
 import torch
-from torch.distributed import AllreduceOptions, ReduceOp
+from torch.distributed import ReduceOp
 
 from torchheal.checkpointing import CheckpointTransport, HTTPTransport
-from torchheal.checkpointing.timeline import mark
-from torchheal.collectives import allreduce_quantized
 from torchheal.coordination.plan import Participation, WorldSizeMode
 from torchheal.coordination.vote import local_vote, retry_limit_error
 from torchheal.futures import future_timeout
-from torchheal.manager.endpoints import open_endpoints
-from torchheal.manager.log import ManagerLogger
-from torchheal.manager.quorum_worker import QuorumOutcome, QuorumWorker, StepRequest, Transfer
-from torchheal.manager.recovery import Recovery, metadata_over_grpc
+from torchheal.manager.allreduce import IS_TRITON_AVAILABLE, averaging, start_allreduce
+from torchheal.manager.build import build_parts, copies_state
+from torchheal.manager.failfast import ConnectedQuorum
+from torchheal.manager.heal import HealStep
+from torchheal.manager.quorum_thread import QuorumThread
+from torchheal.manager.quorum_worker import QuorumOutcome, StepRequest
 from torchheal.manager.settings import ManagerSettings
 from torchheal.manager.state import StateRegistry
 from torchheal.manager.step import ExceptionWithTraceback, StepLedger
-from torchheal.manager.telemetry import Telemetry
 from torchheal.process_group.work import _DummyWork, _ErrorRecordingWork
 from torchheal.work import _ManagedWork
 
 __all__ = ["IS_TRITON_AVAILABLE", "Manager"]
-
-#: Name kept from the reference, where quantized collectives need triton; ours are torch ops
-#: that ship with torchheal, so they are always available.
-IS_TRITON_AVAILABLE: bool = True
 
 T = TypeVar("T")
 
@@ -176,93 +154,47 @@ class Manager:
             checkpoint_transport = HTTPTransport(timeout=self._timeout, num_chunks=0)
         self._checkpoint_transport: CheckpointTransport[Any] = checkpoint_transport
 
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="async_quorum")
-        self._quorum_future: ConcurrentFuture[None] | None = None
-        # The quorum future whose error already reached the training loop (see start_quorum).
-        self._raised_quorum_future: ConcurrentFuture[None] | None = None
         self._pg = pg
-        self._recovery_event: torch.cuda.Event | None = None
 
         self._step = 0
-        self._endpoints = open_endpoints(
-            group_rank=self._group_rank,
-            group_world_size=self._group_world_size,
-            store_host=settings.store_host,
-            store_port=settings.store_port,
-            lighthouse_addr=settings.lighthouse_addr,
+        parts = build_parts(
+            settings,
+            transport=self._checkpoint_transport,
+            state=self._state,
+            process_group=lambda: self._pg,
+            current_step=self.current_step,
             replica_name=replica_id,
-            port=settings.port,
             hostname=hostname,
             heartbeat_interval=heartbeat_interval,
-            connect_timeout=self._connect_timeout,
-            quorum_retries=self._quorum_retries,
-        )
-        self._full_replica_id: str = self._endpoints.replica_id
-        self._logger = ManagerLogger(self.current_step, self._full_replica_id, self._group_rank)
-        try:
-            # Metrics (group rank 0, when TORCHHEAL_METRICS_PORT is set) and structured records.
-            self._telemetry = Telemetry(
-                replica_id, self._full_replica_id, self._group_rank, hostname=hostname
-            )
-        except BaseException:
-            self._endpoints.close()
-            raise
-        self._ledger = StepLedger()
-        # Read with getattr: a transport may be any object with the methods (duck-typed).
-        copies = getattr(self._checkpoint_transport, "copies_state", False) is True
-        # Heal beside the step's collectives (see start_quorum): a healer contributes zeros, so
-        # its peers need not wait for its transfer. Only with a torchheal lighthouse: a
-        # reference one drops a member that is late for the next round (its join timeout),
-        # and a healer that loads after the round's allreduce is late by design.
-        self._background_transfer = (
-            use_async_quorum
-            and getattr(self._checkpoint_transport, "runs_beside_collectives", False) is True
-            and self._endpoints.session_mode
-        )
-        # A group that (re)starts into a running job takes its first step alone (see
-        # start_quorum); with a synchronous quorum it heals before computing anyway.
-        self._warmup_pending = use_async_quorum and self._endpoints.joined_running
-        self._warming_up = False
-        self._transfer: tuple[ConcurrentFuture[Transfer], int] | None = None
-        self._worker = QuorumWorker(
-            quorum_call=self._endpoints.quorum,
-            process_group=lambda: self._pg,
-            recovery=self._telemetry.recovery(
-                Recovery(
-                    self._checkpoint_transport,
-                    metadata_over_grpc(self._connect_timeout),
-                    self._group_rank,
-                    self._timeout,
-                    self._logger.info,
-                )
-            ),
-            # A transport that copies the state itself needs no copy of ours, only the read
-            # lock around its own (DiLoCo/LocalSGD block reads while they change the state).
-            snapshot=(lambda state: state) if copies else self._state.copy,
-            send_guard=self._state.lock.r_lock if copies else nullcontext,
-            metadata=self._checkpoint_transport.metadata,
-            group_rank=self._group_rank,
-            replica_name=replica_id,
             use_async_quorum=use_async_quorum,
             init_sync=init_sync,
             world_size_mode=world_size_mode,
             min_replica_size=min_replica_size,
+        )
+        self._endpoints = parts.endpoints
+        self._full_replica_id: str = self._endpoints.replica_id
+        self._logger = parts.logger
+        self._telemetry = parts.telemetry
+        self._worker = parts.worker
+        self._ledger = StepLedger()
+        self._quorums = QuorumThread(waited=self._telemetry.waited)
+        self._background_transfer = parts.background_transfer
+        self._heal = HealStep(
+            host=self,
+            load_user=self._state.load,
+            timeout=self._timeout,
+            waited=self._telemetry.waited,
             log=self._logger,
-            group_world_size=self._group_world_size,
+            warmup=parts.warmup,
         )
 
-        self._quorum_id = -1
-        # The groups the process group connects (the quorum it was configured for).
-        self._quorum_members: frozenset[str] = frozenset()
-        self._abort_lock = threading.Lock()
-        self._healing = False
-        self._pending_state_dict: dict[str, Any] | None = None
-        # Manager state before a heal overwrote it; restored if loading the user state fails.
-        self._pre_heal_state: dict[str, int] | None = None
+        self._connected = ConnectedQuorum(
+            lambda: self._pg, self._logger, self._telemetry.process_group_aborted
+        )
         self._batches_committed = 0
         # This step's contributors, as seen from this replica; None before the first quorum.
         self._participation: Participation | None = None
-        self._endpoints.watch_lost(self._group_rank, self._on_member_lost)
+        self._endpoints.watch_lost(self._group_rank, self._connected.on_member_lost)
 
     # -- test-visible attributes of the reference (§2.2), kept as views of the parts ----------
 
@@ -273,6 +205,38 @@ class Manager:
     @_errored.setter
     def _errored(self, value: ExceptionWithTraceback | None) -> None:
         self._ledger.error = value
+
+    @property
+    def _quorum_id(self) -> int:
+        return self._connected.quorum_id
+
+    @_quorum_id.setter
+    def _quorum_id(self, quorum_id: int) -> None:
+        self._connected.quorum_id = quorum_id
+
+    @property
+    def _quorum_future(self) -> ConcurrentFuture[None] | None:
+        return self._quorums.future
+
+    @_quorum_future.setter
+    def _quorum_future(self, future: ConcurrentFuture[None] | None) -> None:
+        self._quorums.future = future
+
+    @property
+    def _healing(self) -> bool:
+        return self._heal.healing
+
+    @_healing.setter
+    def _healing(self, value: bool) -> None:
+        self._heal.healing = value
+
+    @property
+    def _pending_state_dict(self) -> dict[str, Any] | None:
+        return self._heal.pending
+
+    @_pending_state_dict.setter
+    def _pending_state_dict(self, value: dict[str, Any] | None) -> None:
+        self._heal.pending = value
 
     @property
     def _state_dict_lock(self) -> Any:
@@ -363,20 +327,10 @@ class Manager:
             TimeoutError, RuntimeError: the quorum RPC failed (synchronous quorum, or a previous
                 quorum error nobody has observed yet).
         """
-        previous = self._quorum_future
-        if previous is not None:
-            error = previous.exception()
-            if error is not None and previous is not self._raised_quorum_future:
-                self._raised_quorum_future = previous
-                raise error
-        self._drain_transfer()
+        self._quorums.raise_unobserved()
+        self._heal.drain()  # the last step's transfer, if its should_commit never came
         self._ledger.begin()
-        self._healing = False
-        self._pending_state_dict = None
-        self._pre_heal_state = None
-        self._warming_up = False
-        if self._warmup_pending:
-            self._warmup_pending = False
+        if self._heal.begin():
             self._start_warmup()
             return
 
@@ -394,7 +348,7 @@ class Manager:
             can_load=not self._state.empty,
             background=self._background_transfer,
         )
-        self._quorum_future = self._executor.submit(self._async_quorum, request)
+        self._quorums.submit(lambda: self._async_quorum(request))
         if not self._use_async_quorum:
             self.wait_quorum()
             if self._healing:
@@ -403,23 +357,10 @@ class Manager:
                 self._healing = False
 
     def _start_warmup(self) -> None:
-        """This group (re)started into a running job: its first step runs alone.
-
-        A restarted process's first iteration is its slowest (allocations, autograd and DDP
-        warm-up); taken inside a quorum, every other group would wait for it in the step's
-        collectives. So that step joins no quorum: its collectives are local no-ops, it counts
-        no participant, and ``should_commit`` returns False without voting (nothing is applied,
-        the step counter stays). The next step joins the quorum and heals, at full speed.
-        Decided once, from the lighthouse's welcome (a torchheal lighthouse that had issued a
-        quorum before this group said hello), the same on every rank of the group.
-        """
-        self._warming_up = True
-        done: ConcurrentFuture[None] = ConcurrentFuture()
-        done.set_result(None)
-        self._quorum_future = done
+        """This group (re)started into a running job: its first step runs alone (see
+        :mod:`torchheal.manager.heal`). It joins no quorum and counts no participant."""
+        self._quorums.skip()
         self._participation = Participation(rank=None, count=0)
-        mark("warmup.begin")
-        self._logger.info("joining a running job: warming up with one local step first")
 
     def skip_warmup(self) -> None:
         """Joins the quorum at the first step even when the job is already running.
@@ -427,7 +368,7 @@ class Manager:
         For training loops whose first ``start_quorum`` comes after many local steps (LocalSGD),
         where the warm-up is already done and a local first sync would only delay the heal.
         """
-        self._warmup_pending = False
+        self._heal.skip_warmup()
 
     def wait_quorum(self) -> None:
         """Waits for the in-flight quorum; re-raises its error.
@@ -435,20 +376,7 @@ class Manager:
         Raises:
             TimeoutError, RuntimeError: the quorum RPC failed.
         """
-        future = self._quorum_future
-        assert future is not None, "must call start_quorum before wait_quorum"
-        try:
-            if future.done():
-                future.result()
-            else:  # the training thread waits: count it
-                started = time.perf_counter()
-                try:
-                    future.result()
-                finally:
-                    self._telemetry.waited(time.perf_counter() - started)
-        except BaseException:
-            self._raised_quorum_future = future
-            raise
+        self._quorums.wait()
 
     def _capture_state_dict(self) -> dict[str, Any] | None:
         if self._state.empty:
@@ -485,118 +413,17 @@ class Manager:
     def _apply_outcome(self, outcome: QuorumOutcome) -> None:
         """Quorum thread: takes in what the step's quorum work produced (the only writer)."""
         self._participation = outcome.participation
-        with self._abort_lock:
-            if outcome.reconfigured:
-                self._quorum_id = outcome.quorum.quorum_id
-                self._quorum_members = frozenset(outcome.quorum.replica_ids)
+        if outcome.reconfigured:
+            self._connected.adopt(outcome.quorum.quorum_id, outcome.quorum.replica_ids)
         for error in outcome.errors:
             self.report_error(error)
-        if outcome.recovery_event is not None:
-            self._recovery_event = outcome.recovery_event
-        if outcome.transfer is not None:
-            # Runs beside the step's collectives; should_commit waits for it.
-            self._transfer = (outcome.transfer, outcome.quorum.max_step)
-        if not outcome.healing:
-            return
-        self._healing = True
-        if outcome.received is not None:
-            # The manager's own counters are restored now, as the reference does; the user
-            # state waits for the training thread.
-            self._take_received(outcome.received, outcome.quorum.max_step)
-
-    def _take_received(self, received: dict[str, Any], max_step: int) -> None:
-        """Keeps what arrived for the training thread and restores the manager's counters."""
-        self._pre_heal_state = self.state_dict()
-        self._pending_state_dict = received
-        self.load_state_dict(received["torchft"])
-        self._step = max_step
-
-    def _settle_transfer(self) -> None:
-        """Training thread: waits for the transfer that ran beside the step's collectives.
-
-        Its failures fail the step; what arrived is kept for loading (a healer). Bounded by
-        the manager's timeout; a transfer still running then fails the step, and what it
-        receives later is dropped.
-        """
-        pending, self._transfer = self._transfer, None
-        if pending is None:
-            return
-        future, max_step = pending
-        started = time.perf_counter()
-        try:
-            transfer = future.result(timeout=self._timeout.total_seconds())
-        except Exception as e:  # the transfer outlived the timeout (its own errors are data)
-            self.report_error(
-                TimeoutError(f"state transfer did not finish within {self._timeout}: {e!r}")
-            )
-            return
-        finally:
-            self._telemetry.waited(time.perf_counter() - started)
-        for error in transfer.errors:
-            self.report_error(error)
-        if transfer.recovery_event is not None:
-            self._recovery_event = transfer.recovery_event
-        if transfer.received is not None and self._healing:
-            self._take_received(transfer.received, max_step)
-
-    def _drain_transfer(self) -> None:
-        """Training thread, step start: the last step's transfer (its should_commit never came)
-        ends before this step's begins; its result is dropped."""
-        pending, self._transfer = self._transfer, None
-        if pending is not None:
-            try:
-                pending[0].result(timeout=self._timeout.total_seconds())
-            except Exception as e:
-                self._logger.warning(f"an unfinished state transfer was dropped: {e!r}")
-
-    def _on_member_lost(self, replica_id: str, quorum_id: int, reason: str) -> None:
-        """The lighthouse says ``replica_id`` of quorum ``quorum_id`` is gone: stop waiting on it.
-
-        Runs on the manager server's loop (group rank 0) or the notice thread (other ranks).
-        If our process group connects that group, it is aborted now: a collective blocked on
-        the lost group fails at once (and with it the step), a later collective of this step
-        fails without being sent, and the next quorum rebuilds the group. A step whose
-        collectives had all completed still commits: its results include the lost group's
-        contribution, the same on every survivor.
-        """
-        with self._abort_lock:
-            if quorum_id != self._quorum_id or replica_id not in self._quorum_members:
-                return  # not our group's peer any more (or never was)
-            self._quorum_id = -1  # the next quorum, whatever its id, rebuilds the group
-            self._quorum_members = frozenset()
-        self._logger.warning(
-            f"replica group {replica_id} of quorum {quorum_id} is lost ({reason}): aborting "
-            "the cross-replica process group"
-        )
-        abort = getattr(self._pg, "abort", None)
-        if abort is not None:
-            try:
-                abort()
-                self._telemetry.process_group_aborted()
-            except Exception as e:
-                self._logger.warning(f"aborting the process group failed: {e}")
+        self._heal.take_outcome(outcome)
 
     def _apply_pending_state_dict(self) -> None:
         """Training thread: loads the received user state (a failure undoes the heal)."""
         assert self._healing, "must be in healing state"
         self.wait_quorum()
-        pending, self._pending_state_dict = self._pending_state_dict, None
-        if pending is None:
-            if self._errored is None:
-                self.report_error(RuntimeError("healing without a received checkpoint"))
-            return
-        try:
-            mark("load.begin")
-            self._state.load(pending["user"])
-            mark("load.end")
-            self._logger.info("loaded the recovered state dict")
-        except Exception as e:
-            self._logger.exception(f"loading the recovered state dict failed: {e}")
-            self.report_error(e)
-            # Not healed after all: report the old step so the next quorum heals again.
-            if self._pre_heal_state is not None:
-                self.load_state_dict(self._pre_heal_state)
-        self._pre_heal_state = None
+        self._heal.apply()
 
     # -- collectives --------------------------------------------------------------------
 
@@ -621,7 +448,7 @@ class Manager:
             ValueError: AVG on a non-floating point tensor.
             TimeoutError, RuntimeError: the quorum of this step failed.
         """
-        if self.errored() or self._warming_up:
+        if self.errored() or self._heal.warming_up:
             return _DummyWork(tensor)  # the warm-up step's collectives are local no-ops
         self.wait_quorum()
         num_participants = self.num_participants()
@@ -632,15 +459,8 @@ class Manager:
         if not self.is_participating():
             # Healing replicas and spares contribute zeros but stay in lock-step.
             tensor.zero_()
-        pg_op = ReduceOp.SUM if is_avg else reduce_op
         try:
-            if should_quantize and IS_TRITON_AVAILABLE:
-                stream = torch.cuda.current_stream() if torch.cuda.is_available() else None
-                work = allreduce_quantized([tensor], pg_op, self._pg, stream)
-            else:
-                opts = AllreduceOptions()
-                opts.reduceOp = pg_op
-                work = self._pg.allreduce([tensor], opts)
+            work = start_allreduce(self._pg, tensor, reduce_op, should_quantize)
         except Exception as e:
             self._logger.exception(f"allreduce failed to start, skipping the step: {e}")
             self._telemetry.allreduce_failed()
@@ -650,14 +470,7 @@ class Manager:
         # Counts this allreduce's failure once, whether wait() or its future reports it.
         work = _ErrorRecordingWork(work, self._telemetry.allreduce_error_counter())
         managed = _ManagedWork(self, work, tensor)
-
-        def normalize(fut: torch.futures.Future[Any]) -> torch.Tensor:
-            fut.value()  # surfaces an error of the collective
-            if is_avg and num_participants > 1:  # x / 1 == x: skip a pass over the tensor
-                tensor.div_(num_participants)
-            return tensor
-
-        managed.get_future().then(normalize)
+        managed.get_future().then(averaging(tensor, num_participants if is_avg else 1))
         self._ledger.track_work(managed)
         return managed
 
@@ -717,15 +530,10 @@ class Manager:
         """
         # Every collective of this step must have landed (or failed) before we vote.
         self._ledger.settle()
-        if self._warming_up:
-            self._warming_up = False
-            mark("warmup.end")
-            self._logger.info("warm-up step done (not committed); the next step joins the quorum")
-            return False
-        self._settle_transfer()
-        if self._recovery_event is not None:
-            self._recovery_event.synchronize()
-            self._recovery_event = None
+        if self._heal.end_warmup():
+            return False  # the warm-up step is not voted on
+        self._heal.settle()
+        self._heal.synchronize()
         if torch.cuda.is_available():
             torch.cuda.current_stream().synchronize()
 
@@ -756,7 +564,7 @@ class Manager:
             errored,
         )
         self._telemetry.committed(self._step, self._quorum_id, decision)
-        if getattr(self._checkpoint_transport, "copies_state", False) is not True:
+        if not copies_state(self._checkpoint_transport):
             # The state changes after this: stop serving it. A transport serving its own copy
             # lets a slow healer finish instead (its next send replaces the copy).
             self._checkpoint_transport.disallow_checkpoint()
@@ -816,7 +624,7 @@ class Manager:
     def _settled_participation(self) -> Participation | None:
         # Nothing to wait for before the first start_quorum; afterwards the quorum in flight
         # decides (and its error, if any, is raised here).
-        if self._quorum_future is None:
+        if self._quorums.future is None:
             return None
         self.wait_quorum()
         return self._participation
@@ -831,6 +639,6 @@ class Manager:
         """
         self._checkpoint_transport.shutdown(wait=wait)
         self._endpoints.close()
-        self._executor.shutdown(wait=wait)
+        self._quorums.shutdown(wait=wait)
         self._worker.shutdown(wait=wait)
         self._telemetry.close()

@@ -1,0 +1,183 @@
+"""HealStep alone: a heal's bookkeeping on the training thread, with plain futures, no servers."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future
+from datetime import timedelta
+from typing import Any
+
+from torchheal.coordination.plan import Participation
+from torchheal.coordination.types import QuorumResult
+from torchheal.manager.heal import HealStep
+from torchheal.manager.log import ManagerLogger
+from torchheal.manager.quorum_worker import QuorumOutcome, Transfer
+
+
+class _Host:
+    """The Manager's counters and step error, as plain fields."""
+
+    def __init__(self, step: int = 3, batches: int = 30) -> None:
+        self.counters = {"step": step, "batches_committed": batches}
+        self.errors: list[Exception] = []
+
+    def state_dict(self) -> dict[str, int]:
+        return dict(self.counters)
+
+    def load_state_dict(self, state_dict: dict[str, int]) -> None:
+        self.counters = {
+            "step": state_dict["step"],
+            "batches_committed": state_dict["batches_committed"],
+        }
+
+    def report_error(self, e: Exception) -> None:
+        self.errors.append(e)
+
+    def errored(self) -> object:
+        return self.errors[-1] if self.errors else None
+
+
+class _Event:
+    def __init__(self) -> None:
+        self.synchronized = 0
+
+    def synchronize(self) -> None:
+        self.synchronized += 1
+
+
+def _heal(
+    host: _Host, loaded: list[Any], *, timeout: float = 5.0, warmup: bool = False
+) -> tuple[HealStep, list[float]]:
+    waits: list[float] = []
+
+    def load_user(user: Any) -> None:
+        if user == "broken":
+            raise ValueError("cannot load this")
+        loaded.append(user)
+
+    heal = HealStep(
+        host=host,
+        load_user=load_user,
+        timeout=timedelta(seconds=timeout),
+        waited=waits.append,
+        log=ManagerLogger(lambda: host.counters["step"], "unit", 0),
+        warmup=warmup,
+    )
+    return heal, waits
+
+
+def _outcome(
+    *, healing: bool, max_step: int = 7, transfer: Future[Transfer] | None = None, **kw: Any
+) -> QuorumOutcome:
+    return QuorumOutcome(
+        quorum=QuorumResult(quorum_id=1, max_step=max_step),
+        participation=Participation(rank=None if healing else 0, count=1),
+        healing=healing,
+        transfer=transfer,
+        **kw,
+    )
+
+
+def _received(user: Any = "weights") -> dict[str, Any]:
+    return {"user": user, "torchft": {"step": 5, "batches_committed": 50}}
+
+
+def test_a_transfer_beside_the_step_is_settled_then_loaded_at_the_quorums_step() -> None:
+    host, loaded = _Host(), []
+    heal, waits = _heal(host, loaded)
+    assert heal.begin() is False
+    future: Future[Transfer] = Future()
+    heal.take_outcome(_outcome(healing=True, transfer=future))
+    assert heal.healing and heal.pending is None and host.counters["step"] == 3
+
+    # The transfer thread finishes while the training thread waits in settle.
+    event = _Event()
+    threading.Timer(0.05, future.set_result, [Transfer(_received(), [], event)]).start()
+    heal.settle()
+    assert heal.transfer is None and len(waits) == 1
+    assert heal.pending == _received() and heal.pre_heal == {"step": 3, "batches_committed": 30}
+    # The sender's batch count, the quorum's step.
+    assert host.counters == {"step": 7, "batches_committed": 50}
+    heal.synchronize()
+    assert event.synchronized == 1 and heal.recovery_event is None
+
+    heal.apply()
+    assert loaded == ["weights"] and heal.pending is None and heal.pre_heal is None
+    assert host.errors == [] and host.counters["step"] == 7
+
+
+def test_state_that_arrived_inside_the_quorum_is_taken_at_once() -> None:
+    host, loaded = _Host(), []
+    heal, _ = _heal(host, loaded)
+    heal.take_outcome(_outcome(healing=True, received=_received()))
+    assert host.counters == {"step": 7, "batches_committed": 50} and heal.pending is not None
+    heal.apply()
+    assert loaded == ["weights"]
+
+
+def test_a_failed_load_reports_and_restores_the_counters_from_before_the_heal() -> None:
+    host, loaded = _Host(), []
+    heal, _ = _heal(host, loaded)
+    heal.take_outcome(_outcome(healing=True, received=_received("broken")))
+    heal.apply()
+    assert loaded == [] and [type(e) for e in host.errors] == [ValueError]
+    assert host.counters == {"step": 3, "batches_committed": 30}  # the next quorum heals again
+
+
+def test_healing_with_nothing_received_fails_the_step_once() -> None:
+    host, loaded = _Host(), []
+    heal, _ = _heal(host, loaded)
+    heal.take_outcome(_outcome(healing=True))
+    heal.apply()
+    assert [str(e) for e in host.errors] == ["healing without a received checkpoint"]
+    # A step that already failed (say, the transfer) is not reported twice.
+    heal.take_outcome(_outcome(healing=True))
+    heal.apply()
+    assert len(host.errors) == 1
+
+
+def test_a_transfers_errors_fail_the_step_and_a_source_keeps_nothing() -> None:
+    host, loaded = _Host(), []
+    heal, _ = _heal(host, loaded)
+    future: Future[Transfer] = Future()
+    future.set_result(Transfer(_received(), [RuntimeError("send failed")]))
+    heal.take_outcome(_outcome(healing=False, transfer=future))
+    heal.settle()
+    assert [str(e) for e in host.errors] == ["send failed"]
+    assert heal.pending is None and host.counters["step"] == 3  # not a healer: nothing taken
+
+
+def test_a_transfer_past_the_timeout_fails_the_step_and_its_late_state_is_dropped() -> None:
+    host, loaded = _Host(), []
+    heal, waits = _heal(host, loaded, timeout=0.05)
+    future: Future[Transfer] = Future()
+    heal.take_outcome(_outcome(healing=True, transfer=future))
+    heal.settle()
+    assert [type(e) for e in host.errors] == [TimeoutError] and len(waits) == 1
+    future.set_result(Transfer(_received()))  # arrives after the step gave up
+    heal.settle()
+    assert heal.pending is None and host.counters["step"] == 3
+
+
+def test_the_next_step_drains_an_unsettled_transfer_and_forgets_the_heal() -> None:
+    host, loaded = _Host(), []
+    heal, _ = _heal(host, loaded)
+    failed: Future[Transfer] = Future()
+    failed.set_exception(RuntimeError("lost"))
+    heal.take_outcome(_outcome(healing=True, transfer=failed, received=_received()))
+    heal.drain()  # logged and dropped, not reported: the step it belonged to is over
+    assert heal.transfer is None and host.errors == []
+    heal.begin()
+    assert (heal.healing, heal.pending, heal.pre_heal) == (False, None, None)
+
+
+def test_the_warm_up_is_one_step_and_can_be_skipped() -> None:
+    heal, _ = _heal(_Host(), [], warmup=True)
+    assert heal.end_warmup() is False  # no step yet
+    assert heal.begin() is True and heal.warming_up
+    assert heal.end_warmup() is True and not heal.warming_up
+    assert heal.begin() is False and heal.end_warmup() is False
+
+    skipped, _ = _heal(_Host(), [], warmup=True)
+    skipped.skip_warmup()
+    assert skipped.begin() is False and not skipped.warming_up

@@ -1,0 +1,162 @@
+"""Wiring the Manager's parts: endpoints, logger, telemetry and the quorum thread's worker.
+
+:func:`build_parts` opens the replica group's endpoints (its store, manager server on group
+rank 0, client) and builds what talks to them, in the one order that cleans up after itself:
+if telemetry cannot start (a metrics port taken, OpenTelemetry missing), the endpoints already
+opened are closed before the error propagates. It also makes the two decisions that depend on
+what the lighthouse said at hello (the Manager only reads them):
+
+* heal beside the step's collectives (see :mod:`torchheal.manager.heal`): only with an
+  asynchronous quorum, a transport that says it ``runs_beside_collectives``, and a torchheal
+  lighthouse; a reference lighthouse drops a member that is late for the next round (its join
+  timeout), and a healer that loads after the round's allreduce is late by design;
+* warm up first: only with an asynchronous quorum (a synchronous one heals before computing
+  anyway) and when this group joined a job that was already running.
+
+Transports are duck-typed (any object with the methods), so their flags are read with
+``getattr``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from torchheal.coordination.plan import WorldSizeMode
+from torchheal.manager.endpoints import GroupEndpoints, open_endpoints
+from torchheal.manager.log import ManagerLogger
+from torchheal.manager.quorum_worker import QuorumWorker
+from torchheal.manager.recovery import Recovery, metadata_over_grpc
+from torchheal.manager.settings import ManagerSettings
+from torchheal.manager.state import StateRegistry
+from torchheal.manager.telemetry import Telemetry
+
+__all__ = ["ManagerParts", "build_parts", "copies_state"]
+
+
+def copies_state(transport: Any) -> bool:
+    """Whether ``transport`` stages its own copy of the state it sends (``copies_state``).
+
+    Args:
+        transport: a checkpoint transport.
+    """
+    return getattr(transport, "copies_state", False) is True
+
+
+@dataclass
+class ManagerParts:
+    """What :func:`build_parts` made for one Manager.
+
+    Args:
+        endpoints: the group's store, server (group rank 0) and client.
+        logger: the per-rank prefixed logger.
+        telemetry: metrics and structured records.
+        worker: the quorum thread's work.
+        background_transfer: heal beside the step's collectives.
+        warmup: this group's first step runs alone (it joined a running job).
+    """
+
+    endpoints: GroupEndpoints
+    logger: ManagerLogger
+    telemetry: Telemetry
+    worker: QuorumWorker
+    background_transfer: bool
+    warmup: bool
+
+
+def build_parts(
+    settings: ManagerSettings,
+    *,
+    transport: Any,
+    state: StateRegistry,
+    process_group: Callable[[], Any],
+    current_step: Callable[[], int],
+    replica_name: str | None,
+    hostname: str,
+    heartbeat_interval: timedelta,
+    use_async_quorum: bool,
+    init_sync: bool,
+    world_size_mode: WorldSizeMode,
+    min_replica_size: int,
+) -> ManagerParts:
+    """Opens the group's endpoints and builds the parts that use them.
+
+    Args:
+        settings: the Manager's resolved settings.
+        transport: the checkpoint transport.
+        state: the user's state functions and their lock.
+        process_group: returns the Manager's current cross-replica process group.
+        current_step: returns the Manager's step (for the log prefix).
+        replica_name: the user's replica id (None: a uuid alone).
+        hostname: the host name advertised to other groups.
+        heartbeat_interval: how often the manager server heartbeats the lighthouse.
+        use_async_quorum: the quorum runs during the forward pass.
+        init_sync: heal replicas at step 0 so all start identical.
+        world_size_mode: DYNAMIC or FIXED_WITH_SPARES.
+        min_replica_size: fewest participating replicas with which a step may commit.
+    """
+    timeouts = settings.timeouts
+    endpoints = open_endpoints(
+        group_rank=settings.group_rank,
+        group_world_size=settings.group_world_size,
+        store_host=settings.store_host,
+        store_port=settings.store_port,
+        lighthouse_addr=settings.lighthouse_addr,
+        replica_name=replica_name,
+        port=settings.port,
+        hostname=hostname,
+        heartbeat_interval=heartbeat_interval,
+        connect_timeout=timeouts.connect_timeout,
+        quorum_retries=timeouts.quorum_retries,
+    )
+    logger = ManagerLogger(current_step, endpoints.replica_id, settings.group_rank)
+    try:
+        # Metrics (group rank 0, when TORCHHEAL_METRICS_PORT is set) and structured records.
+        telemetry = Telemetry(
+            replica_name, endpoints.replica_id, settings.group_rank, hostname=hostname
+        )
+    except BaseException:
+        endpoints.close()
+        raise
+    copies = copies_state(transport)
+    worker = QuorumWorker(
+        quorum_call=endpoints.quorum,
+        process_group=process_group,
+        recovery=telemetry.recovery(
+            Recovery(
+                transport,
+                metadata_over_grpc(timeouts.connect_timeout),
+                settings.group_rank,
+                timeouts.timeout,
+                logger.info,
+            )
+        ),
+        # A transport that copies the state itself needs no copy of ours, only the read
+        # lock around its own (DiLoCo/LocalSGD block reads while they change the state).
+        snapshot=(lambda captured: captured) if copies else state.copy,
+        send_guard=state.lock.r_lock if copies else nullcontext,
+        metadata=transport.metadata,
+        group_rank=settings.group_rank,
+        replica_name=replica_name,
+        use_async_quorum=use_async_quorum,
+        init_sync=init_sync,
+        world_size_mode=world_size_mode,
+        min_replica_size=min_replica_size,
+        log=logger,
+        group_world_size=settings.group_world_size,
+    )
+    return ManagerParts(
+        endpoints=endpoints,
+        logger=logger,
+        telemetry=telemetry,
+        worker=worker,
+        background_transfer=(
+            use_async_quorum
+            and getattr(transport, "runs_beside_collectives", False) is True
+            and endpoints.session_mode
+        ),
+        warmup=use_async_quorum and endpoints.joined_running,
+    )
