@@ -49,6 +49,7 @@ HERE = Path(__file__).resolve().parent
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 STEP_LINE = re.compile(r"step:\s+(\d+)\s+loss:\s+([-\d.naninf]+)\s+grad_norm:\s+([-\d.naninf]+)")
 CRASH_TEXT = "mixed torch.Tensor and DTensor"
+WARMUP_DONE = "warm-up step done (not committed)"
 # torchheal's commit decision (printed by cpu_train.py with FT_LOG_COMMITS=1).
 COMMIT_LINE = re.compile(r"should_commit=True \(local vote \w+: (\d+) participants")
 
@@ -80,10 +81,17 @@ class Run:
     log: Path
     proc: subprocess.Popen[bytes]
     steps: dict[int, tuple[float, float]] = field(default_factory=dict)  # step -> (loss, gnorm)
+    warmup_step: int | None = None  # the step number torchtitan logged for the warm-up
 
     def parse(self) -> None:
         text = ANSI.sub("", self.log.read_text(errors="replace"))
-        for m in STEP_LINE.finditer(text):
+        # A group restarted into a running job first takes one local step that commits
+        # nothing (torchheal's warm-up); torchtitan logs it like any step: leave it out.
+        warmup = text.find(WARMUP_DONE)
+        lines = list(STEP_LINE.finditer(text, max(warmup, 0)))
+        if warmup >= 0 and lines:
+            self.warmup_step = int(lines.pop(0).group(1))
+        for m in lines:
             self.steps[int(m.group(1))] = (float(m.group(2)), float(m.group(3)))
 
     def text(self) -> str:
@@ -320,6 +328,7 @@ def run_scenario(sc: Scenario, venv: Path, out: Path, assets: Path, deadline_s: 
             "group": r.group,
             "incarnation": r.incarnation,
             "rc": r.proc.returncode,
+            "warmup_step": r.warmup_step,
             "first_step": min(r.steps, default=0),
             "last_step": max(r.steps, default=0),
             "first_loss": r.steps[min(r.steps)][0] if r.steps else None,
