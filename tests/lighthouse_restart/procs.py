@@ -25,20 +25,22 @@ class LighthouseProcess:
         log: where its stdout and stderr go (appended across restarts).
         flags: more command-line options (``--state-file``, ``--etcd`` ...).
         port: the port to bind (0: any free one; a restart reuses the first one's).
+        wait: wait until it serves (a standby lighthouse only serves once it leads).
     """
 
-    def __init__(self, log: Path, *flags: str, port: int = 0) -> None:
+    def __init__(self, log: Path, *flags: str, port: int = 0, wait: bool = True) -> None:
         self.log = log
         self.flags = flags
         self.port = port
         self.popen: subprocess.Popen[str] | None = None
-        self.start()
+        self._serving = threading.Event()
+        self.start(wait)
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self) -> None:
+    def start(self, wait: bool = True) -> None:
         """Start it (again, on the same port once it has one) and wait until it serves."""
         assert self.popen is None or self.popen.poll() is not None, "still running"
         cmd = [
@@ -63,14 +65,28 @@ class LighthouseProcess:
         self.popen = subprocess.Popen(
             cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
         )
-        found = threading.Event()
-        threading.Thread(target=self._copy, args=(self.popen, found), daemon=True).start()
-        deadline = time.monotonic() + START_BOUND_S
-        while not found.wait(0.1):
+        self._serving = threading.Event()
+        threading.Thread(target=self._copy, args=(self.popen, self._serving), daemon=True).start()
+        if wait:
+            self.wait_serving(START_BOUND_S)
+
+    def wait_serving(self, timeout_s: float) -> None:
+        """Wait until it serves (prints its address)."""
+        assert self.popen is not None
+        deadline = time.monotonic() + timeout_s
+        while not self._serving.wait(0.1):
             if self.popen.poll() is not None or time.monotonic() > deadline:
                 raise AssertionError(
-                    f"lighthouse did not start (exit {self.popen.poll()}):\n{self.tail()}"
+                    f"lighthouse is not serving (exit {self.popen.poll()}):\n{self.tail()}"
                 )
+
+    def wait_log(self, text: str, timeout_s: float = START_BOUND_S) -> None:
+        """Wait until its log contains ``text``."""
+        deadline = time.monotonic() + timeout_s
+        while text not in self.log.read_text(errors="replace"):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no {text!r} in the lighthouse log:\n{self.tail()}")
+            time.sleep(0.1)  # polling a log file another process writes
 
     def _copy(self, popen: subprocess.Popen[str], found: threading.Event) -> None:
         assert popen.stdout is not None

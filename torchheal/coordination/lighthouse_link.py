@@ -13,6 +13,11 @@ A broken session (the lighthouse restarted, the network failed) is reopened in t
 with backoff; a quorum request in flight when it broke fails with ``UNAVAILABLE`` and the
 manager server's retry policy decides what happens next. Everything here runs on the manager
 server's event loop.
+
+Several lighthouses (a highly available job, docs/lighthouse_ha.md): the address may list them,
+comma-separated (``split_addresses``); :func:`connect_first` connects to the first that answers,
+and a session that cannot be reopened on one moves on to the next (only the leader serves; a
+standby does not even listen), so the group follows the leader wherever it is.
 """
 
 from __future__ import annotations
@@ -20,7 +25,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from datetime import timedelta
 from typing import Any
 
 import grpc
@@ -30,10 +36,11 @@ from torchheal._wire import methods
 from torchheal._wire import session_pb2 as spb
 from torchheal._wire import torchft_pb2 as pb
 from torchheal.coordination.link_tcp import DirectStream, StreamClosed
-from torchheal.coordination.rpc.channels import serialize
+from torchheal.coordination.rpc.addresses import parse_address
+from torchheal.coordination.rpc.channels import aio_connect, serialize
 from torchheal.coordination.rpc.errors import rpc_error_to_exception
 
-__all__ = ["LighthouseLink", "LinkError"]
+__all__ = ["LighthouseLink", "LinkError", "connect_first", "split_addresses"]
 
 logger: logging.Logger = logging.getLogger(__name__)
 
@@ -44,6 +51,61 @@ REOPEN_BACKOFF_S = (0.05, 2.0, 2.0)
 # Asking the lighthouse what it offers, and reaching its direct lane.
 DESCRIBE_TIMEOUT_S = 5.0
 DIRECT_CONNECT_TIMEOUT_S = 5.0
+
+
+# Reaching another lighthouse of the list (a standby that became the leader).
+FAILOVER_CONNECT_TIMEOUT_S = 1.0
+
+
+def split_addresses(addr: str) -> list[str]:
+    """The lighthouse addresses in ``addr`` (comma-separated; one for most jobs).
+
+    Args:
+        addr: ``http://a:29510`` or ``http://a:29510,http://b:29510``.
+
+    Raises:
+        ValueError: no address, or a malformed one.
+    """
+    addresses = [a.strip() for a in addr.split(",") if a.strip()]
+    if not addresses:
+        raise ValueError(f"no lighthouse address in {addr!r}")
+    for a in addresses:
+        parse_address(a)
+    return addresses
+
+
+async def connect_first(
+    addresses: Sequence[str], connect_timeout: timedelta | float
+) -> tuple[grpc.aio.Channel, str]:
+    """A channel to the first of ``addresses`` that answers within ``connect_timeout``.
+
+    All are tried at once (a standby lighthouse does not listen, so waiting on each in turn
+    would cost a whole timeout per standby).
+
+    Raises:
+        RuntimeError: none answered.
+    """
+    if len(addresses) == 1:
+        return await aio_connect(addresses[0], connect_timeout), addresses[0]
+    tasks = {asyncio.ensure_future(aio_connect(a, connect_timeout)): a for a in addresses}
+    pending = set(tasks)
+    errors = []
+    chosen: tuple[grpc.aio.Channel, str] | None = None
+    while pending and chosen is None:
+        done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+        for task in done:
+            error = task.exception()
+            if error is not None:
+                errors.append(str(error))
+            elif chosen is None:
+                chosen = task.result(), tasks[task]
+            else:
+                await task.result().close()  # a second one answered in the same turn
+    for task in pending:
+        task.cancel()
+    if chosen is None:
+        raise RuntimeError(f"no lighthouse of {list(addresses)} could be reached: {errors}")
+    return chosen
 
 
 class LinkError(Exception):
@@ -73,6 +135,8 @@ class LighthouseLink:
         describe: names the lighthouse in log lines.
         log_prefix: prefixes log lines (``[Replica name]``).
         host: the lighthouse's host, where its direct lane listens (None: the gRPC stream only).
+        addresses: every lighthouse of a highly available job, ``describe`` among them (empty:
+            one lighthouse). A session that cannot be (re)opened moves on to the next.
     """
 
     def __init__(
@@ -84,14 +148,38 @@ class LighthouseLink:
         describe: str,
         log_prefix: str,
         host: str | None = None,
+        addresses: Sequence[str] = (),
     ) -> None:
-        self._channel = channel
-        self._host = host
         self._replica_id = replica_id
         self._interval_s = heartbeat_interval_s
         self._on_lost = on_lost
-        self._describe = describe
         self._prefix = log_prefix
+        self._addresses = list(addresses) if len(addresses) > 1 else []
+        # Channels this link opened itself (to other lighthouses); closed with it.
+        self._own_channels: list[grpc.aio.Channel] = []
+        self._bind(channel, describe, host)
+        #: Whether the live session travels on the direct TCP lane (else the gRPC stream).
+        self.direct = False
+        # None until start() knows; then True (session) or False (reference lighthouse).
+        self.session_mode: bool | None = None
+        # The lighthouse's latest quorum id when our first session opened (None: no session):
+        # above 0, the job was already running when this group (re)started.
+        self.first_welcome_quorum_id: int | None = None
+        # The last quorum the lighthouse gave us, told to it again in every Hello: a restarted
+        # lighthouse must never issue an id that goes backwards or repeats (quorum.restore).
+        self._last_quorum: pb.Quorum | None = None
+        self._call: Any = None  # the live session stream, or None while it is (re)opening
+        self._pending: dict[int, asyncio.Future[pb.Quorum]] = {}
+        self._ids = itertools.count(1)
+        self._closing = False
+        # One writer at a time on the stream (heartbeats and requests share it).
+        self._write_lock: asyncio.Lock | None = None
+
+    def _bind(self, channel: grpc.aio.Channel, describe: str, host: str | None) -> None:
+        """Talk to the lighthouse behind ``channel`` from now on."""
+        self._channel = channel
+        self._describe = describe
+        self._host = host
         self._unary_quorum = channel.unary_unary(
             methods.LIGHTHOUSE_QUORUM.path,
             request_serializer=serialize,
@@ -112,22 +200,29 @@ class LighthouseLink:
             request_serializer=serialize,
             response_deserializer=spb.Description.FromString,
         )
-        #: Whether the live session travels on the direct TCP lane (else the gRPC stream).
-        self.direct = False
-        # None until start() knows; then True (session) or False (reference lighthouse).
-        self.session_mode: bool | None = None
-        # The lighthouse's latest quorum id when our first session opened (None: no session):
-        # above 0, the job was already running when this group (re)started.
-        self.first_welcome_quorum_id: int | None = None
-        # The last quorum the lighthouse gave us, told to it again in every Hello: a restarted
-        # lighthouse must never issue an id that goes backwards or repeats (quorum.restore).
-        self._last_quorum: pb.Quorum | None = None
-        self._call: Any = None  # the live session stream, or None while it is (re)opening
-        self._pending: dict[int, asyncio.Future[pb.Quorum]] = {}
-        self._ids = itertools.count(1)
-        self._closing = False
-        # One writer at a time on the stream (heartbeats and requests share it).
-        self._write_lock: asyncio.Lock | None = None
+
+    async def _fail_over(self) -> None:
+        """Move on to the next lighthouse of the list (a standby may lead now).
+
+        Raises:
+            LinkError: it cannot be reached (``UNAVAILABLE``); the next attempt tries the one after.
+        """
+        addresses = self._addresses
+        index = addresses.index(self._describe) if self._describe in addresses else -1
+        target = addresses[(index + 1) % len(addresses)]
+        try:
+            channel = await aio_connect(target, FAILOVER_CONNECT_TIMEOUT_S)
+        except RuntimeError as e:
+            # Remember where we are, so the next attempt moves past this one too.
+            self._describe = target
+            raise LinkError(grpc.StatusCode.UNAVAILABLE, str(e)) from None
+        logger.warning("%s failing over to lighthouse %s", self._prefix, target)
+        old = self._channel
+        self._bind(channel, target, parse_address(target)[0])
+        if old in self._own_channels:
+            self._own_channels.remove(old)
+            await old.close()
+        self._own_channels.append(channel)
 
     async def _write(self, call: Any, request: spb.SessionRequest) -> None:
         if self._write_lock is None:
@@ -145,7 +240,7 @@ class LighthouseLink:
             LinkError: the lighthouse answers neither a session nor a unary heartbeat.
         """
         error: LinkError | None = None
-        for _ in range(2):
+        for _ in range(max(2, 2 * len(self._addresses))):
             try:
                 await self._open_session()
                 self.session_mode = True
@@ -154,6 +249,13 @@ class LighthouseLink:
                 error = e
                 if e.code == grpc.StatusCode.UNIMPLEMENTED:
                     break
+                if self._addresses:
+                    # Several lighthouses: only torchheal ones, in sessions; try the next.
+                    try:
+                        await self._fail_over()
+                    except LinkError as failed:
+                        error = failed
+                    continue
                 # A reference lighthouse answers the unknown method with HTTP 404 and closes;
                 # when that races our first write the call ends INTERNAL instead: try again.
                 await asyncio.sleep(0.05)
@@ -193,14 +295,19 @@ class LighthouseLink:
         self._closing = True
         call = self._call
         self._call = None
-        if call is None:
-            return
-        try:
-            await self._write(call, spb.SessionRequest(goodbye=spb.Goodbye(reason=reason)))
-            await call.done_writing()
-        except (grpc.aio.AioRpcError, asyncio.InvalidStateError, RuntimeError):
-            pass
-        call.cancel()
+        if call is not None:
+            try:
+                await self._write(call, spb.SessionRequest(goodbye=spb.Goodbye(reason=reason)))
+                await call.done_writing()
+            except (grpc.aio.AioRpcError, asyncio.InvalidStateError, RuntimeError):
+                pass
+            call.cancel()
+        await self._close_own_channels()
+
+    async def _close_own_channels(self) -> None:
+        channels, self._own_channels = self._own_channels, []
+        for channel in channels:
+            await channel.close()
 
     # ------------------------------------------------------------------------------------------
     # Quorum
@@ -367,6 +474,12 @@ class LighthouseLink:
                             e,
                         )
                         failing = True
+                    if self._addresses:
+                        try:
+                            await self._fail_over()
+                            continue  # at once: a fresh lighthouse is worth a try now
+                        except LinkError:
+                            pass
                     await asyncio.sleep(pause)
                     pause = min(cap, pause * growth)
                     continue

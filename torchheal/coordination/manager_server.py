@@ -60,7 +60,12 @@ from torchheal._wire import methods
 from torchheal._wire import session_pb2 as spb
 from torchheal._wire import torchft_pb2 as pb
 from torchheal.coordination import convert
-from torchheal.coordination.lighthouse_link import LighthouseLink, LinkError
+from torchheal.coordination.lighthouse_link import (
+    LighthouseLink,
+    LinkError,
+    connect_first,
+    split_addresses,
+)
 from torchheal.coordination.manager_notices import NoticeFanout
 from torchheal.coordination.manager_quorum import (
     MIN_RETRY_SLEEP_S,
@@ -71,7 +76,6 @@ from torchheal.coordination.manager_vote import GroupVote
 from torchheal.coordination.plan import NotParticipatingError, compute_quorum_results
 from torchheal.coordination.round import QuorumRound, RetryPolicy, RoundStart
 from torchheal.coordination.rpc.addresses import format_target, parse_address
-from torchheal.coordination.rpc.channels import aio_connect
 from torchheal.coordination.rpc.errors import StatusError, status_error
 from torchheal.coordination.rpc.in_process import InProcessCaller
 from torchheal.coordination.rpc.server import AioServerThread, unary_handler, unary_stream_handler
@@ -337,15 +341,18 @@ class ManagerServer:
     # Lighthouse connection and heartbeats
 
     async def _connect_lighthouse(self) -> None:
-        self._lighthouse = await aio_connect(self._lighthouse_addr, self._connect_timeout)
+        # Several comma-separated addresses: the lighthouses of a highly available job.
+        addresses = split_addresses(self._lighthouse_addr)
+        self._lighthouse, first = await connect_first(addresses, self._connect_timeout)
         self._link = LighthouseLink(
             self._lighthouse,
             self._replica_id,
             self._heartbeat_interval_s,
             self._notices.forward,
-            self._lighthouse_addr,
+            first,
             self._prefix,
-            host=parse_address(self._lighthouse_addr)[0],
+            host=parse_address(first)[0],
+            addresses=addresses,
         )
         try:
             await self._link.start()
