@@ -8,6 +8,7 @@ from torchheal.coordination.dashboard.events import (
     Expired,
     Joined,
     KillRequested,
+    Lost,
     MemberInfo,
     QuorumIssued,
     ReasonChanged,
@@ -138,6 +139,27 @@ def test_failure_is_live_before_the_survivors_go_on() -> None:
     assert failure["state"] == "noticed"
     assert failure["went_on"] is None and failure["lost_s"] is None
     assert failure["down_s"] == pytest.approx(1.0)  # grows with ``now`` until healed
+
+
+def test_a_lost_member_is_noticed_with_the_lighthouses_reason() -> None:
+    h = History()
+    steady(h, 0.0, 1.0, qid=1, step0=0, names=["a", "b"])
+    h.apply(Lost(T0 + 1.05, B, reason="its session ended (connection ended)"))
+    (failure,) = h.view(T0 + 1.1)["failures"]
+    assert failure["cause"] == "its session ended (connection ended)"
+    assert failure["noticed"] == pytest.approx(T0 + 1.05)
+
+
+def test_the_recorder_takes_every_event_the_lighthouse_tells() -> None:
+    # The lighthouse calls its observer by method name; one the recorder lacks is an error
+    # logged on every such event (the dashboard missed every lost member until this test).
+    from torchheal.coordination.dashboard.recorder import LighthouseRecorder
+    from torchheal.coordination.lighthouse import LighthouseObserver
+
+    told = [n for n, v in vars(LighthouseObserver).items() if callable(v) and n[0] != "_"]
+    assert "lost" in told
+    missing = [n for n in told if not callable(getattr(LighthouseRecorder, n, None))]
+    assert not missing, f"LighthouseRecorder lacks {missing}"
 
 
 def test_member_that_stops_asking_leaves_with_that_reason() -> None:

@@ -15,6 +15,7 @@ __all__ = [
     "Expired",
     "Joined",
     "KillRequested",
+    "Lost",
     "MemberInfo",
     "QuorumIssued",
     "ReasonChanged",
@@ -110,6 +111,21 @@ class Expired:
 
 
 @dataclass(frozen=True)
+class Lost:
+    """A member of the current quorum is gone on the lighthouse's own evidence.
+
+    Args:
+        t: wall-clock seconds when the lighthouse noticed.
+        replica_id: the lost replica.
+        reason: why (its session ended, its heartbeat expired), as the lighthouse says it.
+    """
+
+    t: float
+    replica_id: str
+    reason: str
+
+
+@dataclass(frozen=True)
 class KillRequested:
     """The dashboard asked a replica group's manager to exit, and it accepted.
 
@@ -135,4 +151,4 @@ class ReasonChanged:
     reason: str
 
 
-Event = QuorumIssued | Joined | Expired | KillRequested | ReasonChanged
+Event = QuorumIssued | Joined | Expired | Lost | KillRequested | ReasonChanged

@@ -33,6 +33,7 @@ from torchheal.coordination.dashboard.events import (
     Expired,
     Joined,
     KillRequested,
+    Lost,
     MemberInfo,
     QuorumIssued,
     ReasonChanged,
@@ -137,6 +138,8 @@ class History:
             self._quorum(event)
         elif isinstance(event, Expired):
             self._notice(event.t, event.replica_id, CAUSE_EXPIRED)
+        elif isinstance(event, Lost):
+            self._notice(event.t, event.replica_id, event.reason)
         elif isinstance(event, KillRequested):
             self._notice(event.t, event.replica_id, CAUSE_KILLED)
         elif isinstance(event, Joined):

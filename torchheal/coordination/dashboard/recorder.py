@@ -20,6 +20,7 @@ from torchheal.coordination.dashboard.events import (
     Expired,
     Joined,
     KillRequested,
+    Lost,
     MemberInfo,
     QuorumIssued,
     ReasonChanged,
@@ -120,6 +121,10 @@ class LighthouseRecorder:
         """Count and queue an expired heartbeat."""
         self.expirations += 1
         self._events.append(Expired(self.wall(now), replica_id, self.wall(last_seen)))
+
+    def lost(self, replica_id: str, reason: str, now: float) -> None:
+        """Queue a member of the current quorum lost (its session ended, or it expired)."""
+        self._events.append(Lost(self.wall(now), replica_id, reason))
 
     def reason_changed(self, reason: str, now: float) -> None:
         """Queue the new quorum status."""
