@@ -12,6 +12,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 
+import pytest
+
 from tests.dashboard.helpers import http, scrape
 from torchheal.coordination import LighthouseClient
 from torchheal.coordination.dashboard.events import MemberInfo, QuorumIssued
@@ -60,8 +62,12 @@ def status(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_lighthouse_prints_its_dashboard_and_status_reads_it() -> None:
+def test_lighthouse_prints_its_dashboard_and_status_reads_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     with lighthouse("--dashboard-port", "0", env={"TORCHHEAL_TOKEN": "s3cret"}) as (port, url):
+        # The job token guards the lighthouse's gRPC too: this client is one of the job's.
+        monkeypatch.setenv("TORCHHEAL_TOKEN", "s3cret")
         client = LighthouseClient(f"127.0.0.1:{port}", timedelta(seconds=10))
         client.quorum(A, timeout=timedelta(seconds=10), step=42, address="http://127.0.0.1:1")
         client.close()
