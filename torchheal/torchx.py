@@ -36,6 +36,18 @@ import torchx.specs as specs
 
 __all__ = ["ddp", "hsdp"]
 
+# What the lighthouse role takes from the user's environment: its log level, and the job's
+# token and TLS settings (docs/security.md), which every replica role gets with the rest.
+_LIGHTHOUSE_ENV = (
+    "LOGLEVEL",
+    "TORCHHEAL_TOKEN",
+    "TORCHHEAL_TOKEN_FILE",
+    "TORCHHEAL_TLS_CERT",
+    "TORCHHEAL_TLS_KEY",
+    "TORCHHEAL_TLS_CA",
+    "TORCHHEAL_METRICS_AUTH",
+)
+
 #: The lighthouse's address in a replica role, resolved by the role's shell at start-up.
 _LIGHTHOUSE_FROM_RANK0 = "http://$${{{rank0}:-localhost}}:{port}"
 
@@ -172,7 +184,7 @@ def hsdp(
                 dashboard_port,
                 join_timeout_ms,
                 idle_exit_s,
-                {k: v for k, v in env.items() if k in ("LOGLEVEL", "TORCHHEAL_TOKEN")},
+                {k: v for k, v in env.items() if k in _LIGHTHOUSE_ENV},
             )
         )
     for group in range(replicas):
