@@ -10,12 +10,19 @@ participating replicas and divides by their count, recording a failure instead o
 Where each job lives:
 
 * ``manager.py`` - :class:`Manager`, the public API and the only writer of the step's state.
+* ``build.py`` - wiring the parts below for one Manager.
 * ``settings.py`` - constructor arguments merged with the environment, validated once.
 * ``endpoints.py`` - the group's TCPStore, manager server (group rank 0) and client.
 * ``state.py`` - the user's named state functions and the lock that keeps reads whole.
+* ``quorum_thread.py`` - the thread a step's quorum runs on and the future the loop waits for.
 * ``quorum_worker.py`` - the quorum thread's work (quorum, reconfiguration, transfer) as data.
 * ``recovery.py`` - sending and receiving a state dict through a checkpoint transport.
+* ``heal.py`` - a heal on the training thread (settle the transfer, load), and the warm-up.
+* ``failfast.py`` - aborting the process group when the lighthouse says a member is lost.
+* ``allreduce.py`` - the collective on the wire and the average after it.
 * ``step.py`` - the step's error and the collectives the vote must wait for.
+* ``views.py`` - the reference's test-visible attributes as views of the parts.
+* ``telemetry.py`` - the metrics and structured records the Manager reports.
 * ``log.py`` - the per-rank log prefix.
 
 This module keeps the reference's public names importable from ``torchheal.manager``.

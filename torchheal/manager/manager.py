@@ -26,10 +26,8 @@ from __future__ import annotations
 
 import logging
 import socket
-import time
 import warnings
 from collections.abc import Callable
-from concurrent.futures import Future as ConcurrentFuture
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -49,6 +47,7 @@ from torchheal.manager.quorum_worker import QuorumOutcome, StepRequest
 from torchheal.manager.settings import ManagerSettings
 from torchheal.manager.state import StateRegistry
 from torchheal.manager.step import ExceptionWithTraceback, StepLedger
+from torchheal.manager.views import View
 from torchheal.process_group.work import _DummyWork, _ErrorRecordingWork
 from torchheal.work import _ManagedWork
 
@@ -177,7 +176,7 @@ class Manager:
         self._telemetry = parts.telemetry
         self._worker = parts.worker
         self._ledger = StepLedger()
-        self._quorums = QuorumThread(waited=self._telemetry.waited)
+        self._quorums = QuorumThread(self._worker.run, self._apply_outcome, self._telemetry)
         self._background_transfer = parts.background_transfer
         self._heal = HealStep(
             host=self,
@@ -198,53 +197,13 @@ class Manager:
 
     # -- test-visible attributes of the reference (§2.2), kept as views of the parts ----------
 
-    @property
-    def _errored(self) -> ExceptionWithTraceback | None:
-        return self._ledger.error
-
-    @_errored.setter
-    def _errored(self, value: ExceptionWithTraceback | None) -> None:
-        self._ledger.error = value
-
-    @property
-    def _quorum_id(self) -> int:
-        return self._connected.quorum_id
-
-    @_quorum_id.setter
-    def _quorum_id(self, quorum_id: int) -> None:
-        self._connected.quorum_id = quorum_id
-
-    @property
-    def _quorum_future(self) -> ConcurrentFuture[None] | None:
-        return self._quorums.future
-
-    @_quorum_future.setter
-    def _quorum_future(self, future: ConcurrentFuture[None] | None) -> None:
-        self._quorums.future = future
-
-    @property
-    def _healing(self) -> bool:
-        return self._heal.healing
-
-    @_healing.setter
-    def _healing(self, value: bool) -> None:
-        self._heal.healing = value
-
-    @property
-    def _pending_state_dict(self) -> dict[str, Any] | None:
-        return self._heal.pending
-
-    @_pending_state_dict.setter
-    def _pending_state_dict(self, value: dict[str, Any] | None) -> None:
-        self._heal.pending = value
-
-    @property
-    def _state_dict_lock(self) -> Any:
-        return self._state.lock
-
-    @property
-    def _is_state_dict_read_allowed(self) -> bool:
-        return self._state.reads_allowed
+    _errored = View("_ledger", "error")
+    _healing = View("_heal", "healing")
+    _pending_state_dict = View("_heal", "pending")
+    _quorum_id = View("_connected", "quorum_id")
+    _quorum_future = View("_quorums", "future")
+    _state_dict_lock = View("_state", "lock", writable=False)
+    _is_state_dict_read_allowed = View("_state", "reads_allowed", writable=False)
 
     @property
     def _participating_replica_rank(self) -> int | None:
@@ -348,7 +307,7 @@ class Manager:
             can_load=not self._state.empty,
             background=self._background_transfer,
         )
-        self._quorums.submit(lambda: self._async_quorum(request))
+        self._quorums.submit(request)
         if not self._use_async_quorum:
             self.wait_quorum()
             if self._healing:
@@ -393,22 +352,6 @@ class Manager:
             self._logger.exception(f"capturing the state dict failed: {e}")
             self.report_error(e)
             return None
-
-    def _async_quorum(self, request: StepRequest) -> None:
-        # Quorum thread. A quorum RPC error propagates: wait_quorum raises it.
-        started = time.perf_counter()
-        try:
-            outcome = self._worker.run(request)
-        except BaseException:
-            self._telemetry.quorum_failed()
-            raise
-        self._telemetry.quorum(
-            outcome.quorum,
-            request.current_quorum_id,
-            outcome.participation.count,
-            time.perf_counter() - started,
-        )
-        self._apply_outcome(outcome)
 
     def _apply_outcome(self, outcome: QuorumOutcome) -> None:
         """Quorum thread: takes in what the step's quorum work produced (the only writer)."""

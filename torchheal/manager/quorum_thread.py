@@ -1,7 +1,8 @@
 """The thread a step's quorum runs on, and the future the training loop waits on.
 
 With an asynchronous quorum, ``start_quorum`` hands the step's quorum to one background thread
-and returns; the training loop meets the result in ``wait_quorum`` (directly, or through a
+(which runs :meth:`QuorumWorker.run <torchheal.manager.quorum_worker.QuorumWorker.run>`, times
+it for telemetry and hands the outcome to the Manager) and returns; the training loop meets the result in ``wait_quorum`` (directly, or through a
 collective or a participation query). A quorum error is raised to the training loop exactly
 once: either when something waits for it, or else at the next ``start_quorum``, so an error
 nobody waited for is not lost and one already seen is not raised twice.
@@ -13,6 +14,9 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
+from torchheal.manager.quorum_worker import QuorumOutcome, StepRequest
+from torchheal.manager.telemetry import Telemetry
+
 __all__ = ["QuorumThread"]
 
 
@@ -20,13 +24,22 @@ class QuorumThread:
     """One background thread for the quorums, and the future of the latest one.
 
     Args:
-        waited: told how long the training thread waited for a quorum (seconds); a quorum
-            already done when asked for costs nothing and is not counted.
+        run: the quorum thread's work for one step (``QuorumWorker.run``).
+        apply: takes in its outcome, on the quorum thread (the Manager).
+        telemetry: counts quorums, their failures and the training thread's waits (a quorum
+            already done when asked for costs nothing and is not counted as a wait).
     """
 
-    def __init__(self, waited: Callable[[float], None]) -> None:
+    def __init__(
+        self,
+        run: Callable[[StepRequest], QuorumOutcome],
+        apply: Callable[[QuorumOutcome], None],
+        telemetry: Telemetry,
+    ) -> None:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="async_quorum")
-        self._waited = waited
+        self._run = run
+        self._apply = apply
+        self._telemetry = telemetry
         #: The latest step's quorum; None before the first ``start_quorum``.
         self.future: Future[None] | None = None
         # The quorum future whose error already reached the training loop.
@@ -42,13 +55,29 @@ class QuorumThread:
             self._raised = previous
             raise error
 
-    def submit(self, work: Callable[[], None]) -> None:
-        """Runs this step's quorum work in the background.
+    def submit(self, request: StepRequest) -> None:
+        """Runs this step's quorum in the background.
 
         Args:
-            work: the quorum thread's work for the step.
+            request: the step's arguments.
         """
-        self.future = self._executor.submit(work)
+        self.future = self._executor.submit(self._quorum, request)
+
+    def _quorum(self, request: StepRequest) -> None:
+        # Quorum thread. A quorum RPC error propagates: wait() raises it.
+        started = time.perf_counter()
+        try:
+            outcome = self._run(request)
+        except BaseException:
+            self._telemetry.quorum_failed()
+            raise
+        self._telemetry.quorum(
+            outcome.quorum,
+            request.current_quorum_id,
+            outcome.participation.count,
+            time.perf_counter() - started,
+        )
+        self._apply(outcome)
 
     def skip(self) -> None:
         """This step has no quorum: waiting for it returns at once."""
@@ -73,7 +102,7 @@ class QuorumThread:
                 try:
                     future.result()
                 finally:
-                    self._waited(time.perf_counter() - started)
+                    self._telemetry.waited(time.perf_counter() - started)
         except BaseException:
             self._raised = future
             raise
