@@ -31,6 +31,8 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -38,6 +40,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
+#: How long a run waits for every group's first commit before it gives up on it.
+START_UP_LIMIT_S = 180.0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -122,8 +126,11 @@ def worker(args: argparse.Namespace) -> None:
     ddp = ft.DistributedDataParallel(manager, model)
     optimizer = ft.Optimizer(manager, inner)
     _emit("start", group=group)
-    end = time.time() + args.duration
-    while time.time() < end:
+    # The driver creates the stop file ``--duration`` s after every group has committed (a
+    # group's start-up can take many seconds on a loaded machine); a hard end in case it never
+    # does.
+    end = time.time() + args.duration + START_UP_LIMIT_S
+    while time.time() < end and not os.path.exists(args.stop_file):
         before = manager.current_step()
         t0 = time.time()
         optimizer.zero_grad()
@@ -212,8 +219,34 @@ class RunStats:
     first_full_s: float | None
 
 
+def _read_events(proc: subprocess.Popen[str], events: list[dict], changed: threading.Event) -> None:
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if line.startswith("@together "):
+            events.append(json.loads(line[len("@together ") :]))
+            changed.set()
+
+
+def _stop_when_trained(
+    args: argparse.Namespace, groups: int, events: list[dict], changed: threading.Event, stop: str
+) -> None:
+    """Creates ``stop`` ``warmup + duration`` s after every group's first commit."""
+    deadline = time.time() + START_UP_LIMIT_S
+    while time.time() < deadline:
+        if len({e["group"] for e in list(events) if e.get("committed")}) >= groups:
+            time.sleep(args.warmup + args.duration)
+            break
+        changed.wait(0.5)
+        changed.clear()
+    Path(stop).touch()
+
+
 def run_once(args: argparse.Namespace, managers: str, lighthouse: str, groups: int) -> RunStats:
-    with _lighthouse(lighthouse, args.join_timeout_ms) as addr:
+    with (
+        _lighthouse(lighthouse, args.join_timeout_ms) as addr,
+        tempfile.TemporaryDirectory() as tmp,
+    ):
+        stop_file = os.path.join(tmp, "stop")
         procs = []
         for g in range(groups):
             cmd = [
@@ -232,6 +265,8 @@ def run_once(args: argparse.Namespace, managers: str, lighthouse: str, groups: i
                 str(args.duration),
                 "--sleep",
                 str(args.sleep if args.case == "b" else 0.0),
+                "--stop-file",
+                stop_file,
             ]
             env = {**os.environ, "OMP_NUM_THREADS": "1", "RUST_LOG": "info"}
             procs.append(
@@ -251,12 +286,19 @@ def run_once(args: argparse.Namespace, managers: str, lighthouse: str, groups: i
                     cwd=ROOT,
                 )
             )
-        events = []
+        events: list[dict] = []
+        changed = threading.Event()
+        readers = [
+            threading.Thread(target=_read_events, args=(p, events, changed), daemon=True)
+            for p in procs
+        ]
+        for r in readers:
+            r.start()
+        _stop_when_trained(args, groups, events, changed, stop_file)
         for p in procs:
-            out, _ = p.communicate(timeout=args.duration + 120)
-            for line in out.splitlines():
-                if line.startswith("@together "):
-                    events.append(json.loads(line[len("@together ") :]))
+            p.wait(timeout=args.duration + 120)
+        for r in readers:
+            r.join(10)
     if os.environ.get("BENCH_LOGDIR"):
         name = f"events-{managers}-{lighthouse}-{groups}-{int(time.time())}.json"
         with open(os.path.join(os.environ["BENCH_LOGDIR"], name), "w") as f:
@@ -303,10 +345,16 @@ def main() -> None:
     p.add_argument("--impl", default="torchheal", help=argparse.SUPPRESS)
     p.add_argument("--group", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--lighthouse", default="", help=argparse.SUPPRESS)
+    p.add_argument("--stop-file", default="", help=argparse.SUPPRESS)
     p.add_argument("--case", choices=["a", "b"], default="a")
     p.add_argument("--groups", default="3", help="comma-separated group counts")
     p.add_argument("--runs", type=int, default=3)
-    p.add_argument("--duration", type=float, default=25.0, help="seconds each group trains")
+    p.add_argument(
+        "--duration",
+        type=float,
+        default=20.0,
+        help="seconds measured, from --warmup s after every group's first commit",
+    )
     p.add_argument(
         "--warmup", type=float, default=5.0, help="seconds after the last group's first commit"
     )
@@ -330,7 +378,7 @@ def main() -> None:
     )
     print(
         f"case {args.case}: min_replicas=1, join {args.join_timeout_ms} ms, tick 100 ms, "
-        f"heartbeat timeout 5 s; {args.duration:.0f} s per run, warm-up {args.warmup:.0f} s"
+        f"heartbeat timeout 5 s; {args.duration:.0f} s measured per run, from {args.warmup:.0f} s after every group first committed"
         + (f", sleep {args.sleep} s after forward" if args.case == "b" else ""),
         flush=True,
     )
