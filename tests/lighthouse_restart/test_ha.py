@@ -12,6 +12,7 @@ committed history produces.
 from __future__ import annotations
 
 import socket
+import time
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,13 @@ from tests.failfast.replay import assert_identical, assert_replayed, history
 from tests.failfast.test_kill import all_together, full
 from tests.lighthouse_restart.etcd import etcd_server
 from tests.lighthouse_restart.procs import LighthouseProcess
-from tests.lighthouse_restart.test_restart import AFTER_STEPS, GO_ON_BOUND_S, GROUPS, quorum_ids
+from tests.lighthouse_restart.test_restart import (
+    AFTER_STEPS,
+    GO_ON_BOUND_S,
+    GROUPS,
+    quorum_ids,
+    report_pause,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -49,6 +56,7 @@ def test_standby_lighthouse_takes_over_mid_training(tmp_path: Path) -> None:
             all_together(job, min_commits=3)
             killed_at = active.kill()
             standby.wait_serving(GO_ON_BOUND_S)
+            serving_at = time.time()
 
             def go_on(events: list[Event]) -> bool:
                 return all(
@@ -61,6 +69,7 @@ def test_standby_lighthouse_takes_over_mid_training(tmp_path: Path) -> None:
                 job.wait_for("both groups to train on with the standby", go_on, GO_ON_BOUND_S)
             except AssertionError as e:
                 raise AssertionError(f"{e}\n--- standby\n{standby.tail()}") from None
+            report_pause(job.events, killed_at, serving_at, f"failover (lease {LEASE_S}s)")
             assert "Restored quorum" in standby.log.read_text()
             for g in range(GROUPS):
                 assert len(job.procs[g]) == 1, f"g{g} was restarted"

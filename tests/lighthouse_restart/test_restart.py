@@ -17,6 +17,7 @@ Python defaults: join 100 ms, heartbeat 5 s), and two replica groups are
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -47,6 +48,22 @@ def quorum_ids(events: list[Event], group: int, since: float = 0.0, until: float
     ]
 
 
+def report_pause(events: list[Event], killed_at: float, serving_at: float, what: str) -> None:
+    """Print (never assert: timings are noisy here) how long training paused around the kill.
+
+    Steps already past their quorum commit after the kill; the pause is the gap between the
+    last commit before the new lighthouse served and the first full commit after it.
+    """
+    commits = Job.commits(events)
+    last = max(e["time"] for e in commits if e["time"] <= serving_at)
+    first = min(e["time"] for e in commits if e["time"] > serving_at and full(e, GROUPS))
+    print(
+        f"\n{what}: the new lighthouse served {serving_at - killed_at:.2f}s after the kill "
+        f"(start-up); last commit {last - killed_at:+.2f}s from the kill; first full commit "
+        f"{first - serving_at:.2f}s after it served; training paused {first - last:.2f}s"
+    )
+
+
 def run_restart(tmp_path: Path, *lighthouse_flags: str) -> None:
     lh = LighthouseProcess(tmp_path / "lighthouse.log", *lighthouse_flags)
     job = Job(tmp_path, lh.url, GROUPS)
@@ -56,6 +73,7 @@ def run_restart(tmp_path: Path, *lighthouse_flags: str) -> None:
         all_together(job, min_commits=3)
         killed_at = lh.kill()
         lh.start()
+        serving_at = time.time()
 
         def go_on(events: list[Event]) -> bool:
             return all(
@@ -68,6 +86,7 @@ def run_restart(tmp_path: Path, *lighthouse_flags: str) -> None:
             job.wait_for("both groups to train together after the restart", go_on, GO_ON_BOUND_S)
         except AssertionError as e:
             raise AssertionError(f"{e}\n--- lighthouse\n{lh.tail()}") from None
+        report_pause(job.events, killed_at, serving_at, "lighthouse restart")
         for g in range(GROUPS):
             assert len(job.procs[g]) == 1, f"g{g} was restarted"
             before = quorum_ids(job.events, g, until=killed_at)
