@@ -2,7 +2,7 @@
 
     python -m tests.failfast.worker --group G --incarnation I --groups N --lighthouse URL \
         --target-file F --out OUT [--impl torchheal|torchft] \
-        [--hold-after N] [--die-after N] [--timeout S]
+        [--hold-after N] [--die-after N] [--timeout S] [--host ADDR]
 
 It trains the small MLP of ``tests/integration/workers.py`` under fault-tolerant DDP at
 ``min_replica_size=1``, on the batches of that module (a function of group and step), with SGD
@@ -91,6 +91,7 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=10.0, help="collectives and should_commit")
     p.add_argument("--hold-after", type=int, default=-1, help="full commits, then hold once")
     p.add_argument("--die-after", type=int, default=-1, help="full commits, then die")
+    p.add_argument("--host", default="127.0.0.1", help="address of this group's store")
     args = p.parse_args()
     first = args.incarnation == 0
 
@@ -99,7 +100,7 @@ def main() -> None:
     model = make_model(seed_of(args.group, args.incarnation))
     inner = make_optimizer(model)
     timeout = timedelta(seconds=args.timeout)
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    store = dist.TCPStore(args.host, 0, is_master=True, wait_for_workers=False)
     manager = ft.Manager(
         pg=ft.ProcessGroupGloo(timeout=timeout),
         load_state_dict=lambda sd: (
@@ -113,7 +114,7 @@ def main() -> None:
         connect_timeout=timedelta(seconds=10),
         rank=0,
         world_size=1,
-        store_addr="127.0.0.1",
+        store_addr=args.host,
         store_port=store.port,
         lighthouse_addr=args.lighthouse,
         replica_id=f"g{args.group}",
