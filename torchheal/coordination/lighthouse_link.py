@@ -11,8 +11,12 @@ unary ``Heartbeat``/``Quorum``, exactly as a torchft manager would.
 
 A broken session (the lighthouse restarted, the network failed) is reopened in the background,
 with backoff; a quorum request in flight when it broke fails with ``UNAVAILABLE`` and the
-manager server's retry policy decides what happens next. Everything here runs on the manager
-server's event loop.
+manager server's retry policy decides what happens next. A session that went *silent* counts as
+broken too: a partition drops packets without a FIN or RST, and after a long one TCP's
+retransmission backoff can keep the old connection mute for as long again after the network is
+back. So a heartbeat asks the lighthouse for an acknowledgement once it has said nothing for a
+while, and a session that has said nothing for :data:`SILENT_SESSION_S` is hung up and reopened
+on a fresh connection. Everything here runs on the manager server's event loop.
 
 Several lighthouses (a highly available job, docs/lighthouse_ha.md): the address may list them,
 comma-separated (``split_addresses``); :func:`connect_first` connects to the first that answers,
@@ -51,6 +55,10 @@ REOPEN_BACKOFF_S = (0.05, 2.0, 2.0)
 # Asking the lighthouse what it offers, and reaching its direct lane.
 DESCRIBE_TIMEOUT_S = 5.0
 DIRECT_CONNECT_TIMEOUT_S = 5.0
+# A session that has carried no event (answer, notice, heartbeat acknowledgement) for this long
+# is taken for dead and reopened: the reference's heartbeat timeout, after which the lighthouse
+# has given the group up anyway. Heartbeats ask for an acknowledgement after a quarter of it.
+SILENT_SESSION_S = 5.0
 
 
 # Reaching another lighthouse of the list (a standby that became the leader).
@@ -137,6 +145,8 @@ class LighthouseLink:
         host: the lighthouse's host, where its direct lane listens (None: the gRPC stream only).
         addresses: every lighthouse of a highly available job, ``describe`` among them (empty:
             one lighthouse). A session that cannot be (re)opened moves on to the next.
+        silent_s: a session that carries nothing from the lighthouse for this long is hung up
+            and reopened (see :data:`SILENT_SESSION_S`).
     """
 
     def __init__(
@@ -149,7 +159,13 @@ class LighthouseLink:
         log_prefix: str,
         host: str | None = None,
         addresses: Sequence[str] = (),
+        silent_s: float = SILENT_SESSION_S,
     ) -> None:
+        if not silent_s > 0:
+            raise ValueError(f"silent_s must be > 0, got {silent_s!r}")
+        self._silent_s = silent_s
+        # Loop time of the live session's latest event (its welcome, at first).
+        self._heard_at = 0.0
         self._replica_id = replica_id
         self._interval_s = heartbeat_interval_s
         self._on_lost = on_lost
@@ -396,7 +412,15 @@ class LighthouseLink:
                     )
                 ),
             )
-            event = await call.read()
+            # A lighthouse that accepts the connection but never welcomes us (the path
+            # stalled again) must not hold the reopening forever.
+            event = await asyncio.wait_for(call.read(), self._silent_s)
+        except asyncio.TimeoutError:
+            call.cancel()
+            raise LinkError(
+                grpc.StatusCode.UNAVAILABLE,
+                f"the lighthouse session got no welcome within {self._silent_s:.1f}s",
+            ) from None
         except StreamClosed as e:
             call.cancel()
             raise LinkError(grpc.StatusCode.UNAVAILABLE, str(e)) from None
@@ -419,6 +443,7 @@ class LighthouseLink:
             raise LinkError(grpc.StatusCode.INTERNAL, f"expected a welcome, got {event!r}")
         if self.first_welcome_quorum_id is None:
             self.first_welcome_quorum_id = event.welcome.quorum_id
+        self._heard_at = asyncio.get_running_loop().time()
         self._call = call
 
     async def _open_direct(self) -> DirectStream | None:
@@ -501,10 +526,32 @@ class LighthouseLink:
 
     async def _session_heartbeats(self, call: Any) -> None:
         beat = spb.SessionRequest(heartbeat=spb.Heartbeat())
+        loop = asyncio.get_running_loop()
+        acks = itertools.count(1)
         try:
             while True:
-                await self._write(call, beat)
-                await asyncio.sleep(self._interval_s)
+                silent_s = loop.time() - self._heard_at
+                if silent_s >= self._silent_s:
+                    # No FIN, no RST, no answer: a partition (or a frozen lighthouse). The
+                    # lighthouse has given this group up by now; a fresh connection gets
+                    # through as soon as the network does, unlike this one's backed-off
+                    # retransmissions.
+                    logger.warning(
+                        "%s the lighthouse session with %s has been silent for %.1fs; reopening it",
+                        self._prefix,
+                        self._describe,
+                        silent_s,
+                    )
+                    call.cancel()  # the reader sees the end and reopens
+                    return
+                if silent_s >= self._silent_s / 4:
+                    # Quiet for a while (no quorum round in flight): ask for a sign of life.
+                    await self._write(
+                        call, spb.SessionRequest(heartbeat=spb.Heartbeat(ack=next(acks)))
+                    )
+                else:
+                    await self._write(call, beat)
+                await asyncio.sleep(min(self._interval_s, self._silent_s / 4))
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError, RuntimeError):
             call.cancel()  # the reader sees the end and reopens
 
@@ -518,6 +565,7 @@ class LighthouseLink:
                 return
             if event is grpc.aio.EOF:
                 return
+            self._heard_at = asyncio.get_running_loop().time()
             kind = event.WhichOneof("kind")
             if kind == "quorum":
                 self._settle(event.quorum.request_id, result=event.quorum.quorum)
