@@ -173,7 +173,8 @@ def _free_port() -> int:
 def _lighthouse(impl: str, join_timeout_ms: int):
     port = _free_port()
     exe = "torchft_lighthouse" if impl == "torchft" else "torchheal"
-    cmd = [str(BIN / exe)] + ([] if impl == "torchft" else ["lighthouse"])
+    # Any free port for the dashboard: 29511 may be taken by another lighthouse on this host.
+    cmd = [str(BIN / exe)] + ([] if impl == "torchft" else ["lighthouse", "--dashboard_port", "0"])
     cmd += [
         "--bind",
         f"127.0.0.1:{port}",
