@@ -357,7 +357,9 @@ def quorum_compute(
         first_joined = _straggler_window_start(prev, healthy_participants)
         window_s = config.join_timeout_ms / 1000.0
         grace_s = _straggler_grace_s(state, healthy_replicas, healthy_participants, first_joined)
-        if now - first_joined < max(window_s, grace_s):
+        # Within a nanosecond counts as elapsed: seconds are floats, and a wait of exactly the
+        # join timeout must not hang on the rounding of a subtraction (1.45 - 1.35 < 0.1).
+        if now - first_joined < max(window_s, grace_s) - _EPSILON_S:
             extended = (
                 f"(extended to {grace_s * 1000:.0f} ms for members known to be alive) "
                 if grace_s > window_s
@@ -378,6 +380,16 @@ def quorum_compute(
         )
 
     return candidates, f"Valid quorum found {metadata}"
+
+
+_EPSILON_S = 1e-9
+
+#: How many of the first member's steps a late member known to be alive is waited for (see
+#: :func:`_straggler_grace_s`). One was measured too few on a busy host: with 3-4 groups on 2
+#: cores, a group's step now and then took 2-2.5x the fastest one's (the scheduler, not the
+#: group), it was dropped, and the drop cost two process-group rebuilds and a heal (6% of the
+#: run's commits without it). Two covers that, and a frozen member costs one more step once.
+STRAGGLER_GRACE_STEPS: float = 2.0
 
 
 def _straggler_window_start(
@@ -413,9 +425,10 @@ def _straggler_grace_s(
     member that comes back later than that, however short the drop makes the job's life: the
     member heals in the next round (a transfer everyone waits for, and a reconfiguration
     twice), so dropping a member that is alive costs far more than waiting a fraction of a step
-    for it. Two kinds of members are waited for as long as the last step took the first member
-    to come back (from the quorum's issue to its next request), which scales with the step and
-    stays bounded (a member that never comes back is dropped one step later):
+    for it. Two kinds of members are waited for :data:`STRAGGLER_GRACE_STEPS` times as long as
+    the last step took the first member to come back (from the quorum's issue to its next
+    request), which scales with the step and stays bounded (a member that never comes back is
+    dropped two steps later):
 
     * a member that healed in the last quorum: it loads the received state on its training
       thread after the round's allreduce, and its first step on new tensors is slower, so it
@@ -439,7 +452,7 @@ def _straggler_grace_s(
     }
     if not waited_for:
         return 0.0
-    return max(0.0, first_joined - state.prev_quorum_at)
+    return STRAGGLER_GRACE_STEPS * max(0.0, first_joined - state.prev_quorum_at)
 
 
 def _healed_in(quorum: Quorum) -> set[str]:
