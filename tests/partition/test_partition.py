@@ -9,21 +9,23 @@ lighthouse learns of it only when its heartbeat expires.
 
 The lighthouse runs with a heartbeat timeout of 2 s instead of the reference's 5 s, only to keep
 the test short (the mechanism is the same at any value). The workers' collective timeout is
-3 s: the victim, in an allreduce with peers it can no longer reach, fails that step only then,
-and asks for a quorum that cannot arrive while it is cut off. The partition is kept short on
-purpose (a few seconds past that): every TCP connection of the victim backs its retransmissions
-off exponentially while nothing gets through, so after a longer partition its session may stay
-silent for tens of seconds after the heal, past its 60 s quorum timeout, whose error ends the
-process (a known limit of the session link, reported in issue 12's notes, not what this test
-is about).
+3 s. Where the cut finds the victim decides what it sees: in an allreduce with peers it can no
+longer reach, it fails that step after the collective timeout and asks for a quorum; between
+steps, its quorum request is in flight and simply gets no answer (its timeout is 60 s). Either
+way it then waits on a session that carries nothing: every TCP connection of the victim backs
+its retransmissions off exponentially while nothing gets through, so the old connection could
+stay mute after the heal for about as long as the cut lasted. The link hangs a session up after
+``SILENT_SESSION_S`` of silence and reopens it on a fresh connection (its request is asked
+again), so the partition is made to last past both limits.
 
 Checked, in order:
 
 * the survivors go on without the victim (a quorum of two), which only the heartbeat's expiry
   can cause;
-* the partition lasts until the victim has itself seen a step fail and the survivors have
-  committed ``CUT_STEPS`` more steps: the victim commits nothing in that time (at most the
-  step it had in flight when the cut came, which the survivors committed too);
+* the partition lasts past the collective timeout and the link's silence limit, and until the
+  survivors have committed ``CUT_STEPS`` more steps after that: the victim commits nothing in
+  that time (at most the step it had in flight when the cut came, which the survivors
+  committed too);
 * after the port comes up again, the victim (the same process: it was never restarted) rejoins,
   heals from a survivor (its first commit after the cut is a heal) and trains with the others;
 * no split brain over the whole run: every committed step was committed by every group that
@@ -45,18 +47,9 @@ from tests.failfast.replay import CommittedStep, assert_identical, assert_replay
 from tests.failfast.test_kill import START_BOUND_S, all_together
 from tests.partition.netjob import NetnsJob, hub_lighthouse
 from tests.partition.netns import Network
+from torchheal.coordination.lighthouse_link import SILENT_SESSION_S
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.timeout(300),
-    # Known bug, seen in 4 of 6 runs (with the tree of 2026-11-22): after the port comes up,
-    # the cut-off group's pending quorum request never reaches the lighthouse (its log shows
-    # nothing from the group after "lost (heartbeat expired)", not even its session's end), so
-    # the request times out after 60 s and the TimeoutError ends the process; and once in 6
-    # runs the groups ended identical but 4e-3 away from the replayed history. Reported in
-    # issue 12's notes; make this strict (drop the mark) once fixed.
-    pytest.mark.xfail(reason="partition heal: lost quorum request / replay mismatch", strict=False),
-]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 GROUPS = 3
 VICTIM = 2
@@ -64,8 +57,11 @@ HEARTBEAT_TIMEOUT_MS = 2_000
 COLLECTIVE_TIMEOUT_S = 3.0
 #: Commits each survivor makes without the victim before we look at the victim.
 ALONE_STEPS = 5
-#: More commits the survivors make, while the victim is cut off, after it saw a step fail.
+#: More commits the survivors make, while the victim is cut off, after ``CUT_LONG_S``.
 CUT_STEPS = 20
+#: The partition lasts at least this long: past the victim's collective timeout (a step in
+#: flight has failed) and past its link's silence limit (its session is being reopened).
+CUT_LONG_S = max(COLLECTIVE_TIMEOUT_S, SILENT_SESSION_S) + 1.0
 
 
 def alone_commits(events: list[Event], group: int, since: float) -> list[Event]:
@@ -80,6 +76,11 @@ def assert_no_split_brain(steps: list[CommittedStep]) -> None:
     different divisors, or if steps are missing.
     """
     for s in steps:
+        if s.step == 0:
+            # init_sync, as in the reference: every group at step 0 counts in the divisor, and
+            # all but the primary heal from it (their reductions are zeroed).
+            assert len(s.contributors) == 1 and len(s.committers) == s.divisor, s
+            continue
         assert len(s.contributors) == s.divisor, f"step {s.step}: contributors vs divisor: {s}"
 
 
@@ -102,34 +103,19 @@ def run_partition(job: NetnsJob, network: Network) -> None:
     all_together(job, min_commits=3)
     survivors = [g for g in range(GROUPS) if g != VICTIM]
 
-    cut_at = time.time()
     network.cut(VICTIM)
+    # Once the port is down: until then (the ``ip`` command takes a while) the group trains on.
+    cut_at = time.time()
     job.wait_for(
         f"the survivors to commit {ALONE_STEPS} steps without the cut-off group "
         f"(its heartbeat expires after {HEARTBEAT_TIMEOUT_MS} ms)",
         lambda events: all(len(alone_commits(events, g, cut_at)) >= ALONE_STEPS for g in survivors),
         START_BOUND_S,
     )
-    failed = job.wait_for(
-        "the cut-off group to see a step fail",
-        lambda events: next(
-            (
-                e
-                for e in events
-                if e["kind"] == "step"
-                and e["group"] == VICTIM
-                and e["time"] > cut_at
-                and not e["committed"]
-            ),
-            None,
-        ),
-        START_BOUND_S,
-    )
+    long_cut = cut_at + CUT_LONG_S
     job.wait_for(
-        f"the survivors to commit {CUT_STEPS} more steps while the group is cut off",
-        lambda events: all(
-            len(alone_commits(events, g, failed["time"])) >= CUT_STEPS for g in survivors
-        ),
+        f"the survivors to commit {CUT_STEPS} more steps {CUT_LONG_S:.0f} s into the cut",
+        lambda events: all(len(alone_commits(events, g, long_cut)) >= CUT_STEPS for g in survivors),
         START_BOUND_S,
     )
     heal_at = time.time()
@@ -137,10 +123,10 @@ def run_partition(job: NetnsJob, network: Network) -> None:
 
     cut_commits = Job.commits(job.events, VICTIM, since=cut_at)
     cut_commits = [e for e in cut_commits if e["time"] < heal_at]
+    # At most the step in flight when the cut came, and only before its collective timed out.
     assert len(cut_commits) <= 1, f"the cut-off group committed while cut: {cut_commits}"
-    assert all(e["time"] < failed["time"] for e in cut_commits), cut_commits
+    assert all(e["time"] < cut_at + COLLECTIVE_TIMEOUT_S for e in cut_commits), cut_commits
     top = max(e["after"] for g in survivors for e in Job.commits(job.events, g, since=cut_at))
-    assert top >= failed["before"] + CUT_STEPS, (top, failed)
 
     all_together(job, min_commits=2, since=heal_at)
     assert len(job.procs[VICTIM]) == 1, "the cut-off group was restarted"
