@@ -150,6 +150,16 @@ def test_a_lost_member_is_noticed_with_the_lighthouses_reason() -> None:
     assert failure["noticed"] == pytest.approx(T0 + 1.05)
 
 
+def test_a_member_that_said_goodbye_is_no_failure_until_a_quorum_lacks_it() -> None:
+    h = History()
+    step = steady(h, 0.0, 1.0, qid=1, step0=0, names=["a", "b"])
+    h.apply(Lost(T0 + 1.05, B, reason="left: shutdown"))  # the job ended for b
+    assert h.view(T0 + 1.1)["failures"] == []
+    h.apply(quorum(1.3, 2, reason="Valid quorum found", a=step))
+    (failure,) = h.view(T0 + 2.0)["failures"]
+    assert failure["cause"] == "left: shutdown"
+
+
 def test_the_recorder_takes_every_event_the_lighthouse_tells() -> None:
     # The lighthouse calls its observer by method name; one the recorder lacks is an error
     # logged on every such event (the dashboard missed every lost member until this test).

@@ -172,7 +172,7 @@ def _http(port: int, request: bytes) -> tuple[int, bytes]:
         (
             b"POST /api/replicas/a/kill HTTP/1.1\r\nHost: x\r\n"
             b"Authorization: Bearer \xff\xfe\r\nContent-Length: 0\r\n\r\n",
-            403,
+            401,
             b"wrong job token",
         ),
     ],

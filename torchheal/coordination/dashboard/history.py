@@ -139,7 +139,12 @@ class History:
         elif isinstance(event, Expired):
             self._notice(event.t, event.replica_id, CAUSE_EXPIRED)
         elif isinstance(event, Lost):
-            self._notice(event.t, event.replica_id, event.reason)
+            if event.reason.startswith("left"):
+                # It said goodbye (its job ended, or it was asked to exit): the cause, should
+                # the next quorum lack it, but not a failure by itself.
+                self._notices.setdefault(event.replica_id, (event.t, event.reason))
+            else:
+                self._notice(event.t, event.replica_id, event.reason)
         elif isinstance(event, KillRequested):
             self._notice(event.t, event.replica_id, CAUSE_KILLED)
         elif isinstance(event, Joined):
