@@ -90,7 +90,11 @@ def test_recovery_mid_window(n_fragments: int, delay: int, alpha: float) -> None
     assert [o.failures for o in out] == [0, 1]
     states = [o.state for o in out]
     assert states[0]["step"] == cfg.outer_steps
-    assert states[0]["failed_steps"] == [] and states[1]["failed_steps"] == []
+    # The survivor may lose the one sync whose quorum was issued before the failing group died
+    # (on a busy machine its thread dies after that quorum, and the survivor's reduction with
+    # it fails when the lighthouse reports it lost); never more than that one.
+    assert len(states[0]["failed_steps"]) <= 1, states[0]["failed_steps"]
+    assert states[1]["failed_steps"] == []
     assert_same_global_state(states)
     assert_global_moved(states[0], seed=1)
 
