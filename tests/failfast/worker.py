@@ -26,6 +26,11 @@ before a SIGKILL are still read):
   record of the attempt (None when the step failed before reducing).
 * ``done``: the group stopped (see below); its final weights are in ``--out``.
 
+With ``FAILFAST_TRACE=1`` in its environment (opt-in; off by default), a group also appends one
+record per iteration to ``OUT.trace`` (``trace.append_record``): the ``step`` event's fields with
+its parameters, their gradients (as reduced) and the momentum buffers after the optimizer's step,
+so ``tests/failfast/trace.py`` can find the first step where a group left the replayed history.
+
 Stopping: once the test writes a target step into ``--target-file`` (atomically), a group stops
 at the first step >= target whose commit was *full* (all ``--groups`` groups contributed and the
 divisor was the group count). Every group sees the same full commit, so all stop at the same step
@@ -155,6 +160,7 @@ def main() -> None:
     ddp = ft.DistributedDataParallel(manager, model)
     optimizer = ft.Optimizer(manager, inner)
 
+    trace = open(args.out + ".trace", "ab") if os.environ.get("FAILFAST_TRACE") == "1" else None
     target: int | None = None
     last_full = False
     while True:
@@ -184,15 +190,12 @@ def main() -> None:
             and record["divisor"] == args.groups
         )
         full_commits += last_full
-        emit(
-            "step",
-            group=args.group,
-            inc=args.incarnation,
-            before=step,
-            after=after,
-            committed=committed,
-            reduce=record,
-        )
+        fields = {"before": step, "after": after, "committed": committed, "reduce": record}
+        emit("step", group=args.group, inc=args.incarnation, **fields)
+        if trace is not None:
+            from tests.failfast.trace import append_record  # (it imports this module)
+
+            append_record(trace, fields, model, inner)
     torch.save({k: v.clone() for k, v in model.state_dict().items()}, args.out)
     emit("done", group=args.group, inc=args.incarnation, step=manager.current_step())
     manager.shutdown()
