@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 import time
@@ -64,6 +65,12 @@ def main() -> None:
 
     import torchheal as ft
 
+    # LOGLEVEL (the soak passes INFO): the manager's and its server's lines, time-stamped, go to
+    # stderr, which the soak keeps per rank (g{group}i{start}r{rank}.log).
+    logging.basicConfig(
+        level=os.environ.get("LOGLEVEL", "WARNING"),
+        format="%(created).3f %(levelname).1s %(name)s %(message)s",
+    )
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
     group = int(os.environ["REPLICA_GROUP_ID"])
@@ -87,6 +94,23 @@ def main() -> None:
         replica_id=f"chaos{group}",
     )
     attempt: dict[str, Any] = {}
+    # The quorum the lighthouse answered this step with, as the quorum thread takes it in (the
+    # connected id below can differ: a rebuild that failed, or a member-lost abort).
+    answered: dict[str, Any] = {}
+    take_outcome = manager._quorums._apply
+
+    def apply(outcome: Any) -> None:
+        q = outcome.quorum
+        answered.update(
+            quorum_id=q.quorum_id,
+            members=list(q.replica_ids),
+            max_step=q.max_step,
+            heal=bool(q.heal),
+            count=outcome.participation.count,
+        )
+        take_outcome(outcome)
+
+    manager._quorums._apply = apply
     reduce = manager.allreduce
 
     def allreduce(tensor: torch.Tensor, *a: Any, **k: Any) -> Any:
@@ -116,6 +140,7 @@ def main() -> None:
         if target is not None and step >= target and last_full:
             break
         attempt.clear()
+        answered.clear()
         optimizer.zero_grad()
         x, y = batch(group, rank, manager.current_step())
         nn.functional.mse_loss(ddp(x), y).backward()
@@ -128,7 +153,14 @@ def main() -> None:
         last_full = bool(
             committed and record and record["participating"] and record["divisor"] == groups
         )
-        emit("step", before=step, after=after, committed=committed, reduce=record)
+        emit(
+            "step",
+            before=step,
+            after=after,
+            committed=committed,
+            reduce=record,
+            answered=dict(answered) or None,
+        )
     out = os.path.join(args.out_dir, f"g{group}r{rank}.pt")
     torch.save({k: v.clone() for k, v in model.state_dict().items()}, out)
     emit("done", step=manager.current_step())

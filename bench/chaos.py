@@ -18,7 +18,10 @@ already under a fault gets one, the kinds taken in turn in a shuffled order:
 One group is always left alone. At the end every fault is lifted, every group must train again
 in a full quorum, and all stop at a common step. Checked (``_chaos_check.py``): no process hung
 or died unplanned, rank ``r`` of every group ends bit-identical, every committed step was
-committed in one quorum with one divisor and the steps are 0..N-1, the ranks of a group
+committed in one quorum with one divisor and the steps are 0..N-1 (a group that came back
+alone to a lighthouse that saw no other may re-run steps the job had passed, in a quorum of its
+own, as the reference does at ``min_replicas=1``; allowed only when no other quorum committed
+meanwhile and the re-run was healed over: no split brain, nothing lost), the ranks of a group
 committed the same steps, no rank's committed step ever went back. Printed: the fault table
 (injected, survived, the job's longest stall and the victim's time until it trains in a full
 quorum again, median / max, and data lost), with the problems if any. Exit code 1 on a problem.
@@ -30,6 +33,7 @@ The test suite runs a 60-second version (``tests/chaos/test_chaos.py``). Timings
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import queue
 import random
@@ -83,7 +87,13 @@ class ChaosConfig:
         settle_s: after the faults, bound on every group training together again, and on the
             stop at a common step (a group that misses it hung).
         seed: the faults' random seed.
-        workdir: logs, the target file, the final states.
+        workdir: logs, the target file, the final states (below).
+        log_level: the ranks' and the lighthouse's logging level.
+
+    The workdir keeps what a failure is diagnosed from: ``lighthouse.log`` (the in-process
+    lighthouse's lines: quorums issued, members lost, sessions), ``events.jsonl`` (every rank's
+    events as they arrive, tagged with group, start and rank) and ``g{group}i{start}r{rank}.log``
+    (each rank's own lines: its manager's quorums, heals, aborts; rank 0's manager server).
     """
 
     duration_s: float = 600.0
@@ -99,6 +109,7 @@ class ChaosConfig:
     settle_s: float = 180.0
     seed: int = 0
     workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="chaos-")))
+    log_level: str = "INFO"
 
 
 @dataclass
@@ -151,6 +162,7 @@ class Soak:
         self.groups: list[_Group] = []
         self._kinds: list[str] = []
         self._logs: dict[tuple[int, int, int], Any] = {}
+        self._events_file = open(self.workdir / "events.jsonl", "a")  # closed at the end of run()
 
     # -- processes ------------------------------------------------------------------------------
 
@@ -175,7 +187,7 @@ class Soak:
             nproc=self.config.ranks,
             replicas=self.config.groups,
             lighthouse=f"http://{host}:{lighthouse_url.rsplit(':', 1)[1]}",
-            base_env={**os.environ, "OMP_NUM_THREADS": "1", "LOGLEVEL": "WARNING"},
+            base_env={**os.environ, "OMP_NUM_THREADS": "1", "LOGLEVEL": self.config.log_level},
             lines=self.lines,
             run_id=f"chaos-{self.config.seed}",
         )
@@ -196,6 +208,7 @@ class Soak:
                 event = json.loads(line.text[len(PREFIX) :])
                 event.update(group=line.group, inc=line.incarnation, rank=line.rank)
                 self.events.append(event)
+                self._events_file.write(json.dumps(event) + "\n")
                 continue
             log = self._logs.get(key)
             if log is None:
@@ -281,6 +294,7 @@ class Soak:
         self._stopping = False
         self._lift_at: dict[int, float | None] = {}
         problems: list[str] = []
+        log = self._lighthouse_log()
         server = LighthouseServer(
             bind="127.0.0.1:0",
             min_replicas=1,
@@ -320,7 +334,12 @@ class Soak:
         finally:
             self._close()
             server.shutdown()
+            root = logging.getLogger("torchheal")
+            root.removeHandler(log)
+            root.setLevel(self._log_level_before)
+            log.close()
         self._drain()
+        self._events_file.close()
         states = self._states() if not problems else {}
         steps, history_problems = check_history(self.events)
         problems += history_problems
@@ -333,6 +352,20 @@ class Soak:
         problems += self._compare(states)
         measure(self.faults, self.events, cfg.groups)
         return ChaosResult(self.faults, self.events, steps, problems, self.unplanned)
+
+    def _lighthouse_log(self) -> logging.Handler:
+        """Sends the in-process lighthouse's lines (this process runs nothing else of
+        torchheal) to ``lighthouse.log`` at the configured level."""
+        handler = logging.FileHandler(self.workdir / "lighthouse.log")
+        handler.setLevel(self.config.log_level)
+        fmt = "%(created).3f %(levelname).1s %(name)s %(message)s"
+        handler.setFormatter(logging.Formatter(fmt))
+        root = logging.getLogger("torchheal")
+        root.addHandler(handler)
+        self._log_level_before = root.level
+        if root.getEffectiveLevel() > handler.level:
+            root.setLevel(handler.level)
+        return handler
 
     def _tick(self, url: str) -> None:
         self._drain()
