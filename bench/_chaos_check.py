@@ -54,26 +54,84 @@ def full(e: Event, groups: int) -> bool:
 
 
 def check_history(events: list[Event]) -> tuple[int, list[str]]:
-    """Every committed step was committed once by the job: in one quorum, with one divisor.
+    """Every committed step was committed once by the job's history: in one quorum, with one
+    divisor; the steps are 0..N-1.
+
+    One exception, which is no split brain: a stale re-run. A group cut off from the job for
+    longer than the heartbeat timeout (its quorum rebuild hung, say) can come back when every
+    other group looks dead to the lighthouse, which then issues it a quorum of its own (as the
+    reference does at ``min_replicas=1``): it commits steps the job had already committed, from
+    its own older state. That is allowed when (1) while that quorum committed, no other quorum
+    went on committing (two quorums making progress at once is a split brain), and (2) every
+    rank that re-ran a step later healed from a peer to at least the step the job had reached
+    when the re-run began: the stale branch was dropped and lost nothing.
 
     Returns:
         (the number of committed steps, problems).
     """
     problems = []
-    by_step: dict[int, set[tuple[int, int]]] = defaultdict(set)
-    for e in commits(events):
+    mine = commits(events)
+    by_step: dict[int, dict[tuple[int, int], list[Event]]] = defaultdict(lambda: defaultdict(list))
+    for e in mine:
         if e["reduce"] is None:
             problems.append(f"a commit without a reduction: {e}")
             continue
-        by_step[e["after"] - 1].add((e["reduce"]["quorum_id"], e["reduce"]["divisor"]))
+        by_step[e["after"] - 1][(e["reduce"]["quorum_id"], e["reduce"]["divisor"])].append(e)
+    reduced = [e for e in mine if e["reduce"] is not None]
     for step, ways in sorted(by_step.items()):
-        if len(ways) > 1:
-            problems.append(f"step {step} committed in different (quorum, divisor): {ways}")
+        if len(ways) == 1:
+            continue
+        # The way that committed the step first is the job's; the later ones must be re-runs.
+        ordered = sorted(ways.values(), key=lambda es: min(e["time"] for e in es))
+        first = ordered[0][0]["reduce"]["quorum_id"]
+        bad = [
+            es
+            for es in ordered[1:]
+            if es[0]["reduce"]["quorum_id"] == first or not _dropped_rerun(es, reduced)
+        ]
+        if bad:
+            problems.append(f"step {step} committed in different (quorum, divisor): {set(ways)}")
     steps = sorted(by_step)
     if steps != list(range(len(steps))):
         missing = sorted(set(range(max(steps, default=-1) + 1)) - set(steps))
         problems.append(f"committed steps are not 0..N-1: missing {missing[:20]}")
     return len(steps), problems
+
+
+def _dropped_rerun(rerun: list[Event], events: list[Event]) -> bool:
+    """``rerun`` (one step's commits in one quorum) re-ran a step the job had passed, alone,
+    and every rank that ran it later healed past where the job was (see ``check_history``)."""
+    quorum = rerun[0]["reduce"]["quorum_id"]
+    ranks = {(e["group"], e["inc"], e["rank"]) for e in rerun}
+    # The stale run began with these ranks' first commit in this quorum.
+    began = min(
+        e["time"]
+        for e in events
+        if e["reduce"]["quorum_id"] == quorum and (e["group"], e["inc"], e["rank"]) in ranks
+    )
+    reached = max((e["after"] for e in events if e["time"] < began), default=0)
+    if reached <= rerun[0]["after"]:
+        return False  # the job had not passed this step: two quorums committed it at once
+    heals = [
+        x
+        for x in events
+        if (x["group"], x["inc"], x["rank"]) in ranks
+        and x["time"] > began
+        and x["after"] > x["before"] + 1
+        and x["after"] - 1 >= reached
+    ]
+    if {(x["group"], x["inc"], x["rank"]) for x in heals} != ranks:
+        return False  # a rank kept the stale branch: the steps the job had reached are lost
+    # From the re-run to the heal that dropped it, no other quorum may commit (the heal's own
+    # quorum commits beside it). One step per rank is allowed: a commit that was in flight when
+    # its group went quiet (a SIGSTOP between the reduction and the vote).
+    healed_at = min(x["time"] for x in heals)
+    allowed = {quorum} | {x["reduce"]["quorum_id"] for x in heals}
+    beside: dict[tuple[int, int, int], set[int]] = defaultdict(set)
+    for e in events:
+        if began <= e["time"] < healed_at and e["reduce"]["quorum_id"] not in allowed:
+            beside[(e["group"], e["inc"], e["rank"])].add(e["after"])
+    return all(len(steps) <= 1 for steps in beside.values())
 
 
 def check_ranks_agree(events: list[Event], done: set[tuple[int, int]]) -> list[str]:

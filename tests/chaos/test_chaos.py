@@ -6,7 +6,8 @@ is SIGKILLed (one rank; the group is ended and restarted as torchrun would), SIG
 2-8 s, or has its lighthouse path stalled for 6-10 s. The kinds come in a shuffled cycle, so a
 60 s soak injects each kind at least once. Asserted (the bench's own checks, no timings): no
 process hung or died unplanned, every group ends bit-identical, every committed step was
-committed in one quorum with one divisor and the steps are 0..N-1, the ranks of each group
+committed in one quorum with one divisor and the steps are 0..N-1 (but for a stale re-run that
+was healed over, see ``check_history``), the ranks of each group
 committed the same steps, no committed step went back (data lost 0).
 
 Each step sleeps 50 ms (standing for accelerator time) so six ranks stay light on two cores.
