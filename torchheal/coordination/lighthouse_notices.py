@@ -95,7 +95,10 @@ class SessionRegistry:
         with rounds.lock:
             was_member = session_ended(rounds.state, replica_id)
             prev = rounds.state.prev_quorum
-        logger.warning("Replica %s is gone: its session ended (%s)", replica_id, reason)
+        # Leaving on purpose (a goodbye: its job is done, or it was asked to exit) is news, not
+        # a warning; a connection that just ended is.
+        level = logging.INFO if reason.startswith("left") else logging.WARNING
+        logger.log(level, "Replica %s is gone: its session ended (%s)", replica_id, reason)
         if was_member and prev is not None:
             self._announce(replica_id, prev.quorum_id, reason, time.monotonic())
         # The survivors may be complete without it now.
@@ -122,7 +125,8 @@ class SessionRegistry:
         if replica_id in announced:
             return
         announced.add(replica_id)
-        logger.warning(
+        logger.log(
+            logging.INFO if reason.startswith("left") else logging.WARNING,
             "Replica %s of quorum %d is lost (%s); telling %d session(s)",
             replica_id,
             quorum_id,
