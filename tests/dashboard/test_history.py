@@ -150,6 +150,17 @@ def test_a_lost_member_is_noticed_with_the_lighthouses_reason() -> None:
     assert failure["noticed"] == pytest.approx(T0 + 1.05)
 
 
+def test_a_kill_is_the_cause_even_when_the_session_end_arrived_first() -> None:
+    h = History()
+    step = steady(h, 0.0, 1.0, qid=1, step0=0, names=["a", "b"])
+    h.apply(Lost(T0 + 1.01, B, reason="connection ended"))  # the manager exited at once...
+    h.apply(KillRequested(T0 + 1.02, B))  # ...before the dashboard recorded the kill
+    h.apply(quorum(1.3, 2, reason="Valid quorum found", a=step))
+    (failure,) = h.view(T0 + 2.0)["failures"]
+    assert failure["cause"] == "killed from dashboard"
+    assert failure["noticed"] == pytest.approx(T0 + 1.01)
+
+
 def test_a_member_that_said_goodbye_is_no_failure_until_a_quorum_lacks_it() -> None:
     h = History()
     step = steady(h, 0.0, 1.0, qid=1, step0=0, names=["a", "b"])

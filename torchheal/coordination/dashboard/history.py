@@ -146,7 +146,7 @@ class History:
             else:
                 self._notice(event.t, event.replica_id, event.reason)
         elif isinstance(event, KillRequested):
-            self._notice(event.t, event.replica_id, CAUSE_KILLED)
+            self._killed(event)
         elif isinstance(event, Joined):
             self._joined(event)
         elif isinstance(event, ReasonChanged):
@@ -166,6 +166,21 @@ class History:
             return
         if replica_id not in self._open:
             self._add(_Failure(group_name(replica_id), replica_id, cause, current.t, noticed=t))
+
+    def _killed(self, event: KillRequested) -> None:
+        # The kill is the cause even when the lighthouse saw the group's session end first
+        # (the manager exits as soon as it has answered, which can be before the dashboard
+        # records the accepted kill).
+        rid = event.replica_id
+        earlier = self._notices.get(rid)
+        self._notices[rid] = (earlier[0] if earlier else event.t, CAUSE_KILLED)
+        failure = self._open.get(rid) or next(
+            (f for f in self._recovering if f.replica_id == rid), None
+        )
+        if failure is not None:
+            failure.cause = CAUSE_KILLED
+        else:
+            self._notice(event.t, rid, CAUSE_KILLED)
 
     def _add(self, failure: _Failure) -> None:
         self._failures.append(failure)
