@@ -28,7 +28,6 @@ import itertools  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import signal  # noqa: E402
-import socket  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
@@ -196,38 +195,17 @@ class Proc:
                 self.changed.wait(min(left, 0.5))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def lighthouse_process(impl: str) -> Iterator[str]:
     """A lighthouse of ``impl`` in its own process, at the reference's defaults."""
-    port = _free_port()
+    from bench import _procs
+
+    port = _procs.free_port()
     # Through Python rather than the console scripts, which a bare environment may lack.
     cmd = [sys.executable, "-m", "bench._rejoin", "lighthouse", "--impl", impl, "--port", str(port)]
     env = {**os.environ, "RUST_LOG": "warn"}
-    proc = subprocess.Popen(
-        cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
-    try:
-        deadline = time.time() + 60
-        while True:
-            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
-                break
-            if time.time() > deadline or proc.poll() is not None:
-                raise RuntimeError(f"lighthouse {cmd} did not come up")
-            time.sleep(0.05)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    with _procs.lighthouse_process(cmd, port, env=env, start_s=60) as addr:
+        yield addr
 
 
 def _start(group: int, impl: str, lighthouse: str, stop_file: str, extra: list[str]) -> Proc:

@@ -55,7 +55,6 @@ import os  # noqa: E402
 import queue  # noqa: E402
 import random  # noqa: E402
 import signal  # noqa: E402
-import socket  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
@@ -162,12 +161,6 @@ def worker(args: argparse.Namespace) -> None:
 # Driver: processes
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def lighthouse_process(impl: str, log: Path) -> Iterator[str]:
     """A lighthouse of ``impl`` in its own process (its CLI), at the reference's defaults.
@@ -176,33 +169,18 @@ def lighthouse_process(impl: str, log: Path) -> Iterator[str]:
         impl: "torchheal" or "torchft".
         log: where its output goes.
     """
-    port = _free_port()
-    if impl == "torchft":
-        cmd = [str(BIN / "torchft_lighthouse")]
-    else:
-        cmd = [str(BIN / "torchheal"), "lighthouse", "--dashboard_port", "0"]
-    cmd += ["--bind", f"127.0.0.1:{port}", "--min_replicas", "1", "--join_timeout_ms", "100"]
-    cmd += ["--quorum_tick_ms", "100", "--heartbeat_timeout_ms", "5000"]
-    with open(log, "w") as out:
-        proc = subprocess.Popen(
-            cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "RUST_LOG": "info"}
-        )
-    try:
-        deadline = time.time() + 30
-        while True:
-            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
-                break
-            if time.time() > deadline or proc.poll() is not None:
-                raise RuntimeError(f"lighthouse {cmd} did not come up (log: {log})")
-            time.sleep(0.05)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    # Driver side only: workers run this file as a script, without the package on their path.
+    from bench._procs import free_port, lighthouse_command
+    from bench._procs import lighthouse_process as lighthouse_process_of
+
+    port = free_port()
+    with (
+        open(log, "w") as out,
+        lighthouse_process_of(
+            lighthouse_command(impl, port), port, out, {**os.environ, "RUST_LOG": "info"}
+        ) as addr,
+    ):
+        yield addr
 
 
 @dataclass

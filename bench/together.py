@@ -27,13 +27,13 @@ import contextlib
 import importlib
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -163,51 +163,25 @@ def worker(args: argparse.Namespace) -> None:
 # Driver
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
-def _lighthouse(impl: str, join_timeout_ms: int):
-    port = _free_port()
-    exe = "torchft_lighthouse" if impl == "torchft" else "torchheal"
-    # Any free port for the dashboard: 29511 may be taken by another lighthouse on this host.
-    cmd = [str(BIN / exe)] + ([] if impl == "torchft" else ["lighthouse", "--dashboard_port", "0"])
-    cmd += [
-        "--bind",
-        f"127.0.0.1:{port}",
-        "--min_replicas",
-        "1",
-        "--join_timeout_ms",
-        str(join_timeout_ms),
-        "--quorum_tick_ms",
-        "100",
-        "--heartbeat_timeout_ms",
-        "5000",
-    ]
+def _lighthouse(impl: str, join_timeout_ms: int) -> Iterator[str]:
+    # Driver side only: workers run this file as a script, without the package on their path.
+    from bench._procs import free_port, lighthouse_command, lighthouse_process
+
+    port = free_port()
     logdir = os.environ.get("BENCH_LOGDIR")
-    log = (
-        open(os.path.join(logdir, f"lighthouse-{port}.log"), "w") if logdir else subprocess.DEVNULL
-    )
-    proc = subprocess.Popen(cmd, stdout=log, stderr=log, env={**os.environ, "RUST_LOG": "info"})
-    try:
-        deadline = time.time() + 30
-        while True:
-            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
-                break
-            if time.time() > deadline or proc.poll() is not None:
-                raise RuntimeError(f"lighthouse {cmd} did not come up")
-            time.sleep(0.05)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    with (
+        open(os.path.join(logdir, f"lighthouse-{port}.log"), "w")
+        if logdir
+        else contextlib.nullcontext(subprocess.DEVNULL) as log,
+        lighthouse_process(
+            lighthouse_command(impl, port, join_timeout_ms),
+            port,
+            log,
+            {**os.environ, "RUST_LOG": "info"},
+        ) as addr,
+    ):
+        yield addr
 
 
 @dataclass
