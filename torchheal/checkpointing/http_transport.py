@@ -166,6 +166,9 @@ class _Handler(BaseHTTPRequestHandler):
                 400, f"invalid url format, expected /checkpoint/step/key but got {url.path}"
             )
             return
+        # A healer may ask before its source has staged that step (both run beside the step's
+        # collectives): wait for it rather than refuse the newer step.
+        transport._wait_for_step(step)
         try:
             transport._lock.r_acquire()
         except TimeoutError as e:
@@ -256,6 +259,7 @@ class HTTPTransport(CheckpointTransport[T]):
         self._block_bytes = block_bytes
         self._hostname = hostname or socket.gethostname()
         self._state_lock = threading.Lock()  # orders allow/disallow against each other
+        self._served = threading.Condition()  # notified when a step starts being served
         self._lock = RWLock(timeout=self._timeout)
         self._lock.w_acquire()  # start disallowed: the initial state is never served
         self._step = -1
@@ -295,6 +299,13 @@ class HTTPTransport(CheckpointTransport[T]):
             self._step = step
             if self._lock.w_locked():
                 self._lock.w_release()
+        with self._served:
+            self._served.notify_all()
+
+    def _wait_for_step(self, step: int) -> None:
+        """Waits (up to the timeout) until ``step`` or a later one is served."""
+        with self._served:
+            self._served.wait_for(lambda: self._step >= step, self._timeout)
 
     def disallow_checkpoint(self) -> None:
         """Stops serving; waits (up to the timeout) for in-flight downloads (idempotent)."""
