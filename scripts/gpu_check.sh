@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # What to run on a machine with a CUDA GPU (the device tool's lent machine, or any GPU box):
 # the tests marked gpu, then the DDP and HSDP examples on CUDA with two replica groups sharing the
-# GPU, one of them SIGKILLed mid-run and restarted so it heals live from the other.
+# GPU, one of them SIGKILLed mid-run and restarted so it heals live from the other. pytest runs only
+# the files that hold gpu tests: the rest of the suite imports test-only packages (h2,
+# cryptography) a bare GPU image may not have.
 #   bash scripts/gpu_check.sh [OUTDIR]
 set -uo pipefail
 OUT=${1:-/tmp/gpu_check}
@@ -10,7 +12,7 @@ PY=${PY:-python3}
 export PYTHONPATH=${PYTHONPATH:-$PWD} PYTHONUNBUFFERED=1 OMP_NUM_THREADS=2
 nvidia-smi -L
 $PY -c "import torch, grpc, google.protobuf as pb; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), 'nccl', torch.cuda.nccl.version() if torch.cuda.is_available() else None, 'grpc', grpc.__version__, 'protobuf', pb.__version__)"
-[ -n "${SKIP_PYTEST:-}" ] || { echo "== pytest -m gpu"; $PY -m pytest -m gpu tests/ -q -p no:cacheprovider -x 2>&1 | tail -25; }
+[ -n "${SKIP_PYTEST:-}" ] || { echo "== pytest -m gpu"; $PY -m pytest -m gpu $(grep -rlE "mark\.gpu|pytestmark.*gpu" tests/ | sort) -q -p no:cacheprovider -rs 2>&1 | tail -25; }
 
 kill_tree() {  # SIGKILL a process and all its descendants (torchrun starts workers in new sessions)
   local pid=$1 child
@@ -30,7 +32,9 @@ run_example() {  # name script steps
   local g0=$!
   $common REPLICA_GROUP_ID=1 torchrun --master_port=29601 --nnodes=1 --nproc_per_node=1 "$script" > "$OUT/$name-g1a.log" 2>&1 &
   local g1=$!
-  sleep ${KILL_AFTER_S:-12}
+  # Kill once group 1 trains (a logged step past 0), so the kill lands mid-run, not in its start-up.
+  for _ in $(seq 120); do grep -qE "step [1-9][0-9]* loss" "$OUT/$name-g1a.log" && break; sleep 0.5; done
+  sleep ${KILL_AFTER_S:-2}
   echo "killing group 1 (pid $g1 and every descendant)"; kill_tree $g1
   sleep 2
   $common REPLICA_GROUP_ID=1 torchrun --master_port=29602 --nnodes=1 --nproc_per_node=1 "$script" > "$OUT/$name-g1b.log" 2>&1 &

@@ -46,6 +46,7 @@ class ProcessGroupWrapper(ProcessGroup):
         self._replica_id: str | None = None
         self._rank: int | None = None
         self._errored: Exception | None = None
+        self._aborted = False
         # What the last configure said about its quorum (see ProcessGroup.configure).
         self._c10d_group_name: str | None = None
         self._global_ranks: list[int] | None = None
@@ -53,7 +54,11 @@ class ProcessGroupWrapper(ProcessGroup):
     @property
     def parent(self) -> dist.ProcessGroup:
         """The inner group (``AssertionError`` before the first ``configure``)."""
-        assert self._pg is not None, "process group not initialized"
+        if self._pg is None:
+            # AssertionError as the reference's; after an abort, say so (a collective issued
+            # between a lost peer's abort and the next quorum's configure lands here).
+            detail = " (aborted; configured again at the next quorum)" if self._aborted else ""
+            raise AssertionError(f"process group not initialized{detail}")
         return self._pg
 
     def _create_pg(self, store: dist.Store, rank: int, world_size: int) -> dist.ProcessGroup:
@@ -102,6 +107,7 @@ class ProcessGroupWrapper(ProcessGroup):
         self._errored = None
         store = create_store_client(store_addr, timeout=self._timeout)
         self._pg = self._create_pg(store, rank, world_size)
+        self._aborted = False
 
     def abort(self, errored: bool = True) -> None:
         """Aborts and drops the inner group so anything blocked on it fails.
@@ -131,6 +137,7 @@ class ProcessGroupWrapper(ProcessGroup):
             except Exception:
                 # Aborting a broken communicator may itself fail; the group is dropped anyway.
                 logger.warning("abort of the inner process group failed", exc_info=True)
+            self._aborted = True
         self._pg = None
 
     def shutdown(self) -> None:
