@@ -196,3 +196,41 @@ def test_kill_inside_the_collective(tmp_path: Path) -> None:
             heal_and_finish(job, 1, exact=True)
         finally:
             job.close()
+
+
+def test_kill_before_the_rebuild(tmp_path: Path) -> None:
+    """A group joining two others dies between its quorum's answer and the group's rebuild.
+
+    The survivors were answered the same quorum and are building its process group: without
+    the lighthouse's notice reaching the build, their rendezvous waits for the dead group's
+    address until the group's timeout (60 s here, past the survivors' bound; the heartbeat
+    timeout is 60 s too). They must abandon the build, go on in a quorum of two, and the group
+    must restart and heal. Compared exactly with each other; to 1e-4 with the replayed history
+    (steps with three contributions).
+    """
+    with lighthouse(
+        min_replicas=1, join_timeout_ms=100, quorum_tick_ms=100, heartbeat_timeout_ms=60_000
+    ) as lh:
+        job = Job(tmp_path, url(lh), 3, timeout_s=60.0)
+        try:
+            job.start(0)
+            job.start(1)
+            job.wait_for(
+                "g0 and g1 to commit together",
+                lambda events: all(
+                    any(e["reduce"]["divisor"] == 2 for e in Job.commits(events, g)) for g in (0, 1)
+                ),
+                START_BOUND_S,
+            )
+            job.start(2, "--die-at-join")
+            job.expect_death(2)
+            dying = job.wait_for(
+                "g2 to kill itself when answered a quorum of all three",
+                lambda events: next((e for e in events if e["kind"] == "dying"), None),
+                START_BOUND_S,
+            )
+            job.current(2).popen.wait(timeout=30)
+            survivors_go_on(job, 2, since=dying["time"])
+            heal_and_finish(job, 2, exact=False)
+        finally:
+            job.close()

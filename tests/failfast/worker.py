@@ -2,7 +2,7 @@
 
     python -m tests.failfast.worker --group G --incarnation I --groups N --lighthouse URL \
         --target-file F --out OUT [--impl torchheal|torchft] \
-        [--hold-after N] [--die-after N] [--timeout S] [--host ADDR]
+        [--hold-after N] [--die-after N] [--die-at-join] [--timeout S] [--host ADDR]
 
 It trains the small MLP of ``tests/integration/workers.py`` under fault-tolerant DDP at
 ``min_replica_size=1``, on the batches of that module (a function of group and step), with SGD
@@ -22,6 +22,9 @@ before a SIGKILL are still read):
   it there, while the other groups wait in the collective for its data.
 * ``dying``: (``--die-after N``) in the step after its N-th full commit, the group started the
   allreduce and SIGKILLs itself now, from inside backward.
+* ``dying``: (``--die-at-join``, torchheal only) the group's first quorum with every group of
+  the job in it was just answered; the group SIGKILLs itself now, before it builds the process
+  group for that quorum, while the other groups build theirs and wait for its address.
 * ``step``: one iteration ended: ``before``/``after`` step, ``committed``, and the ``reduce``
   record of the attempt (None when the step failed before reducing).
 * ``done``: the group stopped (see below); its final weights are in ``--out``.
@@ -43,6 +46,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import logging
 import os
 import signal
 import sys
@@ -84,6 +88,31 @@ def read_target(path: str) -> int | None:
         return None
 
 
+def die_at_join(group: int, groups: int) -> None:
+    """SIGKILLs this process once it is answered a new quorum of all ``groups`` groups.
+
+    The quorum thread marks ``quorum.end`` (``torchheal.checkpointing.timeline``) right after
+    the answer and before the process group is built for it: dying there leaves the others
+    building a group for a quorum this one will never join.
+    """
+
+    class Die(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            fields = getattr(record, "fields", {})
+            if (
+                getattr(record, "phase", None) == "quorum.end"
+                and fields.get("replicas") == groups
+                and fields.get("quorum_id") != fields.get("current")
+            ):
+                emit("dying", group=group, quorum_id=fields["quorum_id"])
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    timeline = logging.getLogger("torchheal.timeline")
+    timeline.setLevel(logging.DEBUG)
+    timeline.propagate = False
+    timeline.addHandler(Die())
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--impl", choices=["torchheal", "torchft"], default="torchheal")
@@ -96,6 +125,7 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=10.0, help="collectives and should_commit")
     p.add_argument("--hold-after", type=int, default=-1, help="full commits, then hold once")
     p.add_argument("--die-after", type=int, default=-1, help="full commits, then die")
+    p.add_argument("--die-at-join", action="store_true", help="die before the first full build")
     p.add_argument("--host", default="127.0.0.1", help="address of this group's store")
     args = p.parse_args()
     first = args.incarnation == 0
@@ -125,6 +155,8 @@ def main() -> None:
         replica_id=f"g{args.group}",
     )
     emit("ready", group=args.group, inc=args.incarnation, pid=os.getpid())
+    if first and args.die_at_join:
+        die_at_join(args.group, args.groups)
 
     attempt: dict[str, Any] = {}
     full_commits = 0

@@ -8,17 +8,57 @@ lost group fails now (and with it the step), a later collective of the step fail
 sent, and the next quorum, whatever its id, rebuilds the group. A step whose collectives had all
 completed still commits: its results include the lost group's contribution, the same on every
 survivor.
+
+A group can also be lost while the process group is being built for its quorum (it died right
+after the quorum was issued, before it published its rendezvous address): the build would wait
+for it until the group's timeout. :meth:`ConnectedQuorum.building` covers that window: the
+notice cuts the build's connection to the rendezvous store, so the build fails at once (and with
+it the step). A notice that came before the build starts fails it before it begins, and one that
+the build outran aborts the group as soon as it is adopted. Every rank of every surviving group
+is told, so each rank's group for that quorum ends one of these three ways and none is left
+waiting in a rendezvous for a rank that gave up on it.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from torchheal.manager.log import ManagerLogger
+from torchheal.process_group.gloo_sockets import PairSockets
 
-__all__ = ["ConnectedQuorum"]
+__all__ = ["ConnectedQuorum", "MemberLostError"]
+
+#: Quorums whose lost groups are remembered (a notice may come before its quorum is built).
+_REMEMBERED_QUORUMS = 16
+#: How often a cancelled build's store connection is looked for again (until the build ends):
+#: the notice may come before the build has connected to the store.
+_CANCEL_POLL_S = 0.02
+
+
+class MemberLostError(RuntimeError):
+    """A group of the quorum being built is lost: the build is abandoned (the step fails)."""
+
+
+class _Build:
+    """One process-group build in progress: its quorum and how to abandon it."""
+
+    def __init__(self, quorum_id: int, members: frozenset[str], store_port: int) -> None:
+        self.quorum_id = quorum_id
+        self.members = members
+        self.store_port = store_port
+        self.before = PairSockets.before()
+        self.ended = threading.Event()
+        self.lost: str | None = None
+
+    def cancel(self) -> None:
+        """Cuts the build's store connection now and whenever it appears, until it ends."""
+        while True:
+            PairSockets.to_port(self.before, self.store_port).cut()
+            if self.ended.wait(_CANCEL_POLL_S):
+                return
 
 
 class ConnectedQuorum:
@@ -46,6 +86,46 @@ class ConnectedQuorum:
         self.quorum_id = -1
         #: The replica groups it connects.
         self.members: frozenset[str] = frozenset()
+        self._lost: dict[int, set[str]] = {}
+        self._build: _Build | None = None
+
+    @contextmanager
+    def building(
+        self, quorum_id: int, replica_ids: Iterable[str], store_port: int
+    ) -> Iterator[None]:
+        """Around the process group's build for ``quorum_id``: abandoned if a member is lost.
+
+        Args:
+            quorum_id: the quorum being built.
+            replica_ids: its replica groups.
+            store_port: the port of its rendezvous store.
+
+        Raises:
+            MemberLostError: a member was lost before or during the build.
+        """
+        build = _Build(quorum_id, frozenset(replica_ids), store_port)
+        with self._lock:
+            lost = self._lost.get(quorum_id, set()) & build.members
+            if not lost:
+                self._build = build
+        if lost:
+            raise MemberLostError(
+                f"replica group {sorted(lost)[0]} of quorum {quorum_id} was lost before its "
+                "process group was built"
+            )
+        try:
+            yield
+        except Exception as e:
+            if build.lost is not None:
+                raise MemberLostError(
+                    f"replica group {build.lost} of quorum {quorum_id} was lost while its "
+                    f"process group was being built (the build was abandoned: {e})"
+                ) from e
+            raise
+        finally:
+            with self._lock:
+                self._build = None
+            build.ended.set()
 
     def adopt(self, quorum_id: int, replica_ids: Iterable[str]) -> None:
         """The process group was rebuilt for ``quorum_id`` with these groups.
@@ -54,9 +134,17 @@ class ConnectedQuorum:
             quorum_id: the quorum's id.
             replica_ids: its replica groups.
         """
+        members = frozenset(replica_ids)
         with self._lock:
-            self.quorum_id = quorum_id
-            self.members = frozenset(replica_ids)
+            lost = self._lost.get(quorum_id, set()) & members
+            if not lost:
+                self.quorum_id = quorum_id
+                self.members = members
+                return
+            self.quorum_id = -1
+            self.members = frozenset()
+        # Lost while the build ran to its end anyway: the group must not be used.
+        self._abort(sorted(lost)[0], quorum_id, "before the process group was adopted")
 
     def on_member_lost(self, replica_id: str, quorum_id: int, reason: str) -> None:
         """The lighthouse says ``replica_id`` of quorum ``quorum_id`` is gone: stop waiting on it.
@@ -67,10 +155,32 @@ class ConnectedQuorum:
             reason: why (for the log).
         """
         with self._lock:
-            if quorum_id != self.quorum_id or replica_id not in self.members:
-                return  # not our group's peer any more (or never was)
-            self.quorum_id = -1  # the next quorum, whatever its id, rebuilds the group
-            self.members = frozenset()
+            self._lost.setdefault(quorum_id, set()).add(replica_id)
+            while len(self._lost) > _REMEMBERED_QUORUMS:
+                del self._lost[min(self._lost)]
+            build = self._build
+            if build is not None and build.quorum_id == quorum_id and replica_id in build.members:
+                if build.lost is not None:
+                    return  # already being abandoned
+                build.lost = replica_id
+            else:
+                build = None
+                if quorum_id != self.quorum_id or replica_id not in self.members:
+                    return  # not our group's peer any more (or not yet: remembered)
+                self.quorum_id = -1  # the next quorum, whatever its id, rebuilds the group
+                self.members = frozenset()
+        if build is not None:
+            self._log.warning(
+                f"replica group {replica_id} of quorum {quorum_id} is lost ({reason}) while "
+                "the cross-replica process group is being built: abandoning the build"
+            )
+            threading.Thread(
+                target=build.cancel, name="torchheal-cancel-build", daemon=True
+            ).start()
+            return
+        self._abort(replica_id, quorum_id, reason)
+
+    def _abort(self, replica_id: str, quorum_id: int, reason: str) -> None:
         self._log.warning(
             f"replica group {replica_id} of quorum {quorum_id} is lost ({reason}): aborting "
             "the cross-replica process group"

@@ -193,6 +193,7 @@ class Manager:
         self._batches_committed = 0
         # This step's contributors, as seen from this replica; None before the first quorum.
         self._participation: Participation | None = None
+        self._worker.guard_builds(self._connected.building)
         self._endpoints.watch_lost(self._group_rank, self._connected.on_member_lost)
 
     # -- test-visible attributes of the reference (§2.2), kept as views of the parts ----------

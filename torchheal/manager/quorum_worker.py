@@ -20,7 +20,7 @@ the process group is being rebuilt.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
@@ -35,6 +35,7 @@ from torchheal.coordination.types import QuorumResult
 from torchheal.manager.log import ManagerLogger, describe_quorum
 from torchheal.manager.recovery import Recovery
 from torchheal.process_group.base import accepts_quorum_keywords
+from torchheal.process_group.store import parse_store_addr
 from torchheal.utils import quorum_global_ranks
 
 __all__ = ["QuorumOutcome", "QuorumWorker", "StepRequest", "Transfer"]
@@ -52,6 +53,10 @@ class _QuorumCall(Protocol):
         commit_failures: int,
         timeout: timedelta,
     ) -> QuorumResult: ...
+
+
+#: ``guard(quorum_id, replica_ids, store_port)``: the context a process-group build runs in.
+_BuildGuard = Callable[[int, Sequence[str], int], AbstractContextManager[Any]]
 
 
 @dataclass
@@ -185,6 +190,7 @@ class QuorumWorker:
         self._min_replica_size = min_replica_size
         self._log = log
         self._recovery_stream: Any = torch.cuda.Stream() if torch.cuda.is_available() else None
+        self._build_guard: _BuildGuard = lambda quorum_id, replica_ids, store_port: nullcontext()
 
     def run(self, request: StepRequest) -> QuorumOutcome:
         """Joins the quorum, rebuilds the group if it changed, and moves state.
@@ -207,7 +213,13 @@ class QuorumWorker:
             commit_failures=request.commit_failures,
             timeout=request.timeout,
         )
-        mark("quorum.end", quorum_id=quorum.quorum_id, heal=quorum.heal)
+        mark(
+            "quorum.end",
+            quorum_id=quorum.quorum_id,
+            heal=quorum.heal,
+            replicas=len(quorum.replica_ids),
+            current=request.current_quorum_id,
+        )
         outcome = QuorumOutcome(
             quorum=quorum,
             participation=participation(
@@ -249,6 +261,15 @@ class QuorumWorker:
             outcome.healing = quorum.heal
         return outcome
 
+    def guard_builds(self, guard: _BuildGuard) -> None:
+        """Runs every process-group build inside ``guard(quorum_id, replica_ids, store_port)``.
+
+        Args:
+            guard: a context manager factory that may abandon the build (the Manager's
+                :meth:`ConnectedQuorum.building <torchheal.manager.failfast.ConnectedQuorum.building>`).
+        """
+        self._build_guard = guard
+
     def shutdown(self, wait: bool = True) -> None:
         """Stops the transfer threads.
 
@@ -275,13 +296,17 @@ class QuorumWorker:
                     list(quorum.replica_ids), self._group_rank, self._group_world_size
                 ),
             )
-        pg.configure(
-            f"{quorum.store_address}/torchft/{quorum.quorum_id}/{self._group_rank}",
-            self._replica_name,
-            quorum.replica_rank,
-            quorum.replica_world_size,
-            **quorum_keywords,
-        )
+        store_addr = f"{quorum.store_address}/torchft/{quorum.quorum_id}/{self._group_rank}"
+        with self._build_guard(
+            quorum.quorum_id, quorum.replica_ids, parse_store_addr(store_addr)[1]
+        ):
+            pg.configure(
+                store_addr,
+                self._replica_name,
+                quorum.replica_rank,
+                quorum.replica_world_size,
+                **quorum_keywords,
+            )
         outcome.reconfigured = True
         mark("configure.end", quorum_id=quorum.quorum_id)
 

@@ -130,6 +130,32 @@ class PairSockets:
             return None
         return cls(pairs)
 
+    @classmethod
+    def to_port(cls, before: frozenset[int], port: int) -> PairSockets:
+        """This process's connections to ``port`` opened since ``before`` (a store client's).
+
+        A process group's rendezvous waits on a store client; cutting its connection makes the
+        wait fail at once ("Failed to recv"), which is how a build stuck on a peer that died
+        before it published its address is abandoned.
+
+        Args:
+            before: what :meth:`before` returned.
+            port: the remote port (the rendezvous store's).
+        """
+        if not sys.platform.startswith("linux"):
+            return cls(frozenset())
+        table = _tcp_table()
+        return cls(
+            frozenset(
+                inode
+                for inode in socket_inodes()
+                if inode not in before
+                and inode in table
+                and table[inode].state == _ESTABLISHED
+                and table[inode].remote_port == port
+            )
+        )
+
     def __len__(self) -> int:
         return len(self._inodes)
 

@@ -1,0 +1,113 @@
+"""A group lost while the cross-replica process group is being built for its quorum.
+
+The lighthouse's notice can come before the build starts, while it waits in the rendezvous for
+the lost group's address, or after the build completed anyway: in each case the group for that
+quorum must not be used, and a build must never sit out its timeout (60 s here) for a group the
+lighthouse says is gone. Real Gloo groups on a real TCPStore; the lost peer simply never comes.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+from torch.distributed.distributed_c10d import ReduceOp
+
+from tests.process_group.helpers import new_store
+from torchheal.manager.failfast import ConnectedQuorum, MemberLostError
+from torchheal.manager.log import ManagerLogger
+from torchheal.process_group import ProcessGroupGloo
+
+LONG = timedelta(seconds=60)  # the rendezvous's own timeout: far beyond the test's bounds
+BOUND_S = 20.0
+
+
+class Job:
+    """One Manager's view: its process group and the connected quorum that guards it."""
+
+    def __init__(self) -> None:
+        self.pg = ProcessGroupGloo(timeout=LONG)
+        self.aborts = 0
+        self.connected = ConnectedQuorum(
+            lambda: self.pg, ManagerLogger(lambda: 0, "me", 0), self._aborted
+        )
+
+    def _aborted(self) -> None:
+        self.aborts += 1
+
+
+def test_notice_before_the_build_fails_it_before_it_starts() -> None:
+    _store, addr = new_store()
+    job = Job()
+    job.connected.on_member_lost("peer", 7, "connection ended")
+    with pytest.raises(MemberLostError, match="peer of quorum 7 was lost before"):
+        with job.connected.building(7, ["me", "peer"], _store.port):
+            pytest.fail("the build ran although a member was already lost")
+    # Another quorum (the next one, without or even with the same group) builds normally.
+    with job.connected.building(8, ["me"], _store.port):
+        job.pg.configure(f"{addr}/q8", "me", 0, 1)
+    job.connected.adopt(8, ["me"])
+    assert job.connected.quorum_id == 8
+    assert job.aborts == 0
+
+
+def test_notice_during_the_build_abandons_the_rendezvous() -> None:
+    store, addr = new_store()
+    job = Job()
+    outcome: list[BaseException | None] = []
+
+    def build() -> None:
+        try:
+            with job.connected.building(3, ["me", "peer"], store.port):
+                job.pg.configure(f"{addr}/q3", "me", 0, 2)  # the peer never publishes
+            outcome.append(None)
+        except BaseException as e:
+            outcome.append(e)
+
+    keys = store.num_keys()
+    builder = threading.Thread(target=build, daemon=True)
+    builder.start()
+    # In the rendezvous once our address is published (then it waits for the peer's).
+    deadline = time.monotonic() + BOUND_S
+    while store.num_keys() == keys:
+        assert time.monotonic() < deadline, "the build never reached the rendezvous"
+        time.sleep(0.01)
+    job.connected.on_member_lost("other", 3, "not a member: ignored")
+    job.connected.on_member_lost("peer", 3, "connection ended")
+    builder.join(BOUND_S)
+    assert not builder.is_alive(), "the build waited on although its peer was lost"
+    assert isinstance(outcome[0], MemberLostError), outcome
+    assert "while its process group was being built" in str(outcome[0])
+    # The group is usable again at the next quorum.
+    job.pg.configure(f"{addr}/q4", "me", 0, 1)
+    t = torch.ones(2)
+    job.pg.allreduce([t], ReduceOp.SUM).wait()
+    assert t.tolist() == [1.0, 1.0]
+
+
+def test_notice_the_build_outran_aborts_the_group_at_adoption() -> None:
+    store, addr = new_store()
+    job = Job()
+    with job.connected.building(5, ["me"], store.port):
+        job.pg.configure(f"{addr}/q5", "me", 0, 1)
+        job.connected.on_member_lost("me", 5, "heartbeat expired")  # too late to cut anything
+    job.connected.adopt(5, ["me"])
+    assert job.connected.quorum_id == -1, "a group whose quorum lost a member was adopted"
+    assert job.aborts == 1
+    with pytest.raises(AssertionError, match="aborted"):
+        job.pg.allreduce([torch.ones(1)], ReduceOp.SUM)
+
+
+def test_notice_for_the_connected_quorum_aborts_it() -> None:
+    store, addr = new_store()
+    job = Job()
+    with job.connected.building(2, ["me"], store.port):
+        job.pg.configure(f"{addr}/q2", "me", 0, 1)
+    job.connected.adopt(2, ["me"])
+    job.connected.on_member_lost("me", 1, "an older quorum: ignored")
+    assert (job.connected.quorum_id, job.aborts) == (2, 0)
+    job.connected.on_member_lost("me", 2, "connection ended")
+    assert (job.connected.quorum_id, job.aborts) == (-1, 1)
