@@ -11,6 +11,7 @@ from __future__ import annotations
 import socket
 import struct
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import h2.config
@@ -29,6 +30,8 @@ class RawResult:
         grpc_message: the ``grpc-message`` value ("" when absent).
         body: the response's DATA bytes (a framed message on success).
         reset: the stream or the connection was reset or closed without a status.
+        still_open: the call's ``open_when`` became true while the stream was still open (the
+            socket is then closed, ending the call).
     """
 
     http_status: int | None
@@ -36,6 +39,11 @@ class RawResult:
     grpc_message: str
     body: bytes
     reset: bool
+    still_open: bool = False
+
+
+# How often ``open_when`` is asked while the server is silent.
+POLL_S = 0.005
 
 
 def frame(message: bytes, compressed: bool = False) -> bytes:
@@ -49,6 +57,7 @@ def raw_call(
     headers: list[tuple[str, str]],
     body: bytes,
     timeout: float = 5.0,
+    open_when: Callable[[], bool] | None = None,
 ) -> RawResult:
     """One HTTP/2 POST on a fresh connection; returns the status however the server ends it.
 
@@ -58,6 +67,9 @@ def raw_call(
         headers: regular headers after the pseudo-headers (content-type, te, grpc-timeout...).
         body: the raw DATA bytes (use :func:`frame` for a well-framed message).
         timeout: bound on the whole exchange.
+        open_when: for a call the server may rightly keep open (a watch stream): polled every
+            few milliseconds while no end of stream came; once true, the call is left with
+            ``still_open`` (the server's own state says it took the call).
 
     Raises:
         TimeoutError: the server did not end the stream within ``timeout``.
@@ -97,15 +109,21 @@ def raw_call(
                 conn.send_data(stream, piece, end_stream=sent == len(body))
             pending = conn.data_to_send()
             if pending:
+                # (The whole time left: a recv's short poll timeout must not cut a send.)
+                sock.settimeout(max(deadline - time.monotonic(), 1e-3))
                 sock.sendall(pending)
+            if open_when is not None and open_when():
+                return RawResult(status, grpc_status, message, bytes(data), False, True)
             left = deadline - time.monotonic()
             if left <= 0:  # the server keeps the stream open (its pings are no answer)
                 raise TimeoutError(f"no end of stream within {timeout}s")
-            sock.settimeout(left)
+            sock.settimeout(left if open_when is None else min(left, POLL_S))
             try:
                 chunk = sock.recv(65536)
             except TimeoutError:
-                raise
+                if open_when is None:
+                    raise
+                continue
             except OSError:  # reset by the peer
                 return RawResult(status, grpc_status, message, bytes(data), True)
             if not chunk:

@@ -6,26 +6,44 @@
   broken session with a status naming the problem, answer a bad quorum request with a
   ``QuorumFailed`` event, and keep serving; every event must parse.
 * ``torchheal.ManagerNotices/Watch`` (one request, a stream of notices): a valid group rank
-  opens a stream that stays open (the client leaves after 50 ms); anything else is refused.
+  opens a stream that stays open (the server registers a watcher; the client then leaves and
+  the watcher must go); anything else is refused with a status. Sent through the ``grpc``
+  client or as raw HTTP/2.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from datetime import timedelta
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 from hypothesis import strategies as st
 
-from tests.fuzz.grpc_inputs import corpus, malformed, well_formed
+from tests.fuzz import h2call
+from tests.fuzz.grpc_inputs import (
+    TIMEOUTS,
+    GrpcInput,
+    RawH2,
+    corpus,
+    malformed,
+    raw_inputs,
+    tag,
+    varint,
+    well_formed,
+)
 from tests.fuzz.grpc_targets import (
+    BOUND_S,
     CLEAR,
     STATE_CHECKED,
     TRANSPORT_INTERNAL,
     T,
+    _code,
     _lighthouse_state,
     _thread_gone,
+    classify,
     manager_state,
 )
 from tests.fuzz.http_targets import wait_for
@@ -34,9 +52,6 @@ from torchheal._wire import methods
 from torchheal._wire import session_pb2 as spb
 from torchheal._wire import torchft_pb2 as pb
 from torchheal.coordination import LighthouseServer, ManagerServer
-
-# How long a client keeps a stream that the server leaves open.
-OPEN_S = 0.05
 
 
 def _message(**kind: Any) -> bytes:
@@ -165,8 +180,38 @@ class SessionTarget:
         self.server.shutdown()
 
 
+def _poll(predicate: Any, timeout: float) -> bool:
+    """Poll ``predicate`` until true or ``timeout`` passes; returns its last value."""
+    deadline = time.monotonic() + timeout
+    pause = threading.Event()  # never set: an interruptible pause between polls
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        pause.wait(h2call.POLL_S)
+    return True
+
+
+# A request just over gRPC's 4 MiB receive limit whose rank is valid: the size must refuse it.
+OVERSIZE_WATCH = spb.WatchRequest(group_rank=1).SerializeToString() + (
+    tag(9, 2) + varint(4 << 20) + b"\x00" * (4 << 20)
+)
+
+
 class WatchTarget:
-    """``torchheal.ManagerNotices/Watch`` of a manager server (world size 2)."""
+    """``torchheal.ManagerNotices/Watch`` of a manager server (world size 2).
+
+    A valid group rank opens a stream the server never ends by itself (notices come only when
+    a group of the quorum is lost). "Watching" is therefore read from the server's own state,
+    never from the absence of an answer: an input is accepted once the server registered a
+    watcher for it (then the client cancels, and the watcher must be dropped), refused once
+    the stream ended with a status, and unanswered only if neither happened within
+    :data:`BOUND_S`. A short client deadline here once took a refusal that came late (a
+    request over the 4 MiB limit takes 0.1-0.8 s to arrive; a loaded machine delays any
+    answer past 50 ms) for an open stream.
+
+    Inputs: 4 in 5 through the ``grpc`` client (any deadline of :data:`TIMEOUTS`), 1 in 5 as
+    raw HTTP/2 (odd headers and framing, :func:`raw_inputs`).
+    """
 
     name = "manager Watch (stream)"
 
@@ -189,31 +234,90 @@ class WatchTarget:
             well_formed(spb.WatchRequest),
             malformed(spb.WatchRequest),
         )
-        self._strategy = payloads.map(lambda p: p[1])
+        by_client = st.tuples(payloads, st.sampled_from(TIMEOUTS)).map(
+            lambda v: GrpcInput(v[0][0], v[0][1], v[1])
+        )
+        raw = raw_inputs(payloads)
+        self._strategy = st.sampled_from([True] * 4 + [False]).flatmap(
+            lambda client: by_client if client else raw
+        )
 
-    def inputs(self) -> st.SearchStrategy[bytes]:
+    def inputs(self) -> st.SearchStrategy[GrpcInput]:
         return self._strategy
 
-    def known(self) -> list[bytes]:
-        return [payload for _, payload in corpus(spb.WatchRequest)]
+    def known(self) -> list[GrpcInput]:
+        """Every known hostile rank, and a request over the size limit (client and raw)."""
+        out = [GrpcInput(kind, payload, BOUND_S) for kind, payload in corpus(spb.WatchRequest)]
+        headers = (("content-type", "application/grpc"), ("te", "trailers"))
+        raw = RawH2(headers, h2call.frame(OVERSIZE_WATCH), True)
+        out.append(GrpcInput("over 4 MiB", OVERSIZE_WATCH, BOUND_S))
+        out.append(GrpcInput("raw http/2 (whole): over 4 MiB", OVERSIZE_WATCH, None, raw))
+        return out
 
-    def send(self, value: bytes) -> Outcome:
-        # Long enough for a large request to arrive and be refused (gRPC's limit is 4 MiB).
-        result = _run(self._call(value, timeout=OPEN_S + len(value) / 20e6))
-        what = f"{result.code.name}: {result.details}"
+    def watching(self) -> int:
+        """How many watch streams the server has registered (a set's size: read atomically)."""
+        return len(self.server._notices._watchers)
+
+    def send(self, value: GrpcInput) -> Outcome:
         try:
-            rank = spb.WatchRequest.FromString(value).group_rank
-        except Exception:
+            rank: int | None = spb.WatchRequest.FromString(value.payload).group_rank
+        except DecodeError:
             rank = None
-        if result.code == grpc.StatusCode.DEADLINE_EXCEEDED and not result.events:
-            if rank is None or not 0 <= rank < 2:
-                return Outcome(UNCLEAR, f"watching although group_rank is {rank}")
-            return Outcome(ACCEPTED, "watching (stream open)")
-        if not result.details:
-            return Outcome(UNCLEAR, f"{result.code.name} without a message")
-        if result.code in CLEAR:
-            return Outcome(REJECTED, what, result.code in STATE_CHECKED)
-        return Outcome(UNCLEAR, what)
+        outcome = self._send_raw(value) if value.raw is not None else self._send_client(value)
+        # However the call ended, the server must drop its watcher (no stream outlives it).
+        if not _poll(lambda: self.watching() == 0, BOUND_S):
+            return Outcome(UNCLEAR, f"a watcher left registered after the call ended ({outcome})")
+        if outcome.kind == ACCEPTED and (rank is None or not 0 <= rank < 2):
+            return Outcome(UNCLEAR, f"watching although group_rank is {rank}")
+        return outcome
+
+    def _send_client(self, value: GrpcInput) -> Outcome:
+        call = self._call(value.payload, timeout=value.timeout)
+        _poll(lambda: call.done() or self.watching() > 0, BOUND_S)
+        if not call.done():
+            call.cancel()
+            if self.watching() > 0:
+                return Outcome(ACCEPTED, "watching (the server registered the stream)")
+            return Outcome(UNCLEAR, f"no answer and no watch registered within {BOUND_S}s")
+        result = _run(call)
+        return self._classify(value, result.code, result.details, len(result.events))
+
+    def _send_raw(self, value: GrpcInput) -> Outcome:
+        assert value.raw is not None
+        try:
+            result = h2call.raw_call(
+                ("127.0.0.1", self.server.port()),
+                methods.MANAGER_WATCH.path,
+                list(value.raw.headers),
+                value.raw.body,
+                timeout=BOUND_S,
+                open_when=lambda: self.watching() > 0,
+            )
+        except TimeoutError:
+            return Outcome(UNCLEAR, f"no answer and no watch registered within {BOUND_S}s")
+        except ConnectionError as e:
+            return Outcome(UNCLEAR, f"connection failed: {e}")
+        if result.still_open:  # raw_call closed the connection: the server ends the stream
+            return Outcome(ACCEPTED, "watching (the server registered the stream)")
+        if result.grpc_status is None:
+            if not value.raw.compliant:  # not a gRPC request: refused at the HTTP/2 level
+                return Outcome(
+                    REJECTED, f"refused by the gRPC transport (HTTP {result.http_status})"
+                )
+            return Outcome(
+                UNCLEAR, f"no grpc-status (HTTP {result.http_status}, reset={result.reset})"
+            )
+        events = 1 if len(result.body) >= 5 else 0  # a framed message is a notice
+        return self._classify(value, _code(result.grpc_status), result.grpc_message, events)
+
+    def _classify(
+        self, value: GrpcInput, code: grpc.StatusCode, details: str, events: int
+    ) -> Outcome:
+        if events:
+            return Outcome(UNCLEAR, f"{events} notices although no group was lost")
+        if code == grpc.StatusCode.OK:
+            return Outcome(UNCLEAR, "the server ended a watch with OK")
+        return classify(methods.MANAGER_WATCH, value, code, details, b"")
 
     def snapshot(self) -> Any:
         return manager_state(self.server)
@@ -222,11 +326,17 @@ class WatchTarget:
         return _thread_gone(self.server, "manager server")
 
     def normal(self) -> str | None:
-        result = _run(
-            self._call(spb.WatchRequest(group_rank=1).SerializeToString(), timeout=OPEN_S)
-        )
-        if result.code != grpc.StatusCode.DEADLINE_EXCEEDED or result.events:
+        """A rank-1 watch: registered by the server, dropped once the client leaves."""
+        call = self._call(spb.WatchRequest(group_rank=1).SerializeToString(), timeout=BOUND_S)
+        _poll(lambda: call.done() or self.watching() > 0, BOUND_S)
+        if call.done():
+            result = _run(call)
             return f"{result.code.name}: {result.details} ({len(result.events)} events)"
+        call.cancel()
+        if self.watching() == 0:
+            return f"no watch registered within {BOUND_S}s"
+        if not _poll(lambda: self.watching() == 0, BOUND_S):
+            return "the watcher stayed registered after the client left"
         return None
 
     def close(self) -> None:

@@ -11,6 +11,7 @@ import http.client
 import json
 import socket
 import threading
+import time
 import zlib
 from datetime import timedelta
 from typing import Any
@@ -24,9 +25,13 @@ from tests.coordination_io.helpers import Background, loopback, raw_call
 from tests.dashboard.helpers import lighthouse_with_dashboard
 from tests.fuzz import h2call
 from tests.fuzz.checkpoint_inputs import frame, split
+from tests.fuzz.grpc_inputs import GrpcInput, RawH2
+from tests.fuzz.grpc_targets import BOUND_S
 from tests.fuzz.http_inputs import read_response
+from tests.fuzz.stream_targets import OVERSIZE_WATCH, WatchTarget
 from tests.reference import import_reference
 from torchheal._wire import methods
+from torchheal._wire import session_pb2 as pb_session
 from torchheal._wire import torchft_pb2 as pb
 from torchheal.checkpointing import CheckpointError, HTTPTransport
 from torchheal.checkpointing.pg_transport import (
@@ -324,3 +329,43 @@ def test_lighthouse_refuses_a_replica_id_longer_than_a_session_may_use(lighthous
     assert lighthouse.status()["heartbeats"] == {}
     # The longest allowed id is fine.
     LighthouseClient(loopback(lighthouse), T).heartbeat("y" * MAX_REPLICA_ID_BYTES)
+
+
+def _watch_input(payload: bytes, raw: bool) -> GrpcInput:
+    if not raw:
+        return GrpcInput("late", payload, BOUND_S)
+    headers = (("content-type", "application/grpc"), ("te", "trailers"))
+    return GrpcInput("raw late", payload, None, RawH2(headers, h2call.frame(payload), True))
+
+
+@pytest.mark.parametrize("raw", [False, True], ids=["client", "raw"])
+@pytest.mark.parametrize(
+    ("payload", "kind", "detail"),
+    [
+        (OVERSIZE_WATCH, "rejected", "RESOURCE_EXHAUSTED: SERVER: Received message larger than"),
+        (b"\xff" * 1024, "rejected", "INVALID_ARGUMENT: cannot parse WatchRequest"),
+        (pb_session.WatchRequest(group_rank=1).SerializeToString(), "accepted", "watching"),
+    ],
+    ids=["over-4MiB-valid-rank", "garbage", "valid"],
+)
+def test_watch_fuzzer_tells_a_late_answer_from_an_open_stream(raw, payload, kind, detail):
+    # Found as the Watch fuzzer's 14 "unclear" inputs (10,007 sent): its client gave up after
+    # 50 ms plus 50 ns a byte and took "no answer yet" for "watching". The server answered
+    # every one of them: a request over gRPC's 4 MiB limit with RESOURCE_EXHAUSTED once it had
+    # arrived (0.1-0.8 s on loopback), 1 KiB of garbage with INVALID_ARGUMENT (2 ms, more when
+    # the machine was loaded). Over-limit requests with a valid rank were even counted as
+    # accepted. A server slowed down on purpose (its loop held 0.5 s, as a loaded machine
+    # would) must still get each answer classified for what it was.
+    target = WatchTarget()
+    try:
+
+        async def hold_the_loop() -> None:
+            time.sleep(0.5)  # a busy server, not synchronisation: every answer comes late
+
+        target.server._server.submit(hold_the_loop())
+        outcome = target.send(_watch_input(payload, raw))
+        assert (outcome.kind, outcome.detail[: len(detail)]) == (kind, detail), outcome
+        assert target.watching() == 0  # the server dropped the watch when the client left
+        assert target.normal() is None
+    finally:
+        target.close()
