@@ -371,6 +371,18 @@ def quorum_compute(
                 f"{extended}{metadata}"
             )
 
+    holders = _live_holders_ahead(prev, candidates, healthy_replicas, healthy_participants)
+    if holders:
+        # Its stragglers include the holders, so the window's start is defined.
+        first_joined = _straggler_window_start(prev, healthy_participants)
+        if now - first_joined < heartbeat_timeout_s - _EPSILON_S:
+            behind = max((member.step for member in candidates), default=0)
+            return None, (
+                f"New quorum not ready, its step {behind} is behind step "
+                f"{max(m.step for m in prev.participants)} of {', '.join(holders)}, alive but "
+                f"not asking yet (waited for up to the heartbeat timeout) {metadata}"
+            )
+
     if not candidates:
         # Deliberate difference: only reachable when shrink_only filtered out every healthy
         # requester. The reference would issue an empty quorum (no one receives it) and then
@@ -453,6 +465,38 @@ def _straggler_grace_s(
     if not waited_for:
         return 0.0
     return STRAGGLER_GRACE_STEPS * max(0.0, first_joined - state.prev_quorum_at)
+
+
+def _live_holders_ahead(
+    prev: Quorum | None,
+    candidates: list[QuorumMember],
+    healthy_replicas: set[str],
+    healthy_participants: dict[str, tuple[float, QuorumMember]],
+) -> list[str]:
+    """Members of the last quorum ahead of every candidate, alive but not asking (sorted).
+
+    Deliberate difference from the reference, which issues the quorum of whoever asks once the
+    join timeout has passed. When no candidate holds the last quorum's highest step, the new
+    quorum would train again from an older step while a member that holds the newer state is
+    alive: that member later heals over to the older history and the steps it committed in
+    between are discarded (seen in a chaos soak: a member held 30 s in a process-group build
+    came back to find 229 of its steps re-trained by the others). Such a member is waited for
+    up to the heartbeat timeout, counted from the round's start: as long as a dead one takes to
+    be declared dead, so a wedged member that keeps heartbeating cannot stop the job. A member
+    whose session ended or whose heartbeat expired is not waited for.
+    """
+    if prev is None or not prev.participants:
+        return []
+    prev_max = max(member.step for member in prev.participants)
+    if max((member.step for member in candidates), default=0) >= prev_max:
+        return []
+    return sorted(
+        member.replica_id
+        for member in prev.participants
+        if member.step == prev_max
+        and member.replica_id in healthy_replicas
+        and member.replica_id not in healthy_participants
+    )
 
 
 def _healed_in(quorum: Quorum) -> set[str]:
