@@ -9,7 +9,8 @@ streams end to end (HTTP from a hostile server process, PG from a hostile sender
 live template, the in-memory decoder into a template).
 
 Each endpoint first gets its known hostile inputs, then ``--inputs`` generated ones (hypothesis,
-derandomized: every run sends the same inputs). Columns: inputs sent; rejected with a clear
+derandomized: every run of the same source tree sends the same inputs; hypothesis also
+draws constants it finds in torchheal's modules, so editing torchheal can change them). Columns: inputs sent; rejected with a clear
 error (a gRPC status with a message, an HTTP 4xx with a body, ``CheckpointError``); accepted
 (well-formed and answered normally, or a valid checkpoint loaded); unclear (an error that names
 nothing or comes from an unexpected exception, a dropped connection, a receiver disagreeing
@@ -32,6 +33,7 @@ import concurrent.futures
 import logging
 import multiprocessing
 import os
+import pickle
 import sys
 import time
 from pathlib import Path
@@ -62,9 +64,20 @@ def run_one(name: str, n: int) -> Tally:
     logging.getLogger().setLevel(logging.CRITICAL)
     target = targets()[name]()  # type: ignore[operator]
     try:
-        return fuzz(target, n, probe_every=500)
+        tally = fuzz(target, n, probe_every=500)
     finally:
         target.close()
+    # The tally goes back to the parent by pickle: an input that cannot go is left out.
+    tally.bad_values = [v for v in tally.bad_values if _picklable(v)]
+    return tally
+
+
+def _picklable(value: object) -> bool:
+    try:
+        pickle.dumps(value)
+    except Exception:
+        return False
+    return True
 
 
 def main() -> int:
@@ -73,6 +86,12 @@ def main() -> int:
     parser.add_argument("--pg-inputs", type=int, default=2_000, help="for the PG receiver")
     parser.add_argument("--only", nargs="*", help="endpoint names (default: all)")
     parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
+    parser.add_argument(
+        "--save-bad",
+        type=Path,
+        help="write each endpoint's first bad inputs, whole, to DIR/<endpoint>.pickle "
+        "(a list of (Outcome, input); read it with pickle to replay them)",
+    )
     args = parser.parse_args()
     names = args.only or list(targets())
     unknown = set(names) - set(targets())
@@ -104,6 +123,13 @@ def main() -> int:
             print(f"  {count:6d}  {detail}")
         for bad in tally.bad:
             print(f"  BAD: {bad}")
+    if args.save_bad is not None:
+        args.save_bad.mkdir(parents=True, exist_ok=True)
+        for tally in ordered:
+            if tally.bad_values:
+                path = args.save_bad / f"{tally.name.replace(' ', '_').replace('/', '_')}.pickle"
+                path.write_bytes(pickle.dumps(tally.bad_values))
+                print(f"{len(tally.bad_values)} bad inputs of {tally.name} in {path}")
     failed = [t.name for t in ordered if not t.ok or any(t.counts[k] for k in BAD)]
     if failed:
         print(f"\nFAILED: {failed}")

@@ -1,7 +1,9 @@
 """Fuzz test sizes: a few hundred inputs per endpoint (``bench/fuzz.py`` sends 10,000 each).
 
-Every run draws the same inputs (hypothesis ``derandomize=True``, no example database), so a
-failure in CI reproduces anywhere; ``TORCHHEAL_FUZZ_EXAMPLES`` scales the generated inputs.
+Every run of the same commit draws the same inputs (hypothesis ``derandomize=True``, no example
+database), so a failure in CI reproduces anywhere on that commit (hypothesis also draws
+constants found in torchheal's modules: a code change can change the inputs);
+``TORCHHEAL_FUZZ_EXAMPLES`` scales the generated inputs.
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 An endpoint is a :class:`Target`: a live server (or receiver) plus the hypothesis strategy of
 its inputs, a way to send one input and classify the answer, a snapshot of the state a refused
 input must not change, a liveness check and a normal request. :func:`fuzz` runs ``n`` inputs
-(``derandomize=True``, no example database: the same inputs on every machine) and returns a
+(``derandomize=True``, no example database: the same inputs on every machine for the same
+source; hypothesis mixes in constants from torchheal's modules) and returns a
 :class:`Tally`. In ``strict`` mode (the test suite) the first bad outcome fails the hypothesis
 run, which then shrinks it to a minimal input; otherwise (``bench/fuzz.py``) everything is
 counted and the table shows it.
@@ -36,6 +37,8 @@ UNCLEAR = "unclear"
 STATE_CHANGED = "state changed"
 CRASH = "crash"
 BAD = (UNCLEAR, STATE_CHANGED, CRASH)
+# Bad inputs a tally keeps whole (some are megabytes).
+MAX_BAD_VALUES = 20
 
 
 @dataclass(frozen=True)
@@ -90,6 +93,8 @@ class Tally:
     counts: Counter[str] = field(default_factory=Counter)
     details: Counter[str] = field(default_factory=Counter)
     bad: list[str] = field(default_factory=list)
+    # The first few bad inputs themselves, whole (``bench/fuzz.py --save-bad`` writes them).
+    bad_values: list[Any] = field(default_factory=list)
     normal_after: str | None = "not run"
     seconds: float = 0.0
 
@@ -108,6 +113,8 @@ class Tally:
         self.details[f"{outcome.kind}: {_first_line(outcome.detail)}"] += 1
         if outcome.kind in BAD and len(self.bad) < 5:
             self.bad.append(f"{outcome.kind}: {outcome.detail[:300]} <- {_short(value)}")
+        if outcome.kind in BAD and len(self.bad_values) < MAX_BAD_VALUES:
+            self.bad_values.append((outcome, value))
 
 
 def fuzz(
