@@ -19,7 +19,7 @@ from torchheal._wire import session_pb2 as spb
 from torchheal._wire import torchft_pb2 as pb
 from torchheal.coordination import LighthouseClient, LighthouseServer
 from torchheal.coordination.rpc.frames import FrameReader, frame
-from torchheal.coordination.session_client import heartbeat_request, issued_quorum
+from torchheal.coordination.session_client import heartbeat_ack, heartbeat_request, issued_quorum
 
 from .helpers import loopback, raw_call, wait_until
 
@@ -182,6 +182,18 @@ def test_the_quorum_event_is_read_without_parsing_the_quorum():
     other = spb.SessionEvent(lost=spb.MemberLost(replica_id="x")).SerializeToString()
     assert issued_quorum(other) is None
     assert issued_quorum(b"\x12\x05\x08") is None  # truncated
+
+
+def test_the_heartbeat_ack_is_read_without_a_parse():
+    for ack in (1, 127, 128, 300, 2**40, 2**64 - 1):
+        event = spb.SessionEvent(heartbeat_ack=spb.HeartbeatAck(ack=ack)).SerializeToString()
+        assert heartbeat_ack(event) == ack
+    other = spb.SessionEvent(lost=spb.MemberLost(replica_id="abc")).SerializeToString()
+    assert heartbeat_ack(other) is None
+    quorum = spb.SessionEvent(quorum=spb.QuorumIssued(request_id=5)).SerializeToString()
+    assert heartbeat_ack(quorum) is None
+    assert heartbeat_ack(b"\x2a\x03\x08\x81") is None  # truncated varint
+    assert heartbeat_ack(b"\x2a\x02\x08\x01\x00") is None  # a byte too many
 
 
 def test_heartbeat_requests_built_from_bytes_match_the_generated_class():

@@ -21,6 +21,7 @@ no lane and the client never gets here.
 
 from __future__ import annotations
 
+import itertools
 import math
 import socket
 import struct
@@ -37,13 +38,20 @@ from torchheal._wire import session_pb2 as spb
 from torchheal._wire.splice import message_field, uint_field
 from torchheal.coordination.rpc.frames import FrameError, FrameReader, frame
 
-__all__ = ["DirectSession", "Refused", "SessionBroken", "heartbeat_request", "issued_quorum"]
+__all__ = [
+    "DirectSession",
+    "Refused",
+    "SessionBroken",
+    "heartbeat_ack",
+    "heartbeat_request",
+    "issued_quorum",
+]
 
 # A quorum event carries every member of the job: allow far more than a request.
 MAX_EVENT_BYTES = 256 * 1024 * 1024
 _RECV_BYTES = 256 * 1024
 _STATUS_BY_VALUE = {status.value[0]: status for status in grpc.StatusCode}
-_ACK_HEAD = bytes([5 << 3 | 2])  # SessionEvent.heartbeat_ack, length-delimited
+_ACK_TAG = 5 << 3 | 2  # SessionEvent.heartbeat_ack, length-delimited
 
 
 def _timeval(seconds: float) -> bytes:
@@ -104,6 +112,23 @@ def _varint_at(data: bytes, pos: int) -> tuple[int, int]:
         shift += 7
         if shift > 63:
             raise ValueError("varint too long")
+
+
+def heartbeat_ack(event: bytes) -> int | None:
+    """The id of a ``HeartbeatAck`` event, read without a parse (the most frequent answer);
+    None when ``event`` is not laid out as the lighthouse writes one.
+
+    Args:
+        event: a serialized ``SessionEvent``.
+    """
+    # field 5 (heartbeat_ack), its length, field 1 (ack) as a varint, and nothing else.
+    if len(event) < 4 or event[0] != _ACK_TAG or event[2] != 0x08 or event[1] != len(event) - 2:
+        return None
+    try:
+        ack, end = _varint_at(event, 3)
+    except (IndexError, ValueError):
+        return None
+    return ack if end == len(event) else None
 
 
 def issued_quorum(event: bytes) -> tuple[int, bytes] | None:
@@ -177,9 +202,10 @@ class DirectSession:
         self._send_lock = threading.Lock()
         self._cond = threading.Condition(threading.Lock())
         self._slots: dict[int, _Slot] = {}
-        self._reading = False
+        self._reading = False  # a caller is reading the connection
+        self._followers = 0  # callers waiting for the reader to hand over
         self._broken: SessionBroken | None = None
-        self._next_id = 1
+        self._ids = itertools.count(1)
         hello = spb.SessionRequest(
             hello=spb.Hello(
                 replica_id=label,
@@ -204,10 +230,8 @@ class DirectSession:
 
     def next_id(self) -> int:
         """A fresh request id (request and heartbeat ack ids share one counter)."""
-        with self._cond:
-            request_id = self._next_id
-            self._next_id += 1
-        return request_id
+        # A C iterator: each next() is atomic under the GIL, no lock needed.
+        return next(self._ids)
 
     def call(self, request_id: int, request: bytes, timeout_s: float) -> bytes | Refused:
         """Send ``request`` (a serialized ``SessionRequest`` using ``request_id``) and wait for
@@ -224,46 +248,60 @@ class DirectSession:
 
     def _call(self, request_id: int, request: bytes, deadline: float) -> bytes | Refused:
         slot = _Slot()
-        with self._cond:
+        cond = self._cond
+        with cond:
             if self._broken is not None:
                 raise self._broken
             self._slots[request_id] = slot
+            # Nobody reads the connection (the usual case: one caller at a time): this caller
+            # takes the reader's turn now, without a hand-over.
+            reading = not self._reading
+            self._reading = True
         try:
             try:
                 with self._send_lock:
                     self._sock.sendall(frame(request))
             except OSError as e:
                 self._fail(SessionBroken(f"sending to the lighthouse failed: {e}"))
-            self._wait(slot, deadline)
+            while not slot.done:
+                if reading:
+                    self._read_until(slot, deadline)
+                else:
+                    reading = self._await_turn(slot, deadline)
         finally:
-            with self._cond:
+            with cond:
                 self._slots.pop(request_id, None)
+                if reading:
+                    self._reading = False
+                    if self._followers:
+                        cond.notify_all()  # one of them reads next
         answer = slot.answer
         if isinstance(answer, SessionBroken):
             raise answer
         assert answer is not None
         return answer
 
-    def _wait(self, slot: _Slot, deadline: float) -> None:
-        """Until ``slot`` is answered: read the connection, or wait for whoever reads it."""
-        while True:
-            with self._cond:
+    def _await_turn(self, slot: _Slot, deadline: float) -> bool:
+        """Wait while another caller reads; True once it is this caller's turn to read (its
+        answer has not come), False once its answer came.
+
+        Raises:
+            TimeoutError: the deadline passed first.
+        """
+        with self._cond:
+            self._followers += 1
+            try:
                 while not slot.done and self._reading:
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:
                         raise TimeoutError
                     self._cond.wait(remaining)
-                if slot.done:
-                    return
-                self._reading = True
-            try:
-                self._read_until(slot, deadline)
             finally:
-                with self._cond:
-                    self._reading = False
-                    self._cond.notify_all()
+                self._followers -= 1
             if slot.done:
-                return
+                return False
+            self._reading = True
+            return True
 
     def _read_until(self, slot: _Slot, deadline: float) -> None:
         sock = self._sock
@@ -292,21 +330,16 @@ class DirectSession:
                 self._fail(SessionBroken(f"the lighthouse sent a bad frame: {e}"))
                 return
             for event in events:
-                self._dispatch(event)
+                self._dispatch(event, slot)
 
-    def _dispatch(self, event: bytes) -> None:
-        if event[:2] == _ACK_HEAD and len(event) >= 4 and event[2] == 0x08:
-            # A HeartbeatAck, the most frequent answer: its id read without a parse.
-            try:
-                ack, end = _varint_at(event, 3)
-            except (IndexError, ValueError):
-                end = -1
-            if end == len(event) == event[1] + 2:
-                self._settle(ack, event)
-                return
+    def _dispatch(self, event: bytes, mine: _Slot) -> None:
+        ack = heartbeat_ack(event)
+        if ack is not None:
+            self._settle(ack, event, mine)
+            return
         issued = issued_quorum(event)
         if issued is not None:
-            self._settle(issued[0], event)
+            self._settle(issued[0], event, mine)
             return
         try:
             parsed = spb.SessionEvent.FromString(event)
@@ -315,14 +348,14 @@ class DirectSession:
             return
         kind = parsed.WhichOneof("kind")
         if kind == "quorum":
-            self._settle(parsed.quorum.request_id, event)
+            self._settle(parsed.quorum.request_id, event, mine)
         elif kind == "heartbeat_ack":
-            self._settle(parsed.heartbeat_ack.ack, event)
+            self._settle(parsed.heartbeat_ack.ack, event, mine)
         elif kind == "welcome":
-            self._settle(0, event)
+            self._settle(0, event, mine)
         elif kind == "failed":
             code = _STATUS_BY_VALUE.get(parsed.failed.code, grpc.StatusCode.UNKNOWN)
-            self._settle(parsed.failed.request_id, Refused(code, parsed.failed.message))
+            self._settle(parsed.failed.request_id, Refused(code, parsed.failed.message), mine)
         elif kind == "closed":
             code = _STATUS_BY_VALUE.get(parsed.closed.code, grpc.StatusCode.UNKNOWN)
             self._fail(
@@ -332,7 +365,14 @@ class DirectSession:
             )
         # Anything else (a notice, a newer kind) is not for a detached session: ignored.
 
-    def _settle(self, request_id: int, answer: bytes | Refused) -> None:
+    def _settle(self, request_id: int, answer: bytes | Refused, mine: _Slot) -> None:
+        slot = self._slots.get(request_id)
+        if slot is mine:
+            # The reader's own answer: nobody else waits on it, so no lock and no wake-up.
+            if not slot.done:
+                slot.answer = answer
+                slot.done = True
+            return
         with self._cond:
             slot = self._slots.get(request_id)
             if slot is None or slot.done:
