@@ -70,14 +70,17 @@ class StallingProxy:
             self._writers.discard(writer)
 
     async def _pump(self, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-        while True:
-            data = await r.read(CHUNK)
-            await self._open.wait()  # stalled: hold what was read, read nothing more
-            if not data:
-                w.close()
-                return
-            w.write(data)
-            await w.drain()
+        try:
+            while True:
+                data = await r.read(CHUNK)
+                await self._open.wait()  # stalled: hold what was read, read nothing more
+                if not data:
+                    break
+                w.write(data)
+                await w.drain()
+        except OSError:
+            pass  # a side reset (a killed group): the pair ends
+        w.close()
 
     def stall(self) -> None:
         """Stops moving bytes (both ways, every connection, new ones included)."""
@@ -95,6 +98,11 @@ class StallingProxy:
                 server.close()
             for writer in list(self._writers):
                 writer.close()
+            # End every connection's tasks here, so none is destroyed pending with the loop.
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
         self._call(stop())
         self._loop.call_soon_threadsafe(self._loop.stop)
