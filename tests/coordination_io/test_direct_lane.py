@@ -9,6 +9,7 @@ certificate. The lighthouse keeps serving throughout.
 from __future__ import annotations
 
 import socket
+import time
 from datetime import timedelta
 
 import grpc
@@ -169,6 +170,23 @@ def test_a_groups_connection_that_ends_is_its_death_certificate(make_lighthouse)
     assert (lost.replica_id, lost.quorum_id, lost.reason) == ("x:1", 1, "connection ended")
     wait_until(lambda: "x:1" not in lighthouse.status()["heartbeats"], what="x forgotten")
     y.close()
+
+
+@pytest.mark.parametrize("timeout_ms", [150, 600])
+def test_a_request_expires_when_its_time_is_up_and_not_before(make_lighthouse, timeout_ms):
+    # 150 ms: the timer is set with the request; 600 ms (over two 100 ms ticks): the periodic
+    # tick sets it later, for the same moment.
+    lighthouse = make_lighthouse(min_replicas=2, quorum_tick_ms=100)
+    raw = Raw(lighthouse)
+    raw.send(_hello("x:1"))
+    assert raw.next().WhichOneof("kind") == "welcome"
+    sent = time.monotonic()
+    raw.send(_request("x:1", 7, timeout_ms=timeout_ms))
+    failed = raw.next().failed
+    assert (failed.request_id, failed.code) == (7, grpc.StatusCode.DEADLINE_EXCEEDED.value[0])
+    assert time.monotonic() - sent >= timeout_ms / 1000
+    wait_until(lambda: lighthouse.status()["waiting"] == [], what="the request withdrawn")
+    raw.close()
 
 
 def test_the_quorum_event_is_read_without_parsing_the_quorum():

@@ -275,6 +275,7 @@ class LighthouseServer:
         while True:
             await asyncio.sleep(period)
             self._rounds.tick()
+            self._rounds.arm_timers()
             self._sessions.on_tick()
 
     def _notify(self, event: str, *args: Any) -> None:
@@ -311,6 +312,7 @@ class LighthouseServer:
         waiter = self._rounds.wait(
             member, raw, lambda issued: answer.done() or answer.set_result(issued)
         )
+        self._rounds.run_due()
         try:
             issued = await answer
         finally:
@@ -362,6 +364,11 @@ class LighthouseServer:
     def withdraw(self, request: Waiter) -> None:
         """A session's request that nobody waits for any more (replaced, or its session ended)."""
         self._rounds.withdraw(request)
+
+    def decide_if_due(self) -> None:
+        """A session's transport joined all it read at once: decide now if a request may have
+        completed the round (``QuorumRounds.run_due``)."""
+        self._rounds.run_due()
 
 
 def _member_view(member: QuorumMember) -> dict[str, Any]:

@@ -12,6 +12,11 @@ bookkeeping of the requests waiting for a quorum and the delivery of an issued o
 * The quorum is serialized once per round; each waiter's envelope is built around those bytes.
 * The decision runs once per event-loop turn in which requests arrived (requests that arrive
   together share it), not once per request, which would make a round of N requests O(N^2).
+  When a request brings the round to the last quorum's size (usually the round's last
+  request), the transport that read it has the decision made as soon as it has joined all it
+  read (:meth:`QuorumRounds.run_due`) rather than one loop turn later.
+* A request's timeout timer is only made once it has waited a periodic tick or so (most are
+  answered sooner), for the same moment.
 * With a :class:`~torchheal.coordination.lighthouse_state.QuorumStore`, an issued quorum whose id
   or members changed is saved before anyone receives it (a quorum that reached a group is always
   on record); a quorum that cannot be saved is not delivered, and its requests wait for the next
@@ -29,7 +34,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import NamedTuple
 
 from torchheal._wire import torchft_pb2 as pb
 from torchheal._wire.splice import message_field, uint_field, varint
@@ -64,27 +68,43 @@ _EVENT_QUORUM_TAG = varint(2 << 3 | 2)
 _ISSUED_QUORUM = 2
 
 
-class Issued(NamedTuple):
+class Issued:
     """An issued quorum as its waiters need it, serialized once for all of them.
 
     Args:
         quorum_id: its id.
         member_ids: the replica ids it includes.
-        unary_response: a serialized ``LighthouseQuorumResponse`` around the quorum.
-        issued_tail: the quorum as field 2 of a ``QuorumIssued`` (what follows the request id).
+        quorum_bytes: the serialized ``torchft.Quorum``.
     """
 
-    quorum_id: int
-    member_ids: frozenset[str]
-    unary_response: bytes
-    issued_tail: bytes
+    __slots__ = ("_heads", "_unary", "issued_tail", "member_ids", "quorum_bytes", "quorum_id")
+
+    def __init__(self, quorum_id: int, member_ids: frozenset[str], quorum_bytes: bytes) -> None:
+        self.quorum_id = quorum_id
+        self.member_ids = member_ids
+        self.quorum_bytes = quorum_bytes
+        #: The quorum as field 2 of a ``QuorumIssued`` (what follows the request id).
+        self.issued_tail = message_field(_ISSUED_QUORUM, quorum_bytes)
+        # What precedes a request id of each encoded length in a session event (the same for
+        # every waiter whose id has that length).
+        self._heads: dict[int, bytes] = {}
+        self._unary: bytes | None = None
+
+    @property
+    def unary_response(self) -> bytes:
+        """A serialized ``LighthouseQuorumResponse`` around the quorum."""
+        if self._unary is None:
+            self._unary = message_field(1, self.quorum_bytes)
+        return self._unary
 
     def session_event(self, request_id: int) -> bytes:
         """The serialized ``SessionEvent`` answering a session's request ``request_id``."""
-        head = uint_field(1, request_id)
-        return b"".join(
-            (_EVENT_QUORUM_TAG, varint(len(head) + len(self.issued_tail)), head, self.issued_tail)
-        )
+        request = uint_field(1, request_id)
+        head = self._heads.get(len(request))
+        if head is None:
+            head = _EVENT_QUORUM_TAG + varint(len(request) + len(self.issued_tail))
+            self._heads[len(request)] = head
+        return b"".join((head, request, self.issued_tail))
 
 
 class Waiter:
@@ -96,7 +116,7 @@ class Waiter:
         deliver: called once with the :class:`Issued` quorum that includes the member.
     """
 
-    __slots__ = ("deliver", "member", "raw", "timer")
+    __slots__ = ("deadline", "deliver", "expired", "member", "raw", "timer")
 
     def __init__(
         self, member: QuorumMember, raw: pb.QuorumMember, deliver: Callable[[Issued], None]
@@ -104,6 +124,10 @@ class Waiter:
         self.member = member
         self.raw = raw
         self.deliver = deliver
+        # A request with a timeout (QuorumRounds.wait_until): when it expires (monotonic
+        # seconds) and whom to tell; its timer may be set later than the request (arm_timers).
+        self.deadline: float | None = None
+        self.expired: Callable[[], None] | None = None
         self.timer: asyncio.TimerHandle | None = None
 
 
@@ -154,6 +178,12 @@ class QuorumRounds:
         # When the current round's first request arrived (for the round latency).
         self._round_started: float | None = None
         self._tick_scheduled = False
+        self._tick_handle: asyncio.Handle | None = None
+        # A request just brought the round to the last quorum's size: decide at run_due().
+        self._due = False
+        # Timeouts up to this long get their timer with the request; longer ones at the next
+        # periodic tick (most requests are answered before, and never need one).
+        self._timer_at_once_s = 2.0 * config.quorum_tick_ms / 1000.0
         self._last_reason: str | None = None
         self._last_prune = 0.0
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -177,10 +207,17 @@ class QuorumRounds:
         waiter = Waiter(member, raw, deliver)
         now = time.monotonic()
         with self.lock:
-            join(self.state, member, now)
+            state = self.state
+            join(state, member, now)
             self._raw[member.replica_id] = raw
             if self._round_started is None:
                 self._round_started = now
+            prev = state.prev_quorum
+            if prev is not None and len(state.participants) == len(prev.participants):
+                # As many requests as the last quorum had members: usually the round is
+                # complete (its fast path), so the caller decides as soon as it is done
+                # (run_due) rather than one event-loop turn later.
+                self._due = True
         self._waiters[waiter] = None
         if self._observed:
             self._notify("joined", member, now)
@@ -195,15 +232,35 @@ class QuorumRounds:
         timeout_s: float,
         expired: Callable[[], None],
     ) -> Waiter:
-        """As :meth:`wait`, but after ``timeout_s`` the request is withdrawn and ``expired`` called."""
+        """As :meth:`wait`, but after ``timeout_s`` the request is withdrawn and ``expired`` called.
+
+        A short timeout gets its timer at once; a longer one at the next periodic tick
+        (:meth:`arm_timers`), set for the same moment: most requests are answered within a
+        tick, and an event-loop timer made and cancelled for each of them is a good part of
+        a request's cost.
+        """
         waiter = self.wait(member, raw, deliver)
-        waiter.timer = self._running_loop().call_later(timeout_s, self._expire, waiter, expired)
+        waiter.deadline = time.monotonic() + timeout_s
+        waiter.expired = expired
+        if timeout_s <= self._timer_at_once_s:
+            waiter.timer = self._running_loop().call_later(timeout_s, self._expire, waiter)
         return waiter
 
-    def _expire(self, waiter: Waiter, expired: Callable[[], None]) -> None:
+    def arm_timers(self) -> None:
+        """Set the timer of every request that waits without one (the periodic tick calls
+        this at least twice before any of their deadlines)."""
+        now = time.monotonic()
+        loop = self._running_loop()
+        for waiter in self._waiters:
+            if waiter.timer is None and waiter.deadline is not None:
+                waiter.timer = loop.call_later(
+                    max(0.0, waiter.deadline - now), self._expire, waiter
+                )
+
+    def _expire(self, waiter: Waiter) -> None:
         waiter.timer = None
-        if self.withdraw(waiter):
-            expired()
+        if self.withdraw(waiter) and waiter.expired is not None:
+            waiter.expired()
 
     def forget(self, waiter: Waiter) -> None:
         """Stop waiting, but leave the member registered for the round (a unary call that
@@ -262,7 +319,27 @@ class QuorumRounds:
         if self._tick_scheduled:
             return
         self._tick_scheduled = True
-        self._running_loop().call_soon(self._scheduled_tick)
+        self._tick_handle = self._running_loop().call_soon(self._scheduled_tick)
+
+    def run_due(self) -> None:
+        """Decide now if a request just completed what is likely a round (see :meth:`wait`).
+
+        Callers call this once they have joined everything they received at once (a
+        connection's read); requests that arrive later join the next round, as they would
+        have had they arrived a moment later. The decision is the same one the scheduled tick
+        would make, only one event-loop turn sooner.
+        """
+        if not self._due:
+            return
+        handle = self._tick_handle
+        if handle is not None:
+            handle.cancel()  # this decision is the one it would have made
+            self._tick_handle = None
+            self._tick_scheduled = False
+        try:
+            self.tick()
+        except Exception:  # as the loop would for the scheduled tick: the caller goes on
+            logger.exception("deciding the quorum round failed")
 
     def _running_loop(self) -> asyncio.AbstractEventLoop:
         if self._loop is None:
@@ -271,10 +348,12 @@ class QuorumRounds:
 
     def _scheduled_tick(self) -> None:
         self._tick_scheduled = False
+        self._tick_handle = None
         self.tick()
 
     def tick(self) -> None:
         """Run one decision; deliver an issued quorum. Loop thread only."""
+        self._due = False
         now = time.monotonic()
         with self.lock:
             quorum, reason = tick(self.state, self.config, now, Timestamp.from_float(time.time()))
@@ -327,25 +406,21 @@ class QuorumRounds:
         """Answer every waiting request the quorum includes; put the others back. One pass."""
         quorum_bytes = convert.quorum_to_pb(quorum, raw).SerializeToString()
         member_ids = frozenset(m.replica_id for m in quorum.participants)
-        issued = Issued(
-            quorum.quorum_id,
-            member_ids,
-            message_field(1, quorum_bytes),
-            message_field(_ISSUED_QUORUM, quorum_bytes),
-        )
-        logger.info(
-            "Issued quorum %d with %d participants: %s",
-            quorum.quorum_id,
-            len(member_ids),
-            [m.replica_id for m in quorum.participants],
-        )
-        answered: list[Waiter] = []
-        left_out: list[Waiter] = []
-        for waiter in self._waiters:
-            (answered if waiter.member.replica_id in member_ids else left_out).append(waiter)
-        if left_out:
+        issued = Issued(quorum.quorum_id, member_ids, quorum_bytes)
+        if logger.isEnabledFor(logging.INFO):  # the member list is built only to be logged
+            logger.info(
+                "Issued quorum %d with %d participants: %s",
+                quorum.quorum_id,
+                len(member_ids),
+                [m.replica_id for m in quorum.participants],
+            )
+        waiters = self._waiters
+        answered = [w for w in waiters if w.member.replica_id in member_ids]
+        if len(answered) < len(waiters):
             with self.lock:
-                for waiter in left_out:
+                for waiter in waiters:
+                    if waiter.member.replica_id in member_ids:
+                        continue
                     logger.info(
                         "Replica %s not in quorum %d, retrying",
                         waiter.member.replica_id,
@@ -356,7 +431,7 @@ class QuorumRounds:
                     if self._round_started is None:
                         self._round_started = now
         for waiter in answered:
-            del self._waiters[waiter]
+            del waiters[waiter]
             if waiter.timer is not None:
                 waiter.timer.cancel()
                 waiter.timer = None

@@ -90,6 +90,8 @@ class _Lighthouse(Protocol):
 
     def withdraw(self, request: Any) -> None: ...
 
+    def decide_if_due(self) -> None: ...
+
 
 def validated_member(raw: pb.QuorumMember) -> QuorumMember:
     """Check a requester for values no honest replica sends; convert it to the value type.
@@ -328,13 +330,17 @@ class _StreamPeer:
 
 
 async def _read(
-    session: SessionProtocol, peer: _StreamPeer, requests: AsyncIterator[bytes]
+    lighthouse: _Lighthouse,
+    session: SessionProtocol,
+    peer: _StreamPeer,
+    requests: AsyncIterator[bytes],
 ) -> None:
     """Consume a stream until it ends, the group says goodbye, or it breaks the protocol."""
     try:
         async for raw in requests:
             if not session.handle(raw):
                 break
+            lighthouse.decide_if_due()
     except StatusError as e:
         peer.finish(e)
         return
@@ -353,7 +359,7 @@ def session_handler(lighthouse: _Lighthouse) -> grpc.RpcMethodHandler:
     async def serve(requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> Any:
         peer = _StreamPeer()
         session = SessionProtocol(lighthouse, peer)
-        reader = asyncio.ensure_future(_read(session, peer, requests))
+        reader = asyncio.ensure_future(_read(lighthouse, session, peer, requests))
         try:
             while True:
                 event = await peer.next()

@@ -131,6 +131,8 @@ class _Connection(asyncio.Protocol):
                 if not session.handle(message):
                     self._end(None)  # goodbye
                     return
+            # Everything this read carried has joined: decide now if a round may be complete.
+            self._lighthouse.decide_if_due()
         except FrameError as e:
             self._end(StatusError(grpc.StatusCode.INVALID_ARGUMENT, str(e)))
         except StatusError as e:
