@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import re
-import signal
 import sys
 import time
 from typing import Any
@@ -53,6 +52,16 @@ def _positive(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
     return value
 
 
@@ -97,6 +106,20 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         type=parse_duration,
         default=1.0,
         help="downtime of a dead group before its restart (default 1s)",
+    )
+    parser.add_argument(
+        "--warm-spares",
+        type=_count,
+        default=1,
+        help="keep N groups' worth of warm processes (torch and torchheal already imported) "
+        "that a restarted group starts in; 0: restarts start cold (default %(default)s)",
+    )
+    parser.add_argument(
+        "--spare-preload",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="a module warm spares import too (repeatable), e.g. your model's",
     )
     parser.add_argument(
         "--max-startup-failures",
@@ -190,6 +213,7 @@ def run(args: argparse.Namespace) -> int:
     """
     from torchheal._base.config import dashboard_port, job_token
     from torchheal.launcher import KillPlan, Launcher
+    from torchheal.launcher.group import describe_exit
     from torchheal.launcher.progress import GroupReport, LiveLine, progress_line, render_report
 
     command = list(args.command)
@@ -258,7 +282,7 @@ def run(args: argparse.Namespace) -> int:
         on_output=lambda g, line: live.print(f"[group {g}] {line}"),
         on_kill=lambda g, reason: live.print(f"[launch] SIGKILL group {g} ({reason})"),
         on_restart=lambda g, code: live.print(
-            f"[launch] group {g} ended ({_exit_text(code)}); restarting it in "
+            f"[launch] group {g} ended ({describe_exit(code)}); restarting it in "
             f"{args.restart_delay:g}s"
         ),
         nproc_per_replica=args.nproc_per_replica,
@@ -266,6 +290,8 @@ def run(args: argparse.Namespace) -> int:
         status=status,
         on_status=on_status,
         group_env=group_env,
+        warm_spares=args.warm_spares,
+        spare_preload=args.spare_preload,
     )
     try:
         result = launcher.run()
@@ -292,6 +318,10 @@ def run(args: argparse.Namespace) -> int:
             finished=any(g.done for g in result.groups.values()),
         )
     )
+    restarts = sum(max(0, len(g.starts) - 1) for g in result.groups.values())
+    if restarts:
+        warm = sum(g.warm_starts for g in result.groups.values())
+        print(f"[launch] restarts from a warm spare: {warm} of {restarts}", flush=True)
     if result.error is not None:
         print(f"torchheal launch: {result.error}", file=sys.stderr)
         return 1
@@ -299,15 +329,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"torchheal launch: deadline of {args.deadline:g}s reached", file=sys.stderr)
         return 1
     return 0
-
-
-def _exit_text(code: int) -> str:
-    if code < 0:
-        try:
-            return f"signal {signal.Signals(-code).name}"
-        except ValueError:
-            return f"signal {-code}"
-    return f"exit code {code}"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,17 +15,18 @@ through a queue, tagged with the group, the incarnation and the rank.
 from __future__ import annotations
 
 import queue
+import signal
 import subprocess
 import threading
 import time
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from torchheal.launcher.proctree import kill_trees
 
-__all__ = ["GroupStart", "OutputLine", "rank_env"]
+__all__ = ["GroupStart", "OutputLine", "common_env", "describe_exit", "rank_env"]
 
 #: How many of a group's last output lines are kept, to explain why it died.
 TAIL_LINES = 20
@@ -80,7 +81,7 @@ def rank_env(
         run_id: names the job (``TORCHELASTIC_RUN_ID``).
         marker: the value of :data:`MARKER_ENV`, which tells this start's processes apart.
     """
-    env = dict(base)
+    env = common_env(base, nproc)
     env.update(
         {
             "MASTER_ADDR": master_addr,
@@ -101,10 +102,20 @@ def rank_env(
             "TORCHHEAL_LIGHTHOUSE": lighthouse,
             "REPLICA_GROUP_ID": str(group),
             "NUM_REPLICA_GROUPS": str(replicas),
-            "PYTHONUNBUFFERED": "1",
             MARKER_ENV: marker,
         }
     )
+    return env
+
+
+def common_env(base: Mapping[str, str], nproc: int) -> dict[str, str]:
+    """What every rank's environment holds whatever its group and rank (a warm spare's).
+
+    Args:
+        base: the environment to start from.
+        nproc: ranks per group.
+    """
+    env = {**base, "PYTHONUNBUFFERED": "1"}
     # torchrun does the same: K ranks each using every core would oversubscribe the machine.
     if nproc > 1:
         env.setdefault("OMP_NUM_THREADS", "1")
@@ -125,6 +136,8 @@ class GroupStart:
         lines: where output lines go.
         run_id: the job's name.
         host: the address the ranks reach the store at.
+        spawn: starts one rank from (argv, env) with its output piped (a warm spare pool's
+            ``spawn``); None: an ordinary process.
     """
 
     def __init__(
@@ -140,6 +153,7 @@ class GroupStart:
         lines: queue.Queue[OutputLine],
         run_id: str,
         host: str = "127.0.0.1",
+        spawn: Callable[[list[str], dict[str, str]], subprocess.Popen[str]] | None = None,
     ) -> None:
         self.group = group
         self.incarnation = incarnation
@@ -167,16 +181,7 @@ class GroupStart:
                     run_id=run_id,
                     marker=self.marker,
                 )
-                proc = subprocess.Popen(
-                    list(command),
-                    env=env,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.STDOUT,
-                    stdin=subprocess.DEVNULL,
-                    text=True,
-                    bufsize=1,
-                    errors="replace",
-                )
+                proc = (spawn or _cold)(list(command), env)
                 self.procs.append(proc)
                 threading.Thread(
                     target=_pump,
@@ -216,6 +221,33 @@ class GroupStart:
     def close(self) -> None:
         """Stops the group's store (after its ranks are gone)."""
         self._store = _Closed(self._store.port)
+
+
+def describe_exit(code: int) -> str:
+    """``exit code 3`` or ``signal SIGKILL`` for a process's return code.
+
+    Args:
+        code: the return code (negative: the signal that ended it).
+    """
+    if code < 0:
+        try:
+            return f"signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"signal {-code}"
+    return f"exit code {code}"
+
+
+def _cold(argv: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        argv,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        text=True,
+        bufsize=1,
+        errors="replace",
+    )
 
 
 def _pump(proc: subprocess.Popen[str], end: OutputLine, lines: queue.Queue[OutputLine]) -> None:

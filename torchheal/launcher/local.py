@@ -21,18 +21,18 @@ from __future__ import annotations
 import logging
 import os
 import queue
-import signal
 import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from torchheal.launcher.events import Event, parse
-from torchheal.launcher.group import GroupStart, OutputLine
+from torchheal.launcher.group import GroupStart, OutputLine, common_env, describe_exit
 from torchheal.launcher.progress import FirstSteps, quorum_members
+from torchheal.launcher.spare import DEFAULT_PRELOAD, SparePool, started_warm
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +80,7 @@ class GroupProcess:
         done_at: when it finished.
         stopped: it died after another group had finished the job's work, so it was not
             restarted (it would have had no peer to heal from, and nothing left to do).
+        warm_starts: restarts whose every rank began in a warm spare (``spare.py``).
     """
 
     group: int
@@ -96,6 +97,7 @@ class GroupProcess:
     stepped: bool = False  # the current start committed a step
     done_at: float | None = None  # wall-clock time it finished
     stopped: bool = False  # died after another group had finished: not restarted
+    warm_starts: int = 0
 
     def finish(self) -> None:
         """Marks the group as done (once)."""
@@ -158,6 +160,9 @@ class Launcher:
             as having committed a step.
         on_restart: called with (group, exit code) when a dead group is scheduled to restart.
         group_env: extra environment of one group's ranks (for example its metrics port).
+        warm_spares: groups' worth of warm spare processes kept for restarts, started once
+            every running group has committed a step (``spare.py``; 0: restarts start cold).
+        spare_preload: modules spares import besides ``spare.DEFAULT_PRELOAD``.
     """
 
     def __init__(
@@ -180,6 +185,8 @@ class Launcher:
         startup_grace_s: float = 60.0,
         on_restart: Callable[[int, int], None] | None = None,
         group_env: Callable[[int], dict[str, str]] | None = None,
+        warm_spares: int = 0,
+        spare_preload: Sequence[str] = (),
     ) -> None:
         if replicas < 1:
             raise ValueError(f"replicas must be >= 1, got {replicas}")
@@ -218,6 +225,9 @@ class Launcher:
         self._first_steps = FirstSteps()
         self._error: str | None = None
         self._run_id = f"torchheal-launch-{uuid.uuid4().hex[:8]}"
+        base = common_env({**os.environ, **self._env}, nproc_per_replica)
+        size, preload = warm_spares * nproc_per_replica, (*DEFAULT_PRELOAD, *spare_preload)
+        self._spares = SparePool(self._command, size, env=base, preload=preload)
 
     @property
     def groups(self) -> dict[int, GroupProcess]:
@@ -239,7 +249,9 @@ class Launcher:
             base_env={**os.environ, **self._env, **self._group_env(g.group)},
             lines=self._lines,
             run_id=self._run_id,
+            spawn=self._spares.spawn if g.starts else None,  # spares are for restarts
         )
+        g.warm_starts += bool(g.starts) and all(map(started_warm, g.current.procs))
         g.proc = g.current.procs[0]
         g.starts.append(g.current.started)
         g.store_addresses.append(g.current.store_address)
@@ -420,6 +432,8 @@ class Launcher:
                     elif now >= when:
                         del restart_at[group]
                         self._start(self._groups[group])
+                if all(g.done or g.stopped or g.stepped for g in self._groups.values()):
+                    self._spares.fill()  # the job trains: the CPU a spare takes is spare
                 if self._status is not None and now >= next_status:
                     next_status = now + self._status_interval_s
                     self._poll_status()
@@ -434,6 +448,7 @@ class Launcher:
                     self._check_exits(now, restart_at)
         finally:
             self._end_all(timed_out)
+            self._spares.close()
         return RunResult(
             events=self._events,
             groups=self._groups,
@@ -458,24 +473,25 @@ class Launcher:
                 g.exit_codes.append(code)
 
 
-def _describe(code: int) -> str:
-    if code < 0:
-        try:
-            return f"signal {signal.Signals(-code).name}"
-        except ValueError:
-            return f"signal {-code}"
-    return f"exit code {code}"
-
-
 def _crash_loop_message(g: GroupProcess, code: int, tail: list[str]) -> str:
     lines = [
         f"replica group {g.group} died {g.startup_failures} times in a row before its first "
-        f"step (last: {_describe(code)}); not restarting it. Its last output lines:",
+        f"step (last: {describe_exit(code)}); not restarting it. Its last output lines:",
         *(f"    {line}" for line in tail),
     ]
     if not tail:
         lines.append("    (it printed nothing)")
     return "\n".join(lines)
+
+
+def take_environment(env: Mapping[str, str]) -> None:
+    """Replaces this process's environment with ``env``: a warm spare becoming a rank.
+
+    Args:
+        env: the rank's whole environment.
+    """
+    os.environ.clear()
+    os.environ.update(env)
 
 
 def python_module_command(module: str, *args: str) -> list[str]:

@@ -1,0 +1,284 @@
+"""Warm spares (``torchheal/launcher/spare.py``): real processes handed a rank's identity.
+
+A spare must be indistinguishable from a cold start to the script it runs (argv, environment,
+working directory, ``sys.path[0]``, ``__main__``, exit status, death by signal, output on the
+launcher's pipe), and a spare that is gone must cost nothing but the warm start.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import select
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from torchheal.launcher.spare import (
+    SparePool,
+    parse_python_command,
+    started_warm,
+    startup_differences,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+TIMEOUT = 60
+
+# Reports what the interpreter gave it, then exits with the code in argv[1].
+REPORT = textwrap.dedent(
+    """
+    import json, os, sys
+    print(json.dumps({
+        "argv": sys.argv, "cwd": os.getcwd(), "path0": sys.path[0], "name": __name__,
+        "group": os.environ.get("GROUP"), "only_spare": os.environ.get("ONLY_SPARE"),
+        "warm": os.environ.get("TORCHHEAL_WARM_SPARE"), "stdin": sys.stdin.read(),
+    }), flush=True)
+    sys.exit(int(sys.argv[1]))
+    """
+)
+
+
+def _pool(tmp_path: Path, **kw) -> SparePool:
+    env = {**os.environ, "ONLY_SPARE": "x"}
+    kw.setdefault("preload", ())  # the mechanism, not torch's import time, is under test
+    return SparePool([sys.executable, "unused.py"], 1, env=env, cwd=str(tmp_path), **kw)
+
+
+def _env(**extra: str) -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k != "ONLY_SPARE"} | extra
+
+
+def test_a_spare_runs_the_script_with_the_ranks_argv_env_cwd_and_exit_code(tmp_path: Path) -> None:
+    script = tmp_path / "scripts" / "report.py"
+    script.parent.mkdir()
+    script.write_text(REPORT)
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    with _pool(tmp_path) as pool:
+        assert pool.fill() == 1
+        assert pool.wait_ready(TIMEOUT)
+        spare_pid = pool.pids[0]
+        proc = pool.spawn(
+            [sys.executable, str(script), "7", "--lr", "0.1"], _env(GROUP="3"), str(workdir)
+        )
+        assert started_warm(proc) and proc.pid == spare_pid
+        assert pool.pids == []
+        out, _ = proc.communicate(timeout=TIMEOUT)
+    assert proc.returncode == 7, out
+    seen = json.loads(out.strip().splitlines()[-1])
+    assert seen == {
+        "argv": [str(script), "7", "--lr", "0.1"],
+        "cwd": str(workdir),
+        "path0": str(script.parent),
+        "name": "__main__",
+        "group": "3",
+        "only_spare": None,  # the environment is replaced, not merged
+        "warm": "1",
+        "stdin": "",  # /dev/null, as a cold start's
+    }
+
+
+def test_a_spare_runs_a_module_and_its_failure_reads_like_the_scripts(tmp_path: Path) -> None:
+    pkg = tmp_path / "mypkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "train.py").write_text(
+        "import os, sys\nprint('in', __name__, sys.argv[1:], os.getcwd(), flush=True)\n"
+        "raise RuntimeError('boom from the script')\n"
+    )
+    with _pool(tmp_path) as pool:
+        pool.fill()
+        proc = pool.spawn([sys.executable, "-m", "mypkg.train", "a"], _env(), str(tmp_path))
+        out, _ = proc.communicate(timeout=TIMEOUT)
+    assert started_warm(proc)
+    assert proc.returncode == 1, out
+    assert f"in __main__ ['a'] {tmp_path}" in out
+    assert "RuntimeError: boom from the script" in out
+    tb = out[out.index("Traceback") :]
+    assert "spare_child" not in tb and "runpy" not in tb, tb  # the script's frames only
+
+
+def test_sigkill_of_a_taken_spare_kills_the_script(tmp_path: Path) -> None:
+    script = tmp_path / "wait.py"
+    script.write_text("import signal\nprint('running', flush=True)\nsignal.pause()\n")
+    with _pool(tmp_path) as pool:
+        pool.fill()
+        proc = pool.spawn([sys.executable, str(script)], _env())
+        assert started_warm(proc)
+        assert proc.stdout is not None
+        assert proc.stdout.readline() == "running\n"  # the script runs in that very process
+        os.kill(proc.pid, signal.SIGKILL)
+        assert proc.wait(timeout=TIMEOUT) == -signal.SIGKILL
+        assert proc.stdout.read() == ""  # its output ended with it
+
+
+def test_a_script_that_kills_itself_with_a_signal_exits_by_that_signal(tmp_path: Path) -> None:
+    script = tmp_path / "term.py"
+    script.write_text("import os, signal\nos.kill(os.getpid(), signal.SIGTERM)\n")
+    with _pool(tmp_path) as pool:
+        pool.fill()
+        proc = pool.spawn([sys.executable, str(script)], _env())
+        assert started_warm(proc)
+        assert proc.wait(timeout=TIMEOUT) == -signal.SIGTERM
+
+
+def _wait_exit(pid: int) -> None:
+    """Until ``pid`` has exited (not reaped: it is the pool's child), bounded."""
+    fd = os.pidfd_open(pid)
+    try:
+        readable, _, _ = select.select([fd], [], [], TIMEOUT)
+        assert readable, f"process {pid} did not exit"
+    finally:
+        os.close(fd)
+
+
+def test_a_spare_killed_before_it_was_taken_falls_back_to_a_cold_start(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    script = tmp_path / "report.py"
+    script.write_text(REPORT)
+    with _pool(tmp_path) as pool:
+        pool.fill()
+        assert pool.wait_ready(TIMEOUT)
+        (pid,) = pool.pids
+        os.kill(pid, signal.SIGKILL)
+        _wait_exit(pid)
+        with caplog.at_level(logging.WARNING, logger="torchheal.launcher.spare"):
+            proc = pool.spawn([sys.executable, str(script), "0"], _env(GROUP="1"))
+        out, _ = proc.communicate(timeout=TIMEOUT)
+        assert not started_warm(proc) and proc.pid != pid
+        assert (pool.taken, pool.cold) == (0, 1)
+    assert proc.returncode == 0, out
+    seen = json.loads(out.strip().splitlines()[-1])
+    assert seen["group"] == "1" and seen["warm"] is None
+    assert f"exited with -{int(signal.SIGKILL)} before it was used" in caplog.text
+
+
+def test_spares_that_keep_dying_turn_the_pool_off(tmp_path: Path) -> None:
+    (tmp_path / "dies_on_import.py").write_text("import os\nos._exit(3)\n")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    with SparePool(
+        [sys.executable, "x.py"], 1, env=env, cwd=str(tmp_path), preload=["dies_on_import"]
+    ) as pool:
+        for _ in range(3):
+            assert pool.fill() == 1
+            assert not pool.wait_ready(TIMEOUT)  # it died instead
+        assert pool.fill() == 0 and not pool.enabled
+        proc = pool.spawn([sys.executable, "-c", "pass"], env)
+        assert not started_warm(proc) and proc.wait(timeout=TIMEOUT) == 0
+
+
+def test_a_rank_whose_start_up_variables_differ_starts_cold(tmp_path: Path) -> None:
+    script = tmp_path / "report.py"
+    script.write_text(REPORT)
+    with _pool(tmp_path) as pool:
+        pool.fill()
+        proc = pool.spawn([sys.executable, str(script), "0"], _env(OMP_NUM_THREADS="3"))
+        proc.communicate(timeout=TIMEOUT)
+        assert not started_warm(proc) and pool.pids  # the spare is kept for the next rank
+    assert startup_differences({"OMP_NUM_THREADS": "1", "RANK": "0"}, {"RANK": "1"}) == [
+        "OMP_NUM_THREADS"
+    ]
+
+
+def test_which_commands_a_spare_can_run() -> None:
+    py = sys.executable
+    assert parse_python_command([py, "-u", "-X", "dev", "t.py", "-m", "x"]) is not None
+    cmd = parse_python_command([py, "-u", "-X", "dev", "t.py", "-m", "x"])
+    assert cmd is not None
+    assert (cmd.interpreter, cmd.kind, cmd.target, cmd.args) == (
+        (py, "-u", "-X", "dev"),
+        "path",
+        "t.py",
+        ("-m", "x"),
+    )
+    cmd = parse_python_command(["python3.11", "-mbench.goodput", "--worker"])
+    assert cmd is not None and (cmd.kind, cmd.target, cmd.args) == (
+        "module",
+        "bench.goodput",
+        ("--worker",),
+    )
+    assert parse_python_command([py, "-c", "pass"]).kind == "code"  # type: ignore[union-attr]
+    for cold in (["torchrun", "t.py"], [py, "-i", "t.py"], [py], ["bash", "-c", "python t.py"]):
+        assert parse_python_command(cold) is None, cold
+
+
+# A group's script under `torchheal launch`: a first start reports committed steps until it is
+# killed; a restart that began in a warm spare records it and finishes; a cold restart goes on
+# like a first start (so the next kill, once a spare exists, is the one that counts). Group 0
+# finishes once group 1 was restarted warm.
+LAUNCHED = textwrap.dedent(
+    """
+    import json, os, sys, time
+    out = sys.argv[1]
+    group, start = os.environ["REPLICA_GROUP_ID"], os.environ["TORCHELASTIC_RESTART_COUNT"]
+    def step(n):
+        record = {"kind": "step", "group": int(group), "time": time.time(), "step": n,
+                  "committed": True}
+        print("@torchheal " + json.dumps(record), flush=True)
+    if group == "1" and os.environ.get("TORCHHEAL_WARM_SPARE") == "1":
+        with open(os.path.join(out, "warm"), "w") as f:
+            f.write(f"start {start} pid {os.getpid()} torch {'torch' in sys.modules}")
+        print("group 1 started warm", flush=True)
+        sys.exit(0)
+    n = 0
+    deadline = time.time() + 150
+    while time.time() < deadline:
+        n += 1
+        step(n)
+        if group == "0" and os.path.exists(os.path.join(out, "warm")):
+            sys.exit(0)
+        time.sleep(0.1)
+    sys.exit(5)
+    """
+)
+
+
+def test_launch_restarts_a_killed_group_from_a_warm_spare(tmp_path: Path) -> None:
+    script = tmp_path / "group.py"
+    script.write_text(LAUNCHED)
+    flags = ["--replicas", "2", "--warm-spares", "1", "--kill-every", "2s"]
+    flags += ["--restart-delay", "200ms", "--dashboard-port", "0", "--deadline", "170s", "--"]
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torchheal.cli",
+            "launch",
+            *flags,
+            sys.executable,
+            str(script),
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=200,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        check=False,
+    )
+    out = done.stdout
+    assert done.returncode == 0, out[-4000:] + done.stderr[-3000:]
+    warm = (tmp_path / "warm").read_text()
+    # A restart (not the first start), in a process that had torch imported before it began.
+    assert re.fullmatch(r"start [1-9]\d* pid \d+ torch True", warm), warm
+    assert "[group 1] group 1 started warm" in out
+    m = re.search(r"^\[launch\] restarts from a warm spare: (\d+) of (\d+)$", out, re.M)
+    assert m and int(m.group(1)) >= 1, out[-3000:]
+
+
+def test_launch_rejects_a_negative_number_of_spares() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "torchheal.cli", "launch", "--warm-spares", "-1", "--", "x"],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        check=False,
+    )
+    assert done.returncode == 2 and "--warm-spares" in done.stderr

@@ -1,0 +1,481 @@
+"""Warm spares: processes that have already imported torch, waiting to become a restarted rank.
+
+A restarted replica group loses seconds before its library code runs at all: the interpreter
+starts, ``import torch`` and the library's imports run, the first optimizer pulls in torch's
+compiler stack. No library code can shorten that, but a launcher can pay it *before* the
+failure. :class:`SparePool` keeps ``size`` spare processes started ahead of time
+(``python -m torchheal.launcher.spare_child``) that import the ``preload`` modules and then wait.
+When a rank must be (re)started, :meth:`SparePool.spawn` hands one of them the rank's identity
+(its argv, environment and working directory, as one JSON line on the spare's stdin); the spare
+takes it on and runs the script as ``__main__`` at once. The handle returned is the spare's own
+:class:`subprocess.Popen`: its pid is the rank's, ``wait()`` returns the script's exit status,
+``kill()`` ends the script, ``stdout`` carries its output. Without a usable spare (none started
+yet, it died, the command is not a Python script, or the environment differs where a spare
+cannot follow) :meth:`SparePool.spawn` starts the command cold, with the same pipes.
+
+What a spare cannot take on. Some variables are read once, when the interpreter starts or when a
+preloaded module is imported, and changing ``os.environ`` later has no effect: Python's own
+(``PYTHON*``: ``PYTHONPATH``, ``PYTHONUNBUFFERED``, ``PYTHONHASHSEED``...), the locale
+(``LANG``, ``LC_*``), the dynamic loader's (``LD_*``), the thread pools' (``OMP_*``, ``MKL_*``,
+``KMP_*``, ``GOMP_*``, ``OPENBLAS_*``: ``OMP_NUM_THREADS`` above all) and a few of torch's
+(``TORCH_LOGS``, ``TORCH_CPP_LOG_LEVEL``, ``TORCH_SHOW_CPP_STACKTRACES``). Start the pool with
+the same base environment as the ranks, so that only per-rank variables (``RANK``,
+``MASTER_PORT``, ``REPLICA_GROUP_ID``...) differ; a rank whose environment differs from the
+spare's in any of those (:func:`startup_differences`) is started cold rather than wrongly.
+Variables read lazily (``CUDA_VISIBLE_DEVICES`` before CUDA is first used, ``NCCL_*``,
+``TORCHHEAL_*``) are taken on. A taken spare's environment also carries
+``TORCHHEAL_WARM_SPARE=1``, so a script (or a benchmark) can tell it started warm.
+
+Standard library only; nothing is pickled (JSON on a pipe).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import re
+import select
+import shutil
+import subprocess
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import IO, Any
+
+__all__ = [
+    "DEFAULT_PRELOAD",
+    "WARM_ENV",
+    "PythonCommand",
+    "SparePool",
+    "SpareProcess",
+    "parse_python_command",
+    "started_warm",
+    "startup_differences",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Set to "1" in the environment of a rank that started from a warm spare.
+WARM_ENV = "TORCHHEAL_WARM_SPARE"
+#: What a spare imports by default: torch, its distributed package, its compiler stack (the
+#: first optimizer a script builds imports it: ~1.5 s here), and torchheal's training modules.
+DEFAULT_PRELOAD = (
+    "torch",
+    "torch.distributed",
+    "torch._dynamo",
+    "torchheal.manager",
+    "torchheal.process_group",
+    "torchheal.ddp",
+    "torchheal.optim",
+    "torchheal.checkpointing",
+)
+#: Variables read only when the interpreter starts or a preloaded module is imported.
+STARTUP_PREFIXES = ("PYTHON", "LC_", "LD_", "OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS_", "MALLOC_")
+STARTUP_NAMES = frozenset(
+    {"LANG", "TORCH_LOGS", "TORCH_CPP_LOG_LEVEL", "TORCH_SHOW_CPP_STACKTRACES"}
+)
+#: A pool stops starting spares after this many in a row died before being taken.
+MAX_SPARE_FAILURES = 3
+
+_CHILD = "torchheal.launcher.spare_child"
+_PYTHON = re.compile(r"python[0-9.]*")
+_FLAGS = re.compile(r"-[bBdEIOPqsSuv]+")  # interpreter options without an argument
+
+
+@dataclass(frozen=True)
+class PythonCommand:
+    """A Python command split the way the interpreter reads it.
+
+    Args:
+        interpreter: the interpreter and its options (``python -u -X dev``).
+        kind: "path" (a script), "module" (``-m``) or "code" (``-c``: never handed to a spare).
+        target: the script's path, the module or the code.
+        args: the arguments after it (``sys.argv[1:]``).
+    """
+
+    interpreter: tuple[str, ...]
+    kind: str
+    target: str
+    args: tuple[str, ...]
+
+
+def parse_python_command(argv: Sequence[str]) -> PythonCommand | None:
+    """Splits ``argv`` when it runs a Python script, module or code; None otherwise.
+
+    Interpreter options other than simple flags, ``-W`` and ``-X`` (``-i``, ``-``, ``--long``
+    options...) give None too: such commands always start cold.
+
+    Args:
+        argv: the command.
+    """
+    if not argv or not _PYTHON.fullmatch(os.path.basename(argv[0])):
+        return None
+    options = [argv[0]]
+    i = 1
+    while i < len(argv):
+        arg = argv[i]
+        if arg[:2] in ("-m", "-c"):
+            kind = "module" if arg[1] == "m" else "code"
+            if len(arg) > 2:
+                return PythonCommand(tuple(options), kind, arg[2:], tuple(argv[i + 1 :]))
+            if i + 1 >= len(argv):
+                return None
+            return PythonCommand(tuple(options), kind, argv[i + 1], tuple(argv[i + 2 :]))
+        if not arg.startswith("-"):
+            return PythonCommand(tuple(options), "path", arg, tuple(argv[i + 1 :]))
+        if arg in ("-W", "-X"):
+            if i + 1 >= len(argv):
+                return None
+            options += argv[i : i + 2]
+            i += 2
+            continue
+        if arg[:2] in ("-W", "-X") or _FLAGS.fullmatch(arg):
+            options.append(arg)
+            i += 1
+            continue
+        return None
+    return None
+
+
+def startup_differences(spare_env: Mapping[str, str], env: Mapping[str, str]) -> list[str]:
+    """Variables read at start-up only whose values differ between a spare and a rank.
+
+    Args:
+        spare_env: the environment the spare started with.
+        env: the rank's.
+
+    Returns:
+        Their names, sorted; empty when the spare can become this rank.
+    """
+    names = set(spare_env) | set(env)
+    return sorted(
+        n
+        for n in names
+        if (n.startswith(STARTUP_PREFIXES) or n in STARTUP_NAMES) and spare_env.get(n) != env.get(n)
+    )
+
+
+class SpareProcess(subprocess.Popen):  # type: ignore[type-arg]
+    """A spare's process: a :class:`subprocess.Popen` that is the rank once handed over.
+
+    Attributes:
+        ready: it finished its preloading (as far as the pool has seen).
+        handed_over: when it was handed a rank's identity (None while idle).
+        ready_at_handover: it had finished preloading when it was handed over.
+    """
+
+    ready: bool = False
+    handed_over: float | None = None
+    ready_at_handover: bool = False
+    ready_fd: int | None = None
+    missing: tuple[str, ...] = ()
+
+
+class SparePool:
+    """Keeps ``size`` warm spares for one Python command, and starts ranks from them.
+
+    Args:
+        command: the command the ranks run (only its interpreter and options matter: the
+            spares are started with them).
+        size: how many spares to keep (0: none; :meth:`spawn` always starts cold).
+        env: the environment spares start with: the ranks' base environment (see the module
+            docstring for why it must match in the variables read at start-up).
+        cwd: the working directory spares start in, and ranks run in unless told otherwise.
+        preload: modules a spare imports before it waits (a module that fails to import is
+            skipped with a warning: the script meets the same error itself if it needs it).
+        stdout: where ranks' output goes (as :class:`subprocess.Popen`'s argument).
+        stderr: where ranks' errors go.
+        start_new_session: start every rank (and spare) in a session of its own.
+    """
+
+    def __init__(
+        self,
+        command: Sequence[str],
+        size: int = 1,
+        *,
+        env: Mapping[str, str],
+        cwd: str | None = None,
+        preload: Sequence[str] = DEFAULT_PRELOAD,
+        stdout: int | IO[Any] | None = subprocess.PIPE,
+        stderr: int | IO[Any] | None = subprocess.STDOUT,
+        start_new_session: bool = False,
+    ) -> None:
+        if size < 0:
+            raise ValueError(f"size must be >= 0, got {size}")
+        self.size = size
+        self._env = dict(env)
+        self._cwd = cwd
+        self._preload = list(preload)
+        self._popen: dict[str, Any] = dict(
+            stdout=stdout,
+            stderr=stderr,
+            text=True,
+            bufsize=1,
+            errors="replace",
+            start_new_session=start_new_session,
+        )
+        self._python = parse_python_command(command)
+        if size and self._python is None:
+            logger.info("warm spares off: %r is not a Python command", list(command)[:3])
+        self._spares: list[SpareProcess] = []
+        self._failures = 0
+        self._warned: set[str] = set()
+        #: Ranks started from a spare, and cold.
+        self.taken = 0
+        self.cold = 0
+
+    @property
+    def enabled(self) -> bool:
+        """Spares are kept (a Python command, size > 0, and spares have not kept dying)."""
+        return bool(self.size) and self._python is not None and self._failures < MAX_SPARE_FAILURES
+
+    # -- spares ------------------------------------------------------------------------------
+
+    def fill(self) -> int:
+        """Starts spares until ``size`` are alive; returns how many it started."""
+        self._drop_dead()
+        started = 0
+        while self.enabled and len(self._spares) < self.size:
+            self._spares.append(self._start_spare())
+            started += 1
+        return started
+
+    def _start_spare(self) -> SpareProcess:
+        assert self._python is not None
+        read_fd, write_fd = os.pipe()
+        argv = [*self._python.interpreter, "-m", _CHILD, "--ready-fd", str(write_fd)]
+        for module in self._preload:
+            argv += ["--preload", module]
+        try:
+            spare = SpareProcess(
+                argv,
+                env=self._env,
+                cwd=self._cwd,
+                stdin=subprocess.PIPE,
+                pass_fds=(write_fd,),
+                **self._popen,
+            )
+        except BaseException:
+            os.close(read_fd)
+            raise
+        finally:
+            os.close(write_fd)
+        spare.ready_fd = read_fd
+        return spare
+
+    def _check_ready(self, spare: SpareProcess, timeout: float = 0.0) -> bool:
+        """Reads the spare's ready line if it is there (waiting up to ``timeout``)."""
+        if spare.ready or spare.ready_fd is None:
+            return spare.ready
+        readable, _, _ = select.select([spare.ready_fd], [], [], timeout)
+        if not readable:
+            return False
+        data = os.read(spare.ready_fd, 65536)
+        os.close(spare.ready_fd)
+        spare.ready_fd = None
+        try:
+            ready = json.loads(data)
+            spare.ready = bool(ready.get("ready"))
+            spare.missing = tuple(str(m) for m in ready.get("missing", ()))
+        except (ValueError, AttributeError):
+            spare.ready = False  # it died (EOF) or wrote garbage: it is dropped when seen dead
+        if spare.ready:
+            self._failures = 0
+            for missing in spare.missing:
+                self._warn(f"a warm spare could not preload {missing}")
+        return spare.ready
+
+    def wait_ready(self, timeout: float) -> bool:
+        """Waits until every spare has finished preloading.
+
+        Returns False when ``timeout`` ran out, a spare died first, or there is none.
+
+        Args:
+            timeout: seconds to wait at most.
+        """
+        deadline = time.monotonic() + timeout
+        for spare in list(self._spares):
+            if self._check_ready(spare, max(0.0, deadline - time.monotonic())):
+                continue
+            if spare.ready_fd is None:  # it closed its end unready: it is exiting
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    spare.wait(max(0.0, deadline - time.monotonic()))
+            return False
+        return bool(self._spares)
+
+    @property
+    def pids(self) -> list[int]:
+        """The pids of the spares waiting to be handed a rank."""
+        return [s.pid for s in self._spares]
+
+    @property
+    def ready(self) -> int:
+        """How many spares have finished preloading."""
+        return sum(self._check_ready(s) for s in self._spares if s.poll() is None)
+
+    def _drop_dead(self) -> None:
+        for spare in [s for s in self._spares if s.poll() is not None]:
+            self._spares.remove(spare)
+            self._discard(spare)
+            self._failures += 1
+            output = _leftover(spare)
+            logger.warning(
+                "a warm spare exited with %s before it was used%s",
+                spare.returncode,
+                f"; its output:\n{output}" if output else "",
+            )
+            if self._failures >= MAX_SPARE_FAILURES:
+                self._warn(
+                    f"{self._failures} warm spares in a row died before being used: "
+                    "restarts start cold from now on"
+                )
+
+    def _discard(self, spare: SpareProcess) -> None:
+        if spare.ready_fd is not None:
+            os.close(spare.ready_fd)
+            spare.ready_fd = None
+
+    def _warn(self, text: str) -> None:
+        if text not in self._warned:
+            self._warned.add(text)
+            logger.warning(text)
+
+    # -- starting ranks ----------------------------------------------------------------------
+
+    def spawn(
+        self, argv: Sequence[str], env: Mapping[str, str], cwd: str | None = None
+    ) -> subprocess.Popen[str]:
+        """Starts a rank: hands it to a spare when one fits, else starts it cold.
+
+        Args:
+            argv: the rank's command.
+            env: its whole environment.
+            cwd: its working directory (default: the pool's).
+
+        Returns:
+            The rank's process: a :class:`SpareProcess` when it started warm.
+        """
+        workdir = cwd or self._cwd or os.getcwd()
+        command = parse_python_command(argv)
+        reason = self._unfit(command, env)
+        while reason is None:
+            spare = self._pop()
+            if spare is None:
+                reason = "no spare is alive"
+                break
+            assert command is not None
+            message = {
+                "kind": command.kind,
+                "target": command.target,
+                "argv": list(command.args),
+                "env": {**env, WARM_ENV: "1"},
+                "cwd": workdir,
+            }
+            spare.ready_at_handover = self._check_ready(spare)
+            try:
+                assert spare.stdin is not None
+                spare.stdin.write(json.dumps(message) + "\n")
+                spare.stdin.close()
+                spare.stdin = None  # as a cold start's (its stdin is /dev/null now)
+            except (OSError, ValueError):
+                spare.kill()  # it died as we handed over: try the next one
+                spare.wait()
+                self._discard(spare)
+                continue
+            self._discard(spare)
+            spare.handed_over = time.time()
+            self.taken += 1
+            return spare
+        logger.debug("starting %s cold: %s", list(argv)[:3], reason)
+        self.cold += 1
+        return self.cold_start(argv, env, workdir)
+
+    def cold_start(
+        self, argv: Sequence[str], env: Mapping[str, str], cwd: str | None = None
+    ) -> subprocess.Popen[str]:
+        """Starts a rank the ordinary way, with the pool's pipes and session setting.
+
+        Args:
+            argv: the rank's command.
+            env: its environment.
+            cwd: its working directory (default: the pool's).
+        """
+        return subprocess.Popen(
+            list(argv),
+            env=dict(env),
+            cwd=cwd or self._cwd,
+            stdin=subprocess.DEVNULL,
+            **self._popen,
+        )
+
+    def _unfit(self, command: PythonCommand | None, env: Mapping[str, str]) -> str | None:
+        """Why no spare can run this rank, or None when one can."""
+        if not self.enabled:
+            return "warm spares are off"
+        assert self._python is not None
+        if command is None or command.kind == "code":
+            return "not a Python script or module"
+        if _resolve(command.interpreter, env) != _resolve(self._python.interpreter, self._env):
+            return "another interpreter or other interpreter options"
+        differ = startup_differences(self._env, env)
+        if differ:
+            self._warn(f"started cold: read at start-up, these differ from the spare's: {differ}")
+            return f"start-up variables differ: {differ}"
+        return None
+
+    def _pop(self) -> SpareProcess | None:
+        """A live spare, those that finished preloading first; the dead are dropped."""
+        self._drop_dead()
+        if not self._spares:
+            return None
+        ready = [s for s in self._spares if self._check_ready(s)]
+        spare = (ready or self._spares)[0]
+        self._spares.remove(spare)
+        return spare
+
+    def close(self) -> None:
+        """Ends the spares that were not used (ranks already started are not touched)."""
+        for spare in self._spares:
+            if spare.poll() is None:
+                spare.kill()
+            spare.wait()
+            self._discard(spare)
+            for pipe in (spare.stdin, spare.stdout, spare.stderr):
+                if pipe is not None:
+                    pipe.close()
+        self._spares.clear()
+
+    def __enter__(self) -> SparePool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def started_warm(proc: subprocess.Popen[str]) -> bool:
+    """The process began as a warm spare (it was handed over, not started cold).
+
+    Args:
+        proc: a process :meth:`SparePool.spawn` returned.
+    """
+    return isinstance(proc, SpareProcess) and proc.handed_over is not None
+
+
+def _resolve(interpreter: Sequence[str], env: Mapping[str, str]) -> tuple[str, ...]:
+    """The interpreter as the OS would find it in ``env``'s PATH, with its options."""
+    program = interpreter[0]
+    if os.sep not in program:
+        program = shutil.which(program, path=env.get("PATH", os.defpath)) or program
+    return (os.path.abspath(program), *interpreter[1:])
+
+
+def _leftover(spare: SpareProcess) -> str:
+    """What a dead spare printed (its stdout, when the pool reads it), cut to 2000 characters."""
+    if spare.stdout is None:
+        return ""
+    try:
+        return spare.stdout.read()[-2000:].strip()
+    except (OSError, ValueError):
+        return ""
