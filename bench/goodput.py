@@ -11,6 +11,14 @@ group is SIGKILLed every ``--kill-every`` seconds (first kill at the start of th
 started again ``--restart-delay`` seconds later. The same run is done with the reference
 (torchft managers and the torchft lighthouse) when it is installed, with the same victims.
 
+Restarts (``--restart``): ``warm`` (the default) starts a killed group in a warm spare, the
+mechanism of ``torchheal launch --warm-spares``: a process started ahead of time that has
+imported torch (its compiler stack too) and the library, handed the group's argv and environment
+when it is needed (``torchheal/launcher/spare.py``); the reference's spare imports torchft's
+modules instead of torchheal's, so both libraries restart the same way. ``cold`` starts an
+ordinary process (interpreter, imports and all); ``both`` does one run of each. Every row says
+which it used, and each kill whether the restart did begin in a spare.
+
 Reported, failures phase over healthy phase:
 
 * job steps/s: distinct committed step numbers (a step counts once, whoever committed it);
@@ -20,14 +28,16 @@ Reported, failures phase over healthy phase:
 And per kill: the survivors' longest gap between two of their own commits from the kill until the
 next kill (or the end), split into the gap around the kill and the longest gap while the restarted
 group joins (from its Manager's construction to its third commit); the restarted group's kill ->
-first commit, restart (process start) -> first commit, its start-up (interpreter, torch and library
-imports, model and optimizer built: paid by both libraries, its own column), the Manager's
+first commit, restart (process start, or hand-over to a spare) -> first commit, its start-up
+(interpreter, torch and library imports, model and optimizer built: paid by both libraries, its
+own column; in a warm spare, from the hand-over to model and optimizer built), the Manager's
 construction, and Manager constructed -> first commit.
 
 Goals (issue 9): job steps >= 0.99, commits >= 0.97, no survivor gap over 0.5 s.
 
     python -m bench.goodput                      # ~5 min on 2 cores with the reference
     python -m bench.goodput --impls torchheal --healthy 30 --failing 40 --timeline
+    python -m bench.goodput --restart both       # warm and cold restarts, one run each
 
 On a 2-core machine three CPU-bound groups saturate the CPU, so a dead group makes the others
 faster and the ratios say more about the CPU than about fault tolerance; ``--compute-s`` adds a
@@ -79,7 +89,8 @@ def _emit(kind: str, **fields: Any) -> None:
 
 
 def worker(args: argparse.Namespace) -> None:
-    _emit("exec", t=T_EXEC)
+    # Started in a warm spare (torchheal.launcher.spare): its imports were done before the kill.
+    _emit("exec", t=T_EXEC, warm=os.environ.get("TORCHHEAL_WARM_SPARE") == "1")
     from datetime import timedelta
 
     import torch
@@ -194,59 +205,102 @@ class Proc:
     log: Path
 
 
+def preload(impl: str) -> list[str]:
+    """What a warm spare of ``impl`` imports: torch's (the same for both libraries), then the
+    library's modules the worker uses, as ``torchheal launch``'s spares do for torchheal."""
+    return [
+        "torch",
+        "torch.distributed",
+        "torch._dynamo",  # the first optimizer built imports it (~1.5 s here)
+        *(f"{impl}{m}" for m in ("", ".manager", ".process_group", ".ddp", ".optim")),
+        f"{impl}.checkpointing",
+    ]
+
+
 class Job:
-    """The groups of one run: started, killed and restarted here, their events in one list."""
+    """The groups of one run: started, killed and restarted here, their events in one list.
+
+    Restarts go through a :class:`~torchheal.launcher.spare.SparePool`: with ``restart="warm"``
+    it keeps one spare (torch and ``impl``'s modules imported) that the next restart starts in,
+    started again once every group has committed in its current start; with ``"cold"`` it
+    keeps none and every start is an ordinary process, with the same pipes either way.
+    """
 
     def __init__(
-        self, impl: str, lighthouse: str, groups: int, out: Path, compute_s: float = 0.0
+        self,
+        impl: str,
+        lighthouse: str,
+        groups: int,
+        out: Path,
+        compute_s: float = 0.0,
+        restart: str = "warm",
     ) -> None:
+        from torchheal.launcher.spare import SparePool
+
         self.impl = impl
         self.compute_s = compute_s
         self.lighthouse = lighthouse
         self.groups = groups
         self.out = out
-        self.stop_file = out / f"stop-{impl}"
+        self.restart = restart
+        self.stop_file = out / f"stop-{impl}-{restart}"
         self.procs: dict[int, list[Proc]] = {g: [] for g in range(groups)}
         self.events: list[dict[str, Any]] = []
+        self.committed: set[tuple[int, int]] = set()  # (group, incarnation) that committed
         self.arrivals: queue.Queue[dict[str, Any]] = queue.Queue()
+        self.env = {**os.environ, "LOGLEVEL": "WARNING", "RUST_LOG": "warn", "OMP_NUM_THREADS": "1"}
+        self.pool = SparePool(
+            self.command(0),
+            1 if restart == "warm" else 0,
+            env=self.env,
+            cwd=str(ROOT),
+            preload=preload(impl),
+            start_new_session=True,
+        )
 
-    def start(self, group: int) -> Proc:
-        incarnation = len(self.procs[group])
+    def command(self, group: int) -> list[str]:
         cmd = [sys.executable, "-m", "bench.goodput", "--worker", "--impl", self.impl]
         cmd += ["--group", str(group), "--lighthouse", self.lighthouse]
-        cmd += ["--stop-file", str(self.stop_file), "--compute-s", str(self.compute_s)]
-        env = {**os.environ, "LOGLEVEL": "WARNING", "RUST_LOG": "warn", "OMP_NUM_THREADS": "1"}
-        log = self.out / f"{self.impl}-g{group}i{incarnation}.log"
+        return [*cmd, "--stop-file", str(self.stop_file), "--compute-s", str(self.compute_s)]
+
+    def start(self, group: int) -> Proc:
+        """Starts the group: cold the first time, then as ``restart`` says."""
+        incarnation = len(self.procs[group])
+        log = self.out / f"{self.impl}-{self.restart}-g{group}i{incarnation}.log"
         launched = time.time()
-        with open(log, "w") as err:
-            popen = subprocess.Popen(
-                cmd,
-                cwd=ROOT,
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=err,
-                text=True,
-                start_new_session=True,
-            )
+        spawn = self.pool.spawn if incarnation else self.pool.cold_start
+        popen = spawn(self.command(group), self.env)
         proc = Proc(group, incarnation, popen, launched, log)
         self.procs[group].append(proc)
         threading.Thread(target=self._read, args=(proc,), daemon=True).start()
         return proc
 
+    def refill(self) -> None:
+        """Starts a spare when none waits and every group committed in its current start."""
+        if self.pool.enabled and not self.pool.pids and all(map(self.up, range(self.groups))):
+            self.pool.fill()
+
     def _read(self, proc: Proc) -> None:
         assert proc.popen.stdout is not None
-        for line in proc.popen.stdout:
-            if line.startswith(PREFIX):
-                event = json.loads(line[len(PREFIX) :])
-                event.update(group=proc.group, inc=proc.incarnation)
-                self.arrivals.put(event)
+        with open(proc.log, "w") as log:
+            for line in proc.popen.stdout:
+                if line.startswith(PREFIX):
+                    event = json.loads(line[len(PREFIX) :])
+                    event.update(group=proc.group, inc=proc.incarnation)
+                    self.arrivals.put(event)
+                else:
+                    log.write(line)
+                    log.flush()
 
     def drain(self, timeout: float) -> None:
         """Takes in the events that arrived (waiting up to ``timeout`` for the first)."""
         try:
-            self.events.append(self.arrivals.get(timeout=timeout))
+            event = self.arrivals.get(timeout=timeout)
             while True:
-                self.events.append(self.arrivals.get_nowait())
+                self.events.append(event)
+                if event["kind"] == "step" and event["committed"]:
+                    self.committed.add((event["group"], event["inc"]))
+                event = self.arrivals.get_nowait()
         except queue.Empty:
             pass
 
@@ -261,11 +315,7 @@ class Job:
     def up(self, group: int) -> bool:
         """Its current start runs and has committed a step."""
         proc = self.procs[group][-1]
-        return proc.popen.poll() is None and any(
-            e["kind"] == "step" and e["committed"] and e["group"] == group
-            for e in self.events
-            if e["inc"] == proc.incarnation
-        )
+        return proc.popen.poll() is None and (group, proc.incarnation) in self.committed
 
     def check_alive(self) -> None:
         for procs in self.procs.values():
@@ -288,6 +338,7 @@ class Job:
                     except subprocess.TimeoutExpired:
                         os.killpg(proc.popen.pid, signal.SIGKILL)
                         proc.popen.wait()
+        self.pool.close()
         self.drain(0.5)
 
 
@@ -314,6 +365,11 @@ class RunData:
     kill_every: float = 0.0
     restart_delay: float = 0.0
     compute_s: float = 0.0
+    restart: str = "cold"  # how restarted groups started: "warm" (a spare) or "cold"
+
+    @property
+    def label(self) -> str:
+        return f"{self.impl} {self.restart}"
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps(asdict(self)))
@@ -340,10 +396,12 @@ def schedule(
     return healthy, failing
 
 
-def run(impl: str, args: argparse.Namespace, victims: list[int], out: Path) -> RunData:
-    """One run of ``impl``: warm-up, then the healthy and failing windows."""
-    with lighthouse_process(impl, out / f"lighthouse-{impl}.log") as addr:
-        job = Job(impl, addr, args.groups, out, args.compute_s)
+def run(
+    impl: str, args: argparse.Namespace, victims: list[int], out: Path, restart: str = "warm"
+) -> RunData:
+    """One run of ``impl`` restarting groups ``restart``: warm-up, then the windows."""
+    with lighthouse_process(impl, out / f"lighthouse-{impl}-{restart}.log") as addr:
+        job = Job(impl, addr, args.groups, out, args.compute_s, restart)
         try:
             for g in range(args.groups):
                 job.start(g)
@@ -361,7 +419,10 @@ def run(impl: str, args: argparse.Namespace, victims: list[int], out: Path) -> R
                     together = max(e["t"] for e in full)
                 if time.time() > deadline:
                     raise RuntimeError(f"{impl}: the groups never trained together")
-            healthy, failing = schedule(together + args.warmup, args)
+            # The first spare imports during the warm-up, and is ready before the windows.
+            job.refill()
+            job.pool.wait_ready(120)
+            healthy, failing = schedule(max(together, time.time()) + args.warmup, args)
             t1, t2 = failing[0][0], max(healthy[-1][1], failing[-1][1])
             kill_times = (
                 []
@@ -380,6 +441,7 @@ def run(impl: str, args: argparse.Namespace, victims: list[int], out: Path) -> R
             victims_left = list(victims)
             while time.time() < t2:
                 job.drain(0.05)
+                job.refill()
                 now = time.time()
                 if pending and now >= pending[0]:
                     victim = victims_left[0]
@@ -388,7 +450,10 @@ def run(impl: str, args: argparse.Namespace, victims: list[int], out: Path) -> R
                         pending.pop(0)
                         kills.append(Kill(victim, job.kill(victim)))
                         restarts.append((time.time() + args.restart_delay, victim))
-                        print(f"  [{impl}] t={now - t1:5.1f}s killed g{victim}", file=sys.stderr)
+                        print(
+                            f"  [{impl} {restart}] t={now - t1:5.1f}s killed g{victim}",
+                            file=sys.stderr,
+                        )
                 for when, group in list(restarts):
                     if now >= when:
                         restarts.remove((when, group))
@@ -413,8 +478,9 @@ def run(impl: str, args: argparse.Namespace, victims: list[int], out: Path) -> R
         args.kill_every,
         args.restart_delay,
         args.compute_s,
+        restart,
     )
-    data.save(out / f"run-{impl}.json")
+    data.save(out / f"run-{impl}-{restart}.json")
     return data
 
 
@@ -479,6 +545,7 @@ class KillCost:
     ready_to_commit_s: float | None
     healed: bool
     worst: tuple[int, float, float] | None = None  # survivor, gap start, gap end
+    warm: bool | None = None  # the restart began in a warm spare
 
 
 def kill_costs(data: RunData) -> list[KillCost]:
@@ -493,6 +560,7 @@ def kill_costs(data: RunData) -> list[KillCost]:
         third = [e for e in mine if e["kind"] == "step" and e["committed"]][2:3]
         ready = next((e for e in mine if e["kind"] == "ready"), None)
         built = next((e for e in mine if e["kind"] == "built"), None)
+        began = next((e for e in mine if e["kind"] == "exec"), None)
         rejoin = (ready["t"], third[0]["t"]) if ready and third else None
         starting = (launched, built["t"]) if launched and built else None
         in_startup: float | None = None
@@ -537,6 +605,7 @@ def kill_costs(data: RunData) -> list[KillCost]:
                 ready_to_commit_s=(first["t"] - ready["t"]) if first and ready else None,
                 healed=bool(first and first["after"] > first["before"] + 1),
                 worst=(best[1], best[2], best[3]) if best else None,
+                warm=began.get("warm", False) if began else None,
             )
         )
     return out
@@ -617,12 +686,12 @@ def report(results: list[RunData], timeline: bool = False) -> None:
         + (f"; {d0.compute_s:.2f} s of simulated accelerator time per step" if d0.compute_s else "")
     )
     head = (
-        f"{'impl':<10}{'job steps/s':>12}{'':>9}{'ratio':>7}{'commits/s':>11}{'':>9}{'ratio':>7}"
+        f"{'impl restart':<16}{'job steps/s':>12}{'':>9}{'ratio':>7}{'commits/s':>11}{'':>9}{'ratio':>7}"
         f"{'longest job stall s':>21}{'normal gap':>12}"
     )
     print(head)
     print(
-        f"{'':<10}{'healthy':>12}{'failing':>9}{'':>7}{'healthy':>11}{'failing':>9}{'':>7}"
+        f"{'':<16}{'healthy':>12}{'failing':>9}{'':>7}{'healthy':>11}{'failing':>9}{'':>7}"
         f"{'healthy / failing':>21}{'s':>12}"
     )
     verdicts = []
@@ -634,42 +703,45 @@ def report(results: list[RunData], timeline: bool = False) -> None:
         worst = max((c.survivor_max_gap_s or 0.0 for c in costs), default=0.0)
         outside = max((c.gap_outside_startup_s or 0.0 for c in costs), default=0.0)
         print(
-            f"{d.impl:<10}{h.job_steps_per_s:>12.2f}{f.job_steps_per_s:>9.2f}{jr:>7.3f}"
+            f"{d.label:<16}{h.job_steps_per_s:>12.2f}{f.job_steps_per_s:>9.2f}{jr:>7.3f}"
             f"{h.commits_per_s:>11.2f}{f.commits_per_s:>9.2f}{cr:>7.3f}"
             f"{h.longest_stall_s:>12.2f} / {f.longest_stall_s:<6.2f}{normal_gap(d):>12.3f}"
         )
-        verdicts.append((d.impl, jr, cr, worst, outside))
+        verdicts.append((d.label, jr, cr, worst, outside))
     print(
         "\nper kill (s). Survivors' longest gap between two of their commits from the kill to the "
         "next kill: overall, around the kill, within the restarted process's start-up "
         "(interpreter, imports, model and optimizer: no library code runs yet, its CPU and disk "
         "are taken from the survivors), while the restarted group joins (Manager constructed to "
         "its third commit), and the longest outside its start-up. The restarted group: kill -> "
-        "first commit, restart -> first commit, its start-up (paid by both libraries), its "
-        "Manager's construction, Manager constructed -> first commit."
+        "first commit, restart -> first commit, its start-up (paid by both libraries: from the "
+        "process start, or in a warm spare from the hand-over, to model and optimizer built), "
+        "its Manager's construction, Manager constructed -> first commit, and whether it began "
+        "in a warm spare (a warm run falls back to a cold start when no spare is alive)."
     )
     print(
-        f"{'':<29}{'survivors':-^45}{'':1}{'restarted group':-^55}"
-        f"\n{'impl':<10}{'kill':>5}{'victim':>7}{'at s':>7}{'max':>7}{'at kill':>9}"
+        f"{'':<35}{'survivors':-^45}{'':1}{'restarted group':-^61}"
+        f"\n{'impl restart':<16}{'kill':>5}{'victim':>7}{'at s':>7}{'max':>7}{'at kill':>9}"
         f"{'start-up':>10}{'rejoin':>8}{'others':>8}  {'kill->1st':>10}{'restart->1st':>13}"
-        f"{'start-up':>9}{'Manager()':>10}{'ready->1st':>11}{'healed':>7}"
+        f"{'start-up':>9}{'Manager()':>10}{'ready->1st':>11}{'healed':>7}{'spare':>6}"
     )
     for d in results:
         for n, c in enumerate(kill_costs(d)):
             print(
-                f"{d.impl:<10}{n + 1:>5}{'g' + str(c.group):>7}{c.at_s:>7.1f}"
+                f"{d.label:<16}{n + 1:>5}{'g' + str(c.group):>7}{c.at_s:>7.1f}"
                 f"{_f(c.survivor_max_gap_s):>7}{_f(c.gap_at_kill_s):>9}"
                 f"{_f(c.gap_in_startup_s):>10}{_f(c.gap_at_rejoin_s):>8}"
                 f"{_f(c.gap_outside_startup_s):>8}  "
                 f"{_f(c.kill_to_commit_s):>10}{_f(c.restart_to_commit_s):>13}{_f(c.startup_s):>9}"
                 f"{_f(c.construct_s):>10}{_f(c.ready_to_commit_s):>11}"
                 f"{'yes' if c.healed else 'no':>7}"
+                f"{'-' if c.warm is None else 'yes' if c.warm else 'no':>6}"
             )
     print("\ngoals: job steps >= 0.99, commits >= 0.97, no survivor gap over 0.5 s")
     for impl, jr, cr, worst, outside in verdicts:
         ok = [jr >= 0.99, cr >= 0.97, worst <= 0.5]
         print(
-            f"{impl:<10} job steps {jr:.3f} {'met' if ok[0] else 'NOT met'}; commits {cr:.3f} "
+            f"{impl:<16} job steps {jr:.3f} {'met' if ok[0] else 'NOT met'}; commits {cr:.3f} "
             f"{'met' if ok[1] else 'NOT met'}; survivor gap {worst:.2f} s "
             f"{'met' if ok[2] else 'NOT met'} ({outside:.2f} s outside restarts' start-up)"
         )
@@ -725,6 +797,14 @@ def main() -> None:
         action="store_true",
         help="no kills in the second phase: how far two failure-free phases differ here",
     )
+    p.add_argument(
+        "--restart",
+        choices=("warm", "cold", "both"),
+        default="warm",
+        help="how killed groups start again: in a warm spare that already imported torch and "
+        "the library (torchheal.launcher.spare, the same for both libraries), as an ordinary "
+        "process, or one run of each (default %(default)s)",
+    )
     p.add_argument("--timeline", action="store_true", help="print each kill's timeline")
     p.add_argument("--out", default=None, help="keep events and logs here")
     p.add_argument("--report", default=None, help="print the tables of the runs kept in DIR")
@@ -748,7 +828,8 @@ def main() -> None:
     out_ctx = contextlib.nullcontext(args.out) if args.out else tempfile.TemporaryDirectory()
     with out_ctx as out:
         Path(out).mkdir(parents=True, exist_ok=True)
-        results = [run(impl, args, victims, Path(out)) for impl in impls]
+        modes = ["warm", "cold"] if args.restart == "both" else [args.restart]
+        results = [run(impl, args, victims, Path(out), mode) for impl in impls for mode in modes]
     report(results, args.timeline)
     print(f"\nload average after: {os.getloadavg()}")
 

@@ -37,7 +37,7 @@ REPORT = textwrap.dedent(
     print(json.dumps({
         "argv": sys.argv, "cwd": os.getcwd(), "path0": sys.path[0], "name": __name__,
         "group": os.environ.get("GROUP"), "only_spare": os.environ.get("ONLY_SPARE"),
-        "warm": os.environ.get("TORCHHEAL_WARM_SPARE"), "stdin": sys.stdin.read(),
+        "warm": os.environ.get("TORCHHEAL_WARM_SPARE"), "stdin": os.readlink("/proc/self/fd/0"),
     }), flush=True)
     sys.exit(int(sys.argv[1]))
     """
@@ -80,7 +80,7 @@ def test_a_spare_runs_the_script_with_the_ranks_argv_env_cwd_and_exit_code(tmp_p
         "group": "3",
         "only_spare": None,  # the environment is replaced, not merged
         "warm": "1",
-        "stdin": "",  # /dev/null, as a cold start's
+        "stdin": "/dev/null",  # as a cold start's
     }
 
 
@@ -106,16 +106,16 @@ def test_a_spare_runs_a_module_and_its_failure_reads_like_the_scripts(tmp_path: 
 
 def test_sigkill_of_a_taken_spare_kills_the_script(tmp_path: Path) -> None:
     script = tmp_path / "wait.py"
-    script.write_text("import signal\nprint('running', flush=True)\nsignal.pause()\n")
+    script.write_text("import os, signal\nprint(os.getpid(), flush=True)\nsignal.pause()\n")
     with _pool(tmp_path) as pool:
         pool.fill()
         proc = pool.spawn([sys.executable, str(script)], _env())
         assert started_warm(proc)
         assert proc.stdout is not None
-        assert proc.stdout.readline() == "running\n"  # the script runs in that very process
+        # The script runs in that very process: the pid the launcher kills is the script's.
+        assert proc.stdout.readline() == f"{proc.pid}\n"
         os.kill(proc.pid, signal.SIGKILL)
         assert proc.wait(timeout=TIMEOUT) == -signal.SIGKILL
-        assert proc.stdout.read() == ""  # its output ended with it
 
 
 def test_a_script_that_kills_itself_with_a_signal_exits_by_that_signal(tmp_path: Path) -> None:
@@ -228,7 +228,7 @@ LAUNCHED = textwrap.dedent(
         print("group 1 started warm", flush=True)
         sys.exit(0)
     n = 0
-    deadline = time.time() + 150
+    deadline = time.time() + 60
     while time.time() < deadline:
         n += 1
         step(n)
@@ -244,7 +244,7 @@ def test_launch_restarts_a_killed_group_from_a_warm_spare(tmp_path: Path) -> Non
     script = tmp_path / "group.py"
     script.write_text(LAUNCHED)
     flags = ["--replicas", "2", "--warm-spares", "1", "--kill-every", "2s"]
-    flags += ["--restart-delay", "200ms", "--dashboard-port", "0", "--deadline", "170s", "--"]
+    flags += ["--restart-delay", "200ms", "--dashboard-port", "0", "--deadline", "100s", "--"]
     done = subprocess.run(
         [
             sys.executable,
@@ -259,7 +259,7 @@ def test_launch_restarts_a_killed_group_from_a_warm_spare(tmp_path: Path) -> Non
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=200,
+        timeout=150,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
         check=False,
     )
