@@ -207,6 +207,8 @@ def test_which_commands_a_spare_can_run() -> None:
     assert parse_python_command([py, "-c", "pass"]).kind == "code"  # type: ignore[union-attr]
     for cold in (["torchrun", "t.py"], [py, "-i", "t.py"], [py], ["bash", "-c", "python t.py"]):
         assert parse_python_command(cold) is None, cold
+    for never in ([py, "-c", "pass"], ["torchrun", "t.py"]):  # no spare would ever be used
+        assert not SparePool(never, 1, env={}).enabled
 
 
 # A group's script under `torchheal launch`: a first start reports committed steps until it is

@@ -216,9 +216,11 @@ class SparePool:
             errors="replace",
             start_new_session=start_new_session,
         )
-        self._python = parse_python_command(command)
+        python = parse_python_command(command)
+        # ``python -c CODE`` is never handed over (it would take ``exec``): no spares for it.
+        self._python = python if python is not None and python.kind != "code" else None
         if size and self._python is None:
-            logger.info("warm spares off: %r is not a Python command", list(command)[:3])
+            logger.info("warm spares off: %r is not a Python script or module", list(command)[:3])
         self._spares: list[SpareProcess] = []
         self._failures = 0
         self._warned: set[str] = set()
