@@ -15,6 +15,7 @@ import importlib
 import json
 import os
 import sys
+import threading
 import time
 from datetime import timedelta
 
@@ -46,6 +47,62 @@ def make_model(state_mb: int) -> nn.Module:
 def batch(group: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(group * 1_000_003 + step)
     return torch.randn(32, 1024, generator=g), torch.randn(32, 512, generator=g)
+
+
+def _phases(args: argparse.Namespace, *marks: float) -> dict[str, float]:
+    """Milliseconds spent in each phase of one step (``--phases``), for the timeline."""
+    if not args.phases:
+        return {}
+    now = time.perf_counter()
+    names = ("start", "forward", "backward", "vote", "update")
+    spans = [b - a for a, b in zip(marks, (*marks[1:], now), strict=True)]
+    return {"phases": {n: round(d * 1e3, 3) for n, d in zip(names, spans, strict=True)}}
+
+
+def thread_cpu() -> dict[str, float]:
+    """CPU seconds used so far by each thread of this process (``--phases``; Linux only).
+
+    Python threads are named by their ``threading`` name, native ones (Gloo, gRPC, torch) by
+    the kernel's name for them.
+    """
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    tick = os.sysconf("SC_CLK_TCK")
+    cpu: dict[str, float] = {}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return cpu
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        comm = stat[stat.index("(") + 1 : stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2 :].split()
+        name = names.get(int(tid), comm)
+        cpu[name] = cpu.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return cpu
+
+
+class CpuMeter:
+    """Per-thread CPU seconds between the end of the warm-up and the end of the run."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self._on = args.phases
+        self._warmup = args.warmup
+        self._start: dict[str, float] | None = None
+
+    def step(self, step: int) -> None:
+        if self._on and self._start is None and step >= self._warmup:
+            self._start = thread_cpu()
+
+    def fields(self) -> dict[str, dict[str, float]]:
+        if not self._on or self._start is None:
+            return {}
+        end = thread_cpu()
+        used = {k: round(v - self._start.get(k, 0.0), 3) for k, v in end.items()}
+        return {"thread_cpu": {k: v for k, v in used.items() if v > 0}}
 
 
 def run_ft(args: argparse.Namespace, group: int) -> None:
@@ -81,13 +138,28 @@ def run_ft(args: argparse.Namespace, group: int) -> None:
     ddp = ft.DistributedDataParallel(manager, model)
     optimizer = ft.Optimizer(manager, inner)
     emit("start", group, pid=os.getpid())
+    cpu = CpuMeter(args)
     while manager.current_step() < args.steps:
         before = manager.current_step()
+        cpu.step(before)
+        t0 = time.perf_counter()
         optimizer.zero_grad()
         x, y = batch(group, before)
-        nn.functional.mse_loss(ddp(x), y).backward()
-        optimizer.step()
+        t1 = time.perf_counter()
+        loss = nn.functional.mse_loss(ddp(x), y)
+        t2 = time.perf_counter()
+        loss.backward()
+        t3 = time.perf_counter()
+        if args.phases:  # the wrapper's step, split in its vote and its update
+            commit = manager.should_commit()
+            t4 = time.perf_counter()
+            if commit:
+                inner.step()
+        else:
+            optimizer.step()
+            t4 = time.perf_counter()
         after = manager.current_step()
+        phases = _phases(args, t0, t1, t2, t3, t4)
         emit(
             "step",
             group,
@@ -96,8 +168,9 @@ def run_ft(args: argparse.Namespace, group: int) -> None:
             healed=after > before + 1,
             participants=manager.num_participants(),
             quorum_id=manager._quorum_id,
+            **phases,
         )
-    emit("done", group, step=manager.current_step(), digest="-")
+    emit("done", group, step=manager.current_step(), digest="-", **cpu.fields())
     manager.shutdown(wait=False)
 
 
@@ -113,11 +186,20 @@ def run_plain(args: argparse.Namespace, group: int) -> None:
     ddp = nn.parallel.DistributedDataParallel(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     emit("start", group, pid=os.getpid())
+    cpu = CpuMeter(args)
     for step in range(args.steps):
+        cpu.step(step)
+        t0 = time.perf_counter()
         optimizer.zero_grad()
         x, y = batch(group, step)
-        nn.functional.mse_loss(ddp(x), y).backward()
+        t1 = time.perf_counter()
+        loss = nn.functional.mse_loss(ddp(x), y)
+        t2 = time.perf_counter()
+        loss.backward()
+        t3 = time.perf_counter()
+        t4 = t3  # no vote
         optimizer.step()
+        phases = _phases(args, t0, t1, t2, t3, t4)
         emit(
             "step",
             group,
@@ -125,8 +207,9 @@ def run_plain(args: argparse.Namespace, group: int) -> None:
             committed=True,
             healed=False,
             participants=dist.get_world_size(),
+            **phases,
         )
-    emit("done", group, step=args.steps, digest="-")
+    emit("done", group, step=args.steps, digest="-", **cpu.fields())
     dist.destroy_process_group()
 
 
@@ -137,6 +220,8 @@ def main() -> None:
     p.add_argument("--state-mb", type=int, default=0)
     p.add_argument("--transport", choices=["http", "pg"], default="http")
     p.add_argument("--timeout", type=float, default=60.0)
+    p.add_argument("--phases", action="store_true", help="time each phase of every step")
+    p.add_argument("--warmup", type=int, default=20, help="steps before CPU is counted")
     args = p.parse_args()
     torch.set_num_threads(1)  # two groups share two cores
     group = int(os.environ.get("REPLICA_GROUP_ID", "0"))

@@ -4,7 +4,7 @@ Two replica groups of one rank each, Gloo on loopback, a ~5M-parameter MLP, batc
 Each configuration runs as separate processes; steps/s is measured on every group after a
 warm-up and averaged. Goal: torchheal within 5% of plain DDP and at least the reference.
 
-    python -m bench.step_overhead [--steps 120] [--warmup 20]
+    python -m bench.step_overhead [--steps 120] [--warmup 20] [--rounds 2] [--phases]
 """
 
 from __future__ import annotations
@@ -34,6 +34,31 @@ def steps_per_second(result: RunResult, warmup: int) -> float:
     return statistics.mean(rates)
 
 
+def phase_medians(result: RunResult, warmup: int) -> dict[str, float]:
+    """Median milliseconds per phase over the measured committed steps of every group."""
+    spans: dict[str, list[float]] = {}
+    for g in result.groups:
+        steps = [
+            e
+            for e in result.events
+            if e.kind == "step" and e.group == g and e.fields.get("committed")
+        ][warmup:]
+        for e in steps:
+            for name, ms in e.fields.get("phases", {}).items():
+                spans.setdefault(name, []).append(ms)
+    return {name: statistics.median(v) for name, v in spans.items()}
+
+
+def thread_cpu_per_step(result: RunResult, steps: int) -> dict[str, float]:
+    """CPU milliseconds per measured step by thread name, summed over the groups (``--phases``)."""
+    cpu: dict[str, float] = {}
+    for e in result.events:
+        if e.kind == "done":
+            for name, seconds in e.fields.get("thread_cpu", {}).items():
+                cpu[name] = cpu.get(name, 0.0) + seconds * 1e3 / steps
+    return cpu
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=120)
@@ -41,12 +66,25 @@ def main() -> None:
     parser.add_argument(
         "--rounds", type=int, default=2, help="repeat each configuration, interleaved"
     )
+    parser.add_argument(
+        "--phases", action="store_true", help="also print the median time of each step phase"
+    )
+    parser.add_argument(
+        "--only", nargs="+", choices=["plain", "torchheal", "torchft"], help="configurations"
+    )
     args = parser.parse_args()
-    worker_args = ["--steps", str(args.steps)]
+    worker_args = ["--steps", str(args.steps), "--warmup", str(args.warmup)]
+    worker_args += ["--phases"] if args.phases else []
     impls = ["plain", "torchheal"] + (["torchft"] if reference_available() else [])
+    if args.only:
+        impls = [i for i in impls if i in args.only]
     results: dict[str, list[float]] = {i: [] for i in impls}
-    for _ in range(args.rounds):
-        for impl in impls:
+    phases: dict[str, list[dict[str, float]]] = {i: [] for i in impls}
+    cpu: dict[str, list[dict[str, float]]] = {i: [] for i in impls}
+    for r in range(args.rounds):
+        # Interleaved, and each round in another order, so a slow spell of the (shared)
+        # machine does not fall on one configuration only.
+        for impl in impls[r % len(impls) :] + impls[: r % len(impls)]:
             if impl == "plain":
                 store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
                 env = {"PLAIN_STORE_HOST": "127.0.0.1", "PLAIN_STORE_PORT": str(store.port)}
@@ -57,20 +95,44 @@ def main() -> None:
                     result = run_workers(impl, 2, addr, worker_args)
             assert not result.timed_out, f"{impl} run timed out"
             results[impl].append(steps_per_second(result, args.warmup))
+            phases[impl].append(phase_medians(result, args.warmup))
+            cpu[impl].append(thread_cpu_per_step(result, args.steps - args.warmup))
 
-    plain = statistics.median(results["plain"])
+    base = statistics.median(results[impls[0]])
     print(
-        f"\nStep overhead: 2 replica groups x 1 rank, Gloo, ~5M-param MLP, {args.steps} steps ({args.warmup} warm-up), median of {args.rounds}"
+        f"\nStep overhead: 2 replica groups x 1 rank, Gloo, ~5M-param MLP, {args.steps} steps"
+        f" ({args.warmup} warm-up), median of {args.rounds} interleaved rounds"
     )
-    print(f"{'configuration':<26}{'steps/s':>10}{'vs plain DDP':>15}")
+    print(f"{'configuration':<26}{'steps/s':>10}{'min':>8}{'max':>8}{'vs ' + impls[0]:>16}")
     names = {
         "plain": "plain torch DDP",
         "torchheal": "torchheal FT DDP",
         "torchft": "torchft (reference) FT DDP",
     }
     for impl in impls:
-        rate = statistics.median(results[impl])
-        print(f"{names[impl]:<26}{rate:>10.2f}{(rate / plain - 1) * 100:>+14.1f}%")
+        rates = results[impl]
+        rate = statistics.median(rates)
+        print(
+            f"{names[impl]:<26}{rate:>10.2f}{min(rates):>8.2f}{max(rates):>8.2f}"
+            f"{rate / base:>15.3f}x"
+        )
+    if args.phases:
+        print("\nmedian ms per phase (median over rounds)")
+        cols = ["start", "forward", "backward", "vote", "update"]
+        print(f"{'configuration':<26}" + "".join(f"{c:>10}" for c in cols))
+        for impl in impls:
+            row = [statistics.median(p.get(c, 0.0) for p in phases[impl]) for c in cols]
+            print(f"{names[impl]:<26}" + "".join(f"{v:>10.2f}" for v in row))
+        print("\nCPU ms per step by thread (both groups, median over rounds)")
+        for impl in impls:
+            threads = sorted({t for c in cpu[impl] for t in c})
+            per = {t: statistics.median(c.get(t, 0.0) for c in cpu[impl]) for t in threads}
+            total = sum(per.values())
+            top = sorted(per.items(), key=lambda kv: -kv[1])[:8]
+            print(
+                f"{names[impl]:<26}{total:>8.2f} total: "
+                + ", ".join(f"{t} {v:.2f}" for t, v in top)
+            )
 
 
 if __name__ == "__main__":
