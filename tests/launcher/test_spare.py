@@ -284,3 +284,73 @@ def test_launch_rejects_a_negative_number_of_spares() -> None:
         check=False,
     )
     assert done.returncode == 2 and "--warm-spares" in done.stderr
+
+
+# Reports every thread's scheduling policy, then exits.
+POLICIES = textwrap.dedent(
+    """
+    import json, os
+    tids = [int(t) for t in os.listdir("/proc/self/task")]
+    print(json.dumps(sorted({os.sched_getscheduler(t) for t in tids})), flush=True)
+    """
+)
+
+
+def _policy(pid: int) -> int:
+    return os.sched_getscheduler(pid)
+
+
+def _may_leave_idle() -> bool:
+    # What the spare probes: root (CI, this project's machines) may; an unprivileged user with
+    # the default RLIMIT_NICE may not, and there the spare preloads at normal priority.
+    return os.geteuid() == 0
+
+
+def test_a_spare_preloads_at_idle_priority_and_runs_the_rank_at_normal(tmp_path: Path) -> None:
+    (tmp_path / "policies.py").write_text(POLICIES)
+    (tmp_path / "threaded.py").write_text(  # a preloaded module that starts a thread
+        "import threading\nthreading.Thread(target=threading.Event().wait, daemon=True).start()\n"
+    )
+    with _pool(tmp_path, preload=["threaded"]) as pool:
+        pool.fill()
+        assert pool.wait_ready(TIMEOUT)
+        pid = pool.pids[0]
+        if _may_leave_idle():
+            assert _policy(pid) == os.SCHED_IDLE  # waiting costs the job nothing
+        proc = pool.spawn([sys.executable, "policies.py"], _env(), str(tmp_path))
+        out, _ = proc.communicate(timeout=TIMEOUT)
+    assert started_warm(proc) and proc.returncode == 0, out
+    # Every thread, the preload's own included, is back at normal priority.
+    assert json.loads(out.strip().splitlines()[-1]) == [os.SCHED_OTHER]
+
+
+def test_a_spare_taken_while_preloading_finishes_at_normal_priority(tmp_path: Path) -> None:
+    fifo = tmp_path / "release"
+    os.mkfifo(fifo)
+    # A preload that cannot finish until the test lets it: the hand-over comes first.
+    (tmp_path / "blocked.py").write_text(f"open({str(fifo)!r}).read()\n")
+    (tmp_path / "policies.py").write_text(POLICIES)
+    with _pool(tmp_path, preload=["blocked"]) as pool:
+        pool.fill()
+        pid = pool.pids[0]
+        if _may_leave_idle():
+            _wait_for(lambda: _policy(pid) == os.SCHED_IDLE, "the spare going idle")
+        proc = pool.spawn([sys.executable, "policies.py"], _env(), str(tmp_path))
+        # Still preloading, and already at normal priority (it would starve at idle on a busy
+        # machine, with its rank waiting for it).
+        _wait_for(lambda: _policy(pid) == os.SCHED_OTHER, "normal priority at the hand-over")
+        assert proc.poll() is None
+        with open(fifo, "w") as release:
+            release.write("go")
+        out, _ = proc.communicate(timeout=TIMEOUT)
+    assert started_warm(proc) and proc.returncode == 0, out
+    assert json.loads(out.strip().splitlines()[-1]) == [os.SCHED_OTHER]
+
+
+def _wait_for(predicate, what: str) -> None:
+    import time
+
+    deadline = time.monotonic() + TIMEOUT
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        select.select([], [], [], 0.01)

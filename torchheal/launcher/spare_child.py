@@ -16,16 +16,28 @@ already reads.
 
 Only JSON crosses the pipe (nothing is unpickled); ``-c CODE`` is never handed over (running it
 would mean ``exec``), such commands start cold.
+
+The preload runs at idle CPU priority (Linux ``SCHED_IDLE``) where the spare may take its normal
+priority back at the hand-over: a spare refilled while every group trains then takes only the
+CPU nobody else wants, instead of slowing the job for the seconds its imports take. Whether it
+may is probed first (switching to ``SCHED_IDLE`` and straight back): an unprivileged process
+with the default ``RLIMIT_NICE`` of 0 cannot leave ``SCHED_IDLE``, and there the preload runs at
+normal priority. As soon as a hand-over (or the pool's end) is readable on stdin every thread of
+the process is set back to ``SCHED_OTHER``, by a small thread that waits for just that: a spare
+taken before it finished preloading finishes at full priority, instead of starving at idle.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import os
 import runpy
+import select
 import sys
+import threading
 import time
 import traceback
 from types import TracebackType
@@ -46,6 +58,54 @@ def _preload(modules: list[str]) -> list[str]:
         except Exception as e:  # a spare that cannot preload is still a spare
             missing.append(f"{name}: {type(e).__name__}: {e}")
     return missing
+
+
+class _Priority:
+    """The preload's idle priority, and giving it back (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.idle = False
+        self._decided = threading.Event()
+
+    def idle_while_preloading(self) -> None:
+        """Switches this thread to ``SCHED_IDLE`` if it may switch back later."""
+        try:
+            if hasattr(os, "SCHED_IDLE"):  # Linux
+                os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+                # The probe: may an idle thread of ours take its normal priority back?
+                os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+                os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+                self.idle = True
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+        finally:
+            self._decided.set()
+
+    def normal(self) -> None:
+        """Every thread of this process back to ``SCHED_OTHER``, if the preload went idle
+        (threads started during the preload inherited ``SCHED_IDLE``)."""
+        self._decided.wait()
+        if not self.idle:
+            return
+        try:
+            tids = [int(t) for t in os.listdir("/proc/self/task")]
+        except OSError:
+            tids = [0]
+        for tid in tids:
+            with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+                os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
+
+    def normal_on_handover(self) -> None:
+        """Starts a thread (before the switch to idle, so at normal priority) that waits until
+        stdin is readable, a hand-over or the pool's end, then calls :meth:`normal`."""
+
+        def watch() -> None:
+            with contextlib.suppress(OSError, ValueError):
+                select.select([0], [], [])
+            self.normal()
+
+        threading.Thread(target=watch, name="spare-handover", daemon=True).start()
 
 
 def _read_line(fd: int) -> bytes:
@@ -124,8 +184,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--preload", action="append", default=[])
     args = parser.parse_args(argv)
     t0 = time.monotonic()
+    priority = _Priority()
+    priority.normal_on_handover()
+    priority.idle_while_preloading()
     missing = _preload(args.preload)
-    ready = {"ready": True, "missing": missing, "s": round(time.monotonic() - t0, 3)}
+    ready = {
+        "ready": True,
+        "missing": missing,
+        "s": round(time.monotonic() - t0, 3),
+        "idle": priority.idle,
+    }
     try:
         os.write(args.ready_fd, (json.dumps(ready) + "\n").encode())
         os.close(args.ready_fd)
@@ -135,6 +203,7 @@ def main(argv: list[str] | None = None) -> None:
         raw = _read_line(0)
     except KeyboardInterrupt:
         sys.exit(130)  # Ctrl-C on the launcher's terminal while idle: leave quietly
+    priority.normal()  # (the watcher does it too) from here on this process is a rank
     if not raw.strip():
         sys.exit(0)  # the pool closed without handing anything over
     try:
