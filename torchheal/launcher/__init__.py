@@ -2,11 +2,16 @@
 
 * ``local.py`` — :class:`Launcher` starts N replica-group processes (and a lighthouse), reads
   their output, injects failures (:class:`KillPlan`) and restarts the dead.
+* ``group.py`` — one start of a group: its store, torchrun's variables, its ranks.
+* ``spare.py`` / ``spare_child.py`` — warm spares: processes that imported torch ahead of a
+  restart (at idle priority) and are handed a rank's argv and environment.
+* ``proctree.py``, ``progress.py``, ``lighthouse.py`` — ending a group's processes, the progress
+  line and report, a lighthouse and dashboard in process.
 * ``events.py`` — the one-line-per-event protocol (``@torchheal {...}``) workers print and the
   launcher parses.
 * ``demo/`` — ``torchheal demo``: a worker that speaks the protocol, the run and its summary.
 
-Imports flow one way: ``demo`` uses ``local`` and ``events``; ``local`` uses ``events`` only.
+Imports flow one way: ``demo`` uses ``local`` and ``events``; ``local`` uses the modules beside it, never ``demo``.
 """
 
 from __future__ import annotations
