@@ -336,13 +336,18 @@ def test_a_spare_taken_while_preloading_finishes_at_normal_priority(tmp_path: Pa
         if _may_leave_idle():
             _wait_for(lambda: _policy(pid) == os.SCHED_IDLE, "the spare going idle")
         proc = pool.spawn([sys.executable, "policies.py"], _env(), str(tmp_path))
-        # Still preloading, and already at normal priority (it would starve at idle on a busy
-        # machine, with its rank waiting for it).
-        _wait_for(lambda: _policy(pid) == os.SCHED_OTHER, "normal priority at the hand-over")
-        assert proc.poll() is None
-        with open(fifo, "w") as release:
-            release.write("go")
-        out, _ = proc.communicate(timeout=TIMEOUT)
+        try:
+            # Still preloading, and already at normal priority (it would starve at idle on a
+            # busy machine, with its rank waiting for it).
+            _wait_for(lambda: _policy(pid) == os.SCHED_OTHER, "normal priority at the hand-over")
+            assert proc.poll() is None
+            with open(fifo, "w") as release:
+                release.write("go")
+            out, _ = proc.communicate(timeout=TIMEOUT)
+        finally:
+            if proc.poll() is None:  # a failed check leaves it blocked in its preload
+                proc.kill()
+                proc.wait()
     assert started_warm(proc) and proc.returncode == 0, out
     assert json.loads(out.strip().splitlines()[-1]) == [os.SCHED_OTHER]
 
