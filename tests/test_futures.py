@@ -15,6 +15,7 @@ from torchheal.futures import (
     future_timeout,
     future_wait,
     stream_timeout,
+    timed_then,
 )
 
 
@@ -127,3 +128,51 @@ def test_watchdog_quiet_for_short_callbacks() -> None:
     manager.schedule(0.5, done.set)
     assert done.wait(10)
     assert not stuck.is_set()
+
+
+def test_timed_then_maps_outcome_once() -> None:
+    calls: list[object] = []
+
+    def swallow(f: Future[int]) -> int:
+        calls.append(f)
+        try:
+            return f.value()
+        except Exception:
+            return -1
+
+    fut: Future[int] = Future()
+    out = timed_then(fut, timedelta(seconds=10), swallow)
+    fut.set_result(3)
+    assert out.wait() == 3
+    failed: Future[int] = Future()
+    out2 = timed_then(failed, timedelta(seconds=10), swallow)
+    failed.set_exception(KeyError("k"))
+    assert out2.wait() == -1
+    assert len(calls) == 2
+
+
+def test_timed_then_times_out_and_keeps_fn_errors() -> None:
+    seen: list[BaseException] = []
+
+    def record(f: Future[int]) -> int:
+        try:
+            return f.value()
+        except Exception as e:
+            seen.append(e)
+            raise
+
+    fut: Future[int] = Future()
+    out = timed_then(fut, timedelta(milliseconds=10), record)
+    with pytest.raises(TimeoutError, match=r"future did not complete within 0:00:00\.01"):
+        out.wait()
+    fut.set_result(1)  # late: fn is not called again
+    assert len(seen) == 1 and isinstance(seen[0], TimeoutError)
+
+    def boom(f: Future[int]) -> int:
+        raise ValueError("from fn")
+
+    src: Future[int] = Future()
+    out2 = timed_then(src, timedelta(seconds=10), boom)
+    src.set_result(0)
+    with pytest.raises(ValueError, match="from fn"):
+        out2.wait()

@@ -37,7 +37,7 @@ from torch.distributed import ReduceOp
 from torchheal.checkpointing import CheckpointTransport, HTTPTransport
 from torchheal.coordination.plan import Participation, WorldSizeMode
 from torchheal.coordination.vote import local_vote, retry_limit_error
-from torchheal.futures import future_timeout
+from torchheal.futures import timed_then
 from torchheal.manager.allreduce import IS_TRITON_AVAILABLE, averaging, start_allreduce
 from torchheal.manager.build import build_parts, copies_state
 from torchheal.manager.failfast import ConnectedQuorum
@@ -445,7 +445,6 @@ class Manager:
             default: the value the returned future holds when ``fut`` fails or times out.
             timeout: defaults to the manager's ``timeout``.
         """
-        fut = future_timeout(fut, timeout or self._timeout)
 
         def callback(f: torch.futures.Future[T]) -> T:
             try:
@@ -455,7 +454,8 @@ class Manager:
                 self.report_error(e)
                 return default
 
-        wrapped = fut.then(callback)
+        # One callback for the timeout and the swallowing: this runs for every gradient bucket.
+        wrapped = timed_then(fut, timeout or self._timeout, callback)
         self._ledger.track_future(wrapped)
         return wrapped
 

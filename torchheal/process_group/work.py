@@ -65,6 +65,11 @@ class _DummyWork(dist.Work):
 class _ErrorRecordingWork(dist.Work):
     """Wraps a work so failures are reported to ``on_error`` before they reach the caller.
 
+    Wrapping a recording work whose future nobody asked for yet adopts its inner work and its
+    reporters instead of nesting: one callback on the collective's future reports to all of them
+    (each layer of Python callbacks runs, GIL taken, on the thread completing the collective,
+    and the last one of a step's backward pass is on the training step's critical path).
+
     Args:
         work: the underlying work.
         on_error: called with the exception when ``wait()`` or the future fails.
@@ -72,9 +77,18 @@ class _ErrorRecordingWork(dist.Work):
 
     def __init__(self, work: dist.Work, on_error: Callable[[Exception], None]) -> None:
         super().__init__()
+        reporters: tuple[Callable[[Exception], None], ...] = (on_error,)
+        if isinstance(work, _ErrorRecordingWork) and work._fut is None:
+            # Innermost reporter first, as the nested chain would have called them.
+            reporters = (*work._reporters, on_error)
+            work = work._work
         self._work = work
-        self._on_error = on_error
+        self._reporters = reporters
         self._fut: Future[Any] | None = None
+
+    def _on_error(self, e: Exception) -> None:
+        for report in self._reporters:
+            report(e)
 
     def wait(self, timeout: timedelta | None = None) -> bool:
         """Waits on the inner work; a failure is reported, then re-raised.
