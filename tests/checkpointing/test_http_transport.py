@@ -79,13 +79,60 @@ def test_bad_url_400(make: Callable[..., HTTPTransport]) -> None:
     src = make()
     src.allow_checkpoint(1)
     port = src._server.server_port
-    for path in ("/foo/1/full", "/checkpoint/1", "/checkpoint/x/full"):
+    # int() would take "+1", " 1" and "1_0": refused, not read as a step.
+    for path in (
+        "/foo/1/full",
+        "/checkpoint/1",
+        "/checkpoint/x/full",
+        "/checkpoint/+1/full",
+        "/checkpoint/1_0/full",
+        "/checkpoint/%201/full",
+        "/checkpoint/-1/full",
+    ):
         conn = http.client.HTTPConnection("localhost", port, timeout=5)
         conn.request("GET", path)
         resp = conn.getresponse()
         assert resp.status == 400
         assert b"invalid url format, expected /checkpoint/step/key but got" in resp.read()
         conn.close()
+
+
+def test_a_newer_step_no_send_is_coming_for_is_refused_without_waiting_the_timeout(
+    make: Callable[..., HTTPTransport],
+) -> None:
+    # The transport's timeout is a minute; the client gives up after 20 s: a request held
+    # for the whole timeout (a hostile or confused client tying up a handler) fails here.
+    src = make(timeout=timedelta(seconds=60))
+    src.send_checkpoint([1], 5, {"x": torch.ones(1)}, TIMEOUT)
+    port = src._server.server_port
+    for path in ("/checkpoint/6/full", "/checkpoint/" + "9" * 30 + "/full"):
+        conn = http.client.HTTPConnection("localhost", port, timeout=20)
+        conn.request("GET", path)
+        resp = conn.getresponse()
+        assert resp.status == 400, path
+        assert b"serving 5 but got step=" in resp.read()
+        conn.close()
+
+
+def test_a_request_that_comes_before_its_send_begins_is_served_once_staged(
+    make: Callable[..., HTTPTransport],
+) -> None:
+    src, dst = make(), make()
+    src.send_checkpoint([1], 5, {"x": torch.ones(1)}, TIMEOUT)
+    got: dict[str, object] = {}
+
+    def healer() -> None:
+        try:
+            got["state"] = dst.recv_checkpoint(0, src.metadata(), 6, TIMEOUT)
+        except Exception as e:
+            got["error"] = e
+
+    asking = threading.Thread(target=healer)
+    asking.start()
+    src.send_checkpoint([1], 6, {"x": torch.full((1,), 6.0)}, TIMEOUT)  # before or after it asks
+    asking.join(30)
+    assert "error" not in got, got
+    assert torch.equal(got["state"]["x"], torch.full((1,), 6.0))  # type: ignore[index]
 
 
 def test_timeout_on_silent_server(make: Callable[..., HTTPTransport]) -> None:

@@ -68,6 +68,9 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _MAX_CHUNKS = 1024
+#: How long a request for a step newer than the one served waits for a send of that step to
+#: begin (thread start-up on a busy host, not staging: once begun, it waits the timeout).
+UNANNOUNCED_WAIT_S = 2.0
 
 
 class _Server(ThreadingHTTPServer):
@@ -159,13 +162,12 @@ class _Handler(BaseHTTPRequestHandler):
                 400, f"invalid url format, expected /checkpoint/step/key but got {url.path}"
             )
             return
-        try:
-            step = int(parts[2])
-        except ValueError:
+        if not (parts[2].isascii() and parts[2].isdigit()):  # int() takes "+5", "5_0", " 5"
             self._error(
                 400, f"invalid url format, expected /checkpoint/step/key but got {url.path}"
             )
             return
+        step = int(parts[2])
         # A healer may ask before its source has staged that step (both run beside the step's
         # collectives): wait for it rather than refuse the newer step.
         transport._wait_for_step(step)
@@ -263,6 +265,7 @@ class HTTPTransport(CheckpointTransport[T]):
         self._lock = RWLock(timeout=self._timeout)
         self._lock.w_acquire()  # start disallowed: the initial state is never served
         self._step = -1
+        self._staging = -1  # the step the latest send_checkpoint began staging
         self._staged: StagedCheckpoint | None = None
         self._pool = StagingPool()
         self._server = _Server(self, server_context)
@@ -303,9 +306,23 @@ class HTTPTransport(CheckpointTransport[T]):
             self._served.notify_all()
 
     def _wait_for_step(self, step: int) -> None:
-        """Waits (up to the timeout) until ``step`` or a later one is served."""
+        """Waits until ``step`` or a later one is served, if a send of ``step`` is coming.
+
+        Healer and source both start on transfer threads when the quorum arrives, so a request
+        can come before the source has begun staging its step. It waits up to
+        :data:`UNANNOUNCED_WAIT_S` for that send to begin, then, once it has, up to the
+        timeout for the copy to be served. A step no send is coming for (a confused or hostile
+        client) is answered after the short wait, not after the whole timeout.
+        """
         with self._served:
-            self._served.wait_for(lambda: self._step >= step, self._timeout)
+            if self._step >= step:
+                return
+            self._served.wait_for(
+                lambda: self._step >= step or self._staging >= step,
+                min(UNANNOUNCED_WAIT_S, self._timeout),
+            )
+            if self._step < step and self._staging == step:
+                self._served.wait_for(lambda: self._step >= step, self._timeout)
 
     def disallow_checkpoint(self) -> None:
         """Stops serving; waits (up to the timeout) for in-flight downloads (idempotent)."""
@@ -326,6 +343,9 @@ class HTTPTransport(CheckpointTransport[T]):
             state_dict: the state; copied before this returns, so it may change right after.
             timeout: unused; the constructor's timeout bounds the server.
         """
+        with self._served:
+            self._staging = step  # a request for it may wait for it now
+            self._served.notify_all()
         self.disallow_checkpoint()
         old, self._staged = self._staged, None
         if old is not None:
