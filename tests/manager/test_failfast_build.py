@@ -8,6 +8,7 @@ lighthouse says is gone. Real Gloo groups on a real TCPStore; the lost peer simp
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from datetime import timedelta
@@ -111,3 +112,22 @@ def test_notice_for_the_connected_quorum_aborts_it() -> None:
     assert (job.connected.quorum_id, job.aborts) == (2, 0)
     job.connected.on_member_lost("me", 2, "connection ended")
     assert (job.connected.quorum_id, job.aborts) == (-1, 1)
+
+
+@pytest.mark.parametrize(
+    ("reason", "level"), [("left: shutdown", logging.INFO), ("connection ended", logging.WARNING)]
+)
+def test_a_peer_that_said_goodbye_is_no_warning(
+    reason: str, level: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Every group logs the others' normal ends when a job finishes: that is no failure.
+    store, addr = new_store()
+    job = Job()
+    with job.connected.building(2, ["me", "peer"], store.port):
+        job.pg.configure(f"{addr}/q2", "me", 0, 1)
+    job.connected.adopt(2, ["me", "peer"])
+    with caplog.at_level(logging.INFO, logger="torchheal.manager"):
+        job.connected.on_member_lost("peer", 2, reason)
+    assert job.aborts == 1  # aborted either way
+    (record,) = [r for r in caplog.records if "aborting the cross-replica" in r.getMessage()]
+    assert record.levelno == level

@@ -42,7 +42,10 @@ class NoticeFanout:
         """The lighthouse says a group of quorum ``lost.quorum_id`` is gone: tell every rank."""
         if lost.replica_id == self._replica_id:
             return  # about ourselves (a stale session of ours ended): nothing to abort
-        logger.warning(
+        # A group that said goodbye finished its job (INFO, as the lighthouse logs it); one that
+        # vanished is a failure (WARNING).
+        logger.log(
+            logging.INFO if lost.reason.startswith("left") else logging.WARNING,
             "%s lighthouse: replica %s of quorum %d is lost (%s)",
             self._prefix,
             lost.replica_id,

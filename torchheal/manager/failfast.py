@@ -181,7 +181,10 @@ class ConnectedQuorum:
         self._abort(replica_id, quorum_id, reason)
 
     def _abort(self, replica_id: str, quorum_id: int, reason: str) -> None:
-        self._log.warning(
+        # A peer that said goodbye finished its job: the abort is routine (INFO), as the
+        # lighthouse logs it; a peer that vanished is a failure (WARNING).
+        log = self._log.info if reason.startswith("left") else self._log.warning
+        log(
             f"replica group {replica_id} of quorum {quorum_id} is lost ({reason}): aborting "
             "the cross-replica process group"
         )
