@@ -89,3 +89,17 @@ def test_ddp_rejects_fixed_arguments() -> None:
     with lighthouse() as lh, replica(lh, "a") as r:
         with pytest.raises(ValueError, match="find_unused_parameters"):
             DistributedDataParallel(r.manager, _model(), find_unused_parameters=False)
+
+
+def test_ddp_skips_its_start_up_sync() -> None:
+    # Over the dummy group of one, DDP's start-up broadcast changes nothing but copies every
+    # parameter and buffer twice (seconds for a large state, on a restarted group's way to its
+    # first commit). The Manager brings replicas in sync.
+    with lighthouse() as lh, replica(lh, "a") as r:
+        model = _model()
+        model.register_buffer("ballast", torch.zeros(1000))
+        ddp = DistributedDataParallel(r.manager, model)
+        assert ddp.process_group.wait_count == 0
+        # Whoever asks for it explicitly still gets it.
+        synced = DistributedDataParallel(r.manager, _model(), init_sync=True)
+        assert synced.process_group.wait_count > 0
