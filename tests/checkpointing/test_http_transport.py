@@ -55,17 +55,23 @@ def test_starts_disallowed_and_allow_disallow_idempotent(
     t.disallow_checkpoint()
     t.disallow_checkpoint()
     assert t._lock.w_locked()
-    t.send_checkpoint([1], 3, {"x": torch.ones(2)}, TIMEOUT)
-    t.allow_checkpoint(3)
-    assert not t._lock.w_locked() and t._step == 3
-    t.disallow_checkpoint()
-    t.disallow_checkpoint()
-    assert t._lock.w_locked()
-    # Disallowed: a request waits at most the lock timeout, then fails (never forever).
+    # Nothing served yet: a request waits at most the lock timeout, then fails (never forever).
     started = time.monotonic()
     with pytest.raises(CheckpointError, match="503"):
         make().recv_checkpoint(0, t.metadata(), 3, TIMEOUT)
     assert time.monotonic() - started < 5
+    state = {"x": torch.ones(2 << 20)}  # 8 MB: served live
+    t.send_checkpoint([1], 3, state, TIMEOUT)
+    t.allow_checkpoint(3)
+    t.allow_checkpoint(3)
+    assert not t._lock.w_locked() and t._step == 3
+    t.disallow_checkpoint()
+    t.disallow_checkpoint()
+    # Disallowed: the state may change, and the healer still gets it as it was sent.
+    state["x"].fill_(-1.0)
+    assert torch.equal(
+        make().recv_checkpoint(0, t.metadata(), 3, TIMEOUT)["x"], torch.ones(2 << 20)
+    )
 
 
 def test_step_mismatch_400(make: Callable[..., HTTPTransport]) -> None:
@@ -219,7 +225,7 @@ def test_peer_disconnecting_mid_transfer_does_not_kill_server(
             )
     out = make().recv_checkpoint(0, src.metadata(), 1, TIMEOUT)
     assert torch.equal(out["w"], state["w"])
-    src.disallow_checkpoint()  # no reader hold was leaked by the aborted transfers
+    src._stop_serving()  # no reader hold was leaked by the aborted transfers
     assert src._lock.w_locked()
 
 

@@ -73,13 +73,14 @@ def test_http_serves_what_was_staged_not_what_changed_since() -> None:
         state = _state()
         before = state["w"].clone()
         src.send_checkpoint([1], 7, state, TIMEOUT)
+        src.disallow_checkpoint()  # the Manager's should_commit, before the optimizer step
         state["w"].fill_(-1.0)  # an optimizer step while the healer downloads
         out = dst.recv_checkpoint(0, src.metadata(), 7, TIMEOUT)
         assert torch.equal(out["w"], before)
         # The next heal copies into the same pages.
-        pointers = sorted(b.data_ptr() for b in src._staged.buffers)
+        pointers = sorted(b.data_ptr() for b in src._staged.private)
         src.send_checkpoint([1], 8, state, TIMEOUT)
-        assert sorted(b.data_ptr() for b in src._staged.buffers) == pointers
+        assert sorted(b.data_ptr() for b in src._staged.private) == pointers
         assert torch.equal(dst.recv_checkpoint(0, src.metadata(), 8, TIMEOUT)["w"], state["w"])
     finally:
         src.shutdown()

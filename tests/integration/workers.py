@@ -151,6 +151,10 @@ class CountingTransport:
         return getattr(self.inner, "copies_state", False)
 
     @property
+    def copies_on_write(self) -> bool:  # HTTP: serves the live state, copies before changes
+        return getattr(self.inner, "copies_on_write", False)
+
+    @property
     def runs_beside_collectives(self) -> bool:  # so heals run beside the collectives
         return getattr(self.inner, "runs_beside_collectives", False)
 

@@ -4,12 +4,16 @@ Server: a stdlib ``ThreadingHTTPServer`` on all interfaces (IPv6 dual-stack when
 ephemeral port, serving ``GET /checkpoint/{step}/{key}`` under the reader side of an
 ``RWLock``; the transport starts *disallowed* (writer lock held, step -1) so nothing is served
 until ``send_checkpoint`` stages a step, and ``disallow_checkpoint`` takes the writer lock
-back. ``send_checkpoint`` stages a private copy (checksummed as it is copied, into buffers kept
-for the next heal, so their pages are already there): the trainer may change its state as soon
-as it returns, while a healer downloads at its own pace. Keys: ``full`` (header, description and all data),
+back. Keys: ``full`` (header, description and all data),
 ``metadata`` (header and description), ``{i}`` (chunk ``i`` of ``n``; ``n`` from the ``?n=``
 query, else the server's ``num_chunks``). Bodies are the pickle-free format of
-``serialization``: raw storage bytes written straight from the tensors' memory.
+``serialization``: raw storage bytes.
+
+What is served: ``send_checkpoint`` copies the small storages (and accelerator ones) and serves
+the large CPU storages from where they lie, checksummed (``live``: no copy up front, so a healer
+starts receiving at once); ``disallow_checkpoint``, which the Manager calls before the state
+changes, copies what the healers have not yet received and returns, and they finish from that
+copy. Buffers are kept for the next heal, so their pages are already there.
 
 Client: reads the description, validates it, preallocates every storage and ``readinto``\\ s
 the bytes directly into them (``num_chunks`` parallel connections when > 0), checking each
@@ -40,6 +44,7 @@ from urllib.parse import parse_qs, urlsplit
 from torchheal._base.config import SecurityEnv, checkpoint_token
 from torchheal._base.timeouts import to_seconds
 from torchheal.checkpointing._verify import BlockVerifier
+from torchheal.checkpointing.live import LIVE_FROM_BYTES, LiveCheckpoint
 from torchheal.checkpointing.rwlock import RWLock
 from torchheal.checkpointing.serialization import (
     DEFAULT_BLOCK_BYTES,
@@ -182,15 +187,21 @@ class _Handler(BaseHTTPRequestHandler):
             # The peer went away or stalled mid-transfer: its receive fails, the server lives on.
             logger.info("checkpoint server: transfer to %s aborted: %s", self.client_address, e)
             self.close_connection = True
+        except CheckpointError as e:
+            # A block is no longer served or changed while served live: the stream ends short
+            # and the healer's receive fails (nothing wrong is ever sent).
+            logger.warning("checkpoint server: transfer to %s ended: %s", self.client_address, e)
+            self.close_connection = True
         finally:
             transport._lock.r_release()
 
     def _serve(self, transport: HTTPTransport, step: int, key: str, query: str) -> None:
         served = transport._step
-        staged = transport._staged
-        if step != served or staged is None:
+        live = transport._live
+        if step != served or live is None:
             self._error(400, f"invalid checkpoint requested, serving {served} but got step={step}")
             return
+        staged = live.staged
         if key == "full":
             head: list[bytes] = [staged.header, staged.description]
             segments = list(staged.segments)
@@ -215,15 +226,16 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         for h in head:
             self.wfile.write(h)
-        staged.write_segments(self.wfile.write, segments)
+        live.write(self.wfile.write, segments)
         mark("serve.end", key=key)
 
 
 class HTTPTransport(CheckpointTransport[T]):
     """Serves checkpoints over HTTP from this replica and fetches them from peers.
 
-    What is served is a private copy of the state taken by ``send_checkpoint`` (into buffers
-    kept between heals, about one state's worth of host memory once this replica has served).
+    What is served is the state itself until ``disallow_checkpoint``, then a copy of what the
+    healers had not yet received (:class:`~torchheal.checkpointing.live.LiveCheckpoint`; copies
+    go into buffers kept between heals, up to one state's worth of host memory).
 
     Args:
         timeout: bound on every lock wait and socket operation (``timedelta`` or seconds).
@@ -266,7 +278,9 @@ class HTTPTransport(CheckpointTransport[T]):
         self._lock.w_acquire()  # start disallowed: the initial state is never served
         self._step = -1
         self._staging = -1  # the step the latest send_checkpoint began staging
-        self._staged: StagedCheckpoint | None = None
+        self._live: LiveCheckpoint | None = None
+        # A storage changed while served live once: copy everything at staging from then on.
+        self._stage_copies = False
         self._pool = StagingPool()
         self._server = _Server(self, server_context)
         # A short poll interval keeps shutdown() quick; the idle cost is negligible.
@@ -289,8 +303,14 @@ class HTTPTransport(CheckpointTransport[T]):
         """Same as ``address()``."""
         return self.address()
 
-    copies_state = True
+    copies_state = False
+    copies_on_write = True
     runs_beside_collectives = True
+
+    @property
+    def _staged(self) -> StagedCheckpoint | None:
+        live = self._live
+        return None if live is None else live.staged
 
     def allow_checkpoint(self, step: int) -> None:
         """Starts serving the staged state as ``step`` (idempotent).
@@ -325,7 +345,20 @@ class HTTPTransport(CheckpointTransport[T]):
                 self._served.wait_for(lambda: self._step >= step, self._timeout)
 
     def disallow_checkpoint(self) -> None:
-        """Stops serving; waits (up to the timeout) for in-flight downloads (idempotent)."""
+        """The state may change once this returns (idempotent).
+
+        What the expected healers have not yet received of the served state is copied first;
+        they finish from that copy, and nothing is read from the state any more. Returns at
+        once when every healer was done.
+        """
+        live = self._live
+        if live is not None and not live.frozen:
+            mark("freeze.begin")
+            live.freeze()
+            mark("freeze.end", nbytes=live.copied_bytes)
+
+    def _stop_serving(self) -> None:
+        """Takes the writer side: waits (up to the timeout) for downloads in flight."""
         with self._state_lock:
             if not self._lock.w_locked():
                 self._lock.w_acquire()
@@ -333,26 +366,36 @@ class HTTPTransport(CheckpointTransport[T]):
     def send_checkpoint(
         self, dst_ranks: list[int], step: int, state_dict: T, timeout: timedelta | None = None
     ) -> None:
-        """Stages a private copy of ``state_dict`` (with its checksums) and serves it.
+        """Serves ``state_dict``: its large CPU storages live, the rest as private copies.
 
-        Waits (up to the timeout) for downloads of the previous copy, whose buffers are reused.
+        The state must not change until ``disallow_checkpoint`` has returned. Waits (up to the
+        timeout) for downloads of the previous checkpoint, whose buffers are reused.
 
         Args:
-            dst_ranks: ignored; any healer holding the token may fetch.
+            dst_ranks: the healers expected (any healer holding the token may fetch; blocks
+                delivered this many times are not copied by ``disallow_checkpoint``).
             step: the step served.
-            state_dict: the state; copied before this returns, so it may change right after.
+            state_dict: the state.
             timeout: unused; the constructor's timeout bounds the server.
         """
         with self._served:
             self._staging = step  # a request for it may wait for it now
             self._served.notify_all()
-        self.disallow_checkpoint()
-        old, self._staged = self._staged, None
+        self._stop_serving()
+        old, self._live = self._live, None
         if old is not None:
-            self._pool.give_back(old.buffers)  # disallowed: nobody reads them any more
+            old.release()  # nobody reads it any more
+            self._stage_copies = self._stage_copies or old.unstable
         mark("stage.begin")
-        self._staged = stage(state_dict, step, block_bytes=self._block_bytes, pool=self._pool)
-        mark("stage.end", nbytes=self._staged.data_bytes)
+        staged = stage(
+            state_dict,
+            step,
+            block_bytes=self._block_bytes,
+            pool=self._pool,
+            live_from=None if self._stage_copies else LIVE_FROM_BYTES,
+        )
+        self._live = LiveCheckpoint(staged, len(dst_ranks), self._pool, self._timeout)
+        mark("stage.end", nbytes=staged.data_bytes)
         self.allow_checkpoint(step)
 
     def recv_checkpoint(

@@ -140,6 +140,13 @@ class StagedCheckpoint:
     description: bytes
     buffers: tuple[torch.Tensor, ...]
     segments: tuple[Segment, ...]
+    #: Per buffer: it is the caller's own storage (served from where it lies), not a copy.
+    live: tuple[bool, ...] = ()
+
+    @property
+    def private(self) -> list[torch.Tensor]:
+        """The buffers that are copies (taken from the pool), not the caller's storages."""
+        return [b for i, b in enumerate(self.buffers) if not (self.live and self.live[i])]
 
     @property
     def header(self) -> bytes:
@@ -172,14 +179,20 @@ class _Encoder:
         pool: when given, every storage is copied into a buffer taken from it (a private copy
             that the caller may go on mutating the state after); without one, CPU storages are
             referenced and accelerator storages copied to fresh CPU memory.
+        live_from: with a pool, CPU storages of at least this many bytes are referenced
+            instead (served live); None copies them all.
     """
 
-    def __init__(self, pool: StagingPool | None = None) -> None:
+    def __init__(self, pool: StagingPool | None = None, live_from: int | None = None) -> None:
         self.tensors: list[dict[str, Any]] = []
         self.buffers: list[torch.Tensor] = []
-        # With a pool: the storage each buffer must be copied from (filled by _copy_checksums).
+        self.live: list[bool] = []
+        # With a pool: the storage each copied buffer comes from (filled by _copy_checksums).
         self.sources: list[torch.Tensor] = []
+        # The buffers (indices) that are copied from ``sources``, in the same order.
+        self.copied: list[int] = []
         self._pool = pool
+        self._live_from = live_from
         self._storage_ids: dict[tuple[str, int, int], int] = {}
         self._dtensor = dtensor_type()
 
@@ -247,13 +260,19 @@ class _Encoder:
         index = self._storage_ids.get(key)
         if index is None:
             buf = storage_bytes(t)
-            if self._pool is not None:
-                self.sources.append(buf)
-                buf = self._pool.take(buf.numel())
-            elif buf.device.type != "cpu":
-                buf = buf.to("cpu")  # the staging copy; CPU tensors are served by reference
             index = self._storage_ids[key] = len(self.buffers)
+            live = buf.device.type == "cpu" and (
+                self._pool is None
+                or (self._live_from is not None and buf.numel() >= self._live_from)
+            )
+            if not live and self._pool is not None:
+                self.sources.append(buf)
+                self.copied.append(index)
+                buf = self._pool.take(buf.numel())
+            elif not live:
+                buf = buf.to("cpu")  # the staging copy; CPU tensors are served by reference
             self.buffers.append(buf)
+            self.live.append(live)
         entry.update(
             s=index,
             dtype=DTYPE_NAMES[t.dtype],
@@ -319,6 +338,7 @@ def stage(
     *,
     block_bytes: int = DEFAULT_BLOCK_BYTES,
     pool: StagingPool | None = None,
+    live_from: int | None = None,
 ) -> StagedCheckpoint:
     """Encodes ``state`` for sending: description, CPU storage bytes and checksums.
 
@@ -326,8 +346,11 @@ def stage(
     not copied, so the caller must not mutate them until the transfer is over (the transports'
     lock ensures it). With a ``pool``, every storage is copied into a buffer of the pool (a
     private copy, checksummed as it is copied): the caller may mutate the state as soon as
-    ``stage`` returns; give the buffers back (``pool.give_back(staged.buffers)``) once they are
-    no longer served.
+    ``stage`` returns; give the copies back (``pool.give_back(staged.private)``) once they are
+    no longer served. With a pool and ``live_from``, CPU storages of at least that many bytes
+    are referenced (``staged.live``) and only the smaller ones copied: the caller must not
+    mutate the large ones until it has copied what is still to be sent
+    (:class:`~torchheal.checkpointing.live.LiveCheckpoint`).
 
     Args:
         state: nested dict/OrderedDict/list/tuple of tensors (DTensors send their local shard)
@@ -335,23 +358,28 @@ def stage(
         step: the step the state belongs to; recorded in the description.
         block_bytes: checksum block size.
         pool: where private copies come from (None: no copy of CPU storages).
+        live_from: with a pool, the size from which CPU storages are referenced, not copied.
 
     Raises:
         CheckpointError: a value cannot be represented; the message names its key path.
     """
     if block_bytes < 4096:
         raise ValueError(f"block_bytes must be >= 4096, got {block_bytes}")
-    enc = _Encoder(pool)
+    enc = _Encoder(pool, live_from)
     try:
         with torch.no_grad():
             tree = enc.node(state, "state", 0)
         if pool is not None:
-            crcs = _copy_checksums(enc.sources, enc.buffers, block_bytes)
+            copied = [enc.buffers[i] for i in enc.copied]
+            copied_crcs = iter(_copy_checksums(enc.sources, copied, block_bytes))
+            referenced = [b for i, b in enumerate(enc.buffers) if enc.live[i]]
+            live_crcs = iter(_checksums(referenced, block_bytes))
+            crcs = [next(live_crcs) if live else next(copied_crcs) for live in enc.live]
         else:
             crcs = _checksums(enc.buffers, block_bytes)
     except BaseException:
         if pool is not None:
-            pool.give_back(enc.buffers)  # nothing is served from them
+            pool.give_back([enc.buffers[i] for i in enc.copied])  # nothing is served from them
         raise
     if any(b.device.type != "cpu" for b in enc.buffers):  # pragma: no cover - defensive
         raise CheckpointError("internal error: staging left a buffer off the CPU")
@@ -371,6 +399,7 @@ def stage(
         description=description,
         buffers=tuple(enc.buffers),
         segments=tuple(segments_of(storages, block_bytes)),
+        live=tuple(enc.live),
     )
 
 

@@ -34,6 +34,11 @@ class CheckpointTransport(ABC, Generic[T]):
     #: would be due (the Manager then lets it finish instead of making training wait).
     copies_state: bool = False
 
+    #: ``send_checkpoint`` serves the state where it lies, and ``disallow_checkpoint`` copies
+    #: what the healers have not yet received before it returns (copy on write): the Manager
+    #: makes no copy of its own, and calls ``disallow_checkpoint`` before the state changes.
+    copies_on_write: bool = False
+
     #: ``send_checkpoint`` may run on another thread than the collectives and concurrently with
     #: them (it does not use the cross-replica process group).
     runs_beside_collectives: bool = False

@@ -34,7 +34,7 @@ from torchheal.manager.settings import ManagerSettings
 from torchheal.manager.state import StateRegistry
 from torchheal.manager.telemetry import Telemetry
 
-__all__ = ["ManagerParts", "build_parts", "copies_state"]
+__all__ = ["ManagerParts", "build_parts", "copies_state", "needs_no_snapshot"]
 
 
 def copies_state(transport: Any) -> bool:
@@ -44,6 +44,16 @@ def copies_state(transport: Any) -> bool:
         transport: a checkpoint transport.
     """
     return getattr(transport, "copies_state", False) is True
+
+
+def needs_no_snapshot(transport: Any) -> bool:
+    """Whether ``transport`` keeps what it sends intact itself: it copies the state when it
+    sends it (``copies_state``) or before it may change (``copies_on_write``).
+
+    Args:
+        transport: a checkpoint transport.
+    """
+    return copies_state(transport) or getattr(transport, "copies_on_write", False) is True
 
 
 @dataclass
@@ -121,7 +131,7 @@ def build_parts(
     except BaseException:
         endpoints.close()
         raise
-    copies = copies_state(transport)
+    copies = needs_no_snapshot(transport)
     worker = QuorumWorker(
         quorum_call=endpoints.quorum,
         process_group=process_group,
@@ -134,8 +144,9 @@ def build_parts(
                 logger.info,
             )
         ),
-        # A transport that copies the state itself needs no copy of ours, only the read
-        # lock around its own (DiLoCo/LocalSGD block reads while they change the state).
+        # A transport that copies the state itself (or copies on write) needs no copy of ours,
+        # only the read lock around its staging (DiLoCo/LocalSGD block reads while they change
+        # the state).
         snapshot=(lambda captured: captured) if copies else state.copy,
         send_guard=state.lock.r_lock if copies else nullcontext,
         metadata=transport.metadata,

@@ -262,6 +262,9 @@ class Manager:
     def disallow_state_dict_read(self) -> None:
         """Makes state-dict reads wait while the state is being changed (idempotent)."""
         self._state.block_reads()
+        if getattr(self._checkpoint_transport, "copies_on_write", False) is True:
+            # A transport serving the state where it lies copies what a healer still needs now.
+            self._checkpoint_transport.disallow_checkpoint()
 
     def _manager_state_dict(self) -> dict[str, Any]:
         return self._state.read(self.state_dict)
@@ -509,8 +512,9 @@ class Manager:
         )
         self._telemetry.committed(self._step, self._quorum_id, decision)
         if not copies_state(self._checkpoint_transport):
-            # The state changes after this: stop serving it. A transport serving its own copy
-            # lets a slow healer finish instead (its next send replaces the copy).
+            # The state changes after this: stop serving it (a transport that copies on write
+            # copies what a healer still needs and lets it finish from the copy). One that
+            # served its own copy lets a slow healer finish too (its next send replaces it).
             self._checkpoint_transport.disallow_checkpoint()
         if decision:
             self._step += 1

@@ -1,0 +1,218 @@
+"""Serving a checkpoint from the live state, with a copy made only of what is still to be sent.
+
+A healthy replica's parameters and optimizer state do not change between the quorum that asks
+it to heal a peer and its optimizer step: forward and backward only read them. So the HTTP
+transport serves its large storages from where they lie, with no copy up front; the healer
+starts receiving as soon as the checksums are computed (a read of the state, ~20 GB/s with
+ISA-L). When the trainer is about to change the state (``should_commit`` calls
+``disallow_checkpoint``), :meth:`LiveCheckpoint.freeze` copies the blocks that the expected
+healers have not yet received into buffers kept between heals, and returns; the healers finish
+from that copy. A heal that ends within the source's forward and backward pass costs the source
+no copy at all; a slow one costs a copy of the rest only, and never makes the trainer wait for
+a socket.
+
+Safety, block by block:
+
+* A live block is copied into a private bounce buffer, checked against the CRC-32 taken at
+  staging, and only then sent. A block that changed since (a large buffer that the forward
+  pass updates in place) is never sent: the transfer ends with an error (the healer's heal
+  fails, nothing is loaded) and :attr:`LiveCheckpoint.unstable` tells the transport to stage
+  private copies of everything from then on.
+* The copy taken by the freeze is checksummed as it is made; a mismatch marks the checkpoint
+  unstable the same way (the healer's own check then refuses the block).
+* After the freeze, a block that was already delivered to every expected healer (and so was
+  not copied) is refused to any further reader: nothing is ever read from the live state once
+  the trainer may change it.
+
+Small storages and accelerator storages are staged as private copies by ``stage`` (``live_from``)
+and served as they are. Nothing here knows about HTTP: a request is a list of segments and a
+``write`` callable, so this is tested with plain byte sinks.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+
+import torch
+
+from torchheal.checkpointing._format import Segment, byte_view, crc32
+from torchheal.checkpointing.serialization import StagedCheckpoint, StagingPool
+from torchheal.checkpointing.transport import CheckpointError
+
+__all__ = ["LIVE_FROM_BYTES", "LiveCheckpoint"]
+
+logger = logging.getLogger(__name__)
+
+#: Storages of at least this size are served live; smaller ones are copied at staging (their
+#: copy costs little, and small tensors are the ones a forward pass may update: norm statistics).
+LIVE_FROM_BYTES = 1 << 20
+
+
+class LiveCheckpoint:
+    """A staged checkpoint whose large storages are the trainer's own, until :meth:`freeze`.
+
+    Args:
+        staged: what ``stage(..., pool=pool, live_from=...)`` returned.
+        readers: how many healers are expected to fetch each block (the quorum's
+            destinations); a block delivered that many times is not copied by the freeze.
+        pool: where the freeze's copies come from (given back by :meth:`release`).
+        freeze_wait: how long :meth:`freeze` waits for bounce copies in flight (seconds).
+    """
+
+    def __init__(
+        self,
+        staged: StagedCheckpoint,
+        readers: int,
+        pool: StagingPool,
+        freeze_wait: float = 60.0,
+    ) -> None:
+        self.staged = staged
+        self._readers = max(1, readers)
+        self._pool = pool
+        self._freeze_wait = freeze_wait
+        self._index = {seg: i for i, seg in enumerate(staged.segments)}
+        self._views = [byte_view(b) for b in staged.buffers]
+        self._cond = threading.Condition()
+        self._delivered = [0] * len(staged.segments)
+        self._copied = [False] * len(staged.segments)
+        self._copies: dict[int, torch.Tensor] = {}
+        self._copy_views: dict[int, memoryview] = {}
+        self._live_reads = 0
+        self._frozen = False
+        #: A live block changed before it was sent: stage private copies from now on.
+        self.unstable = False
+        #: Bytes the freeze copied (0 when every healer was done before it).
+        self.copied_bytes = 0
+
+    @property
+    def step(self) -> int:
+        """The step the state belongs to."""
+        return self.staged.step
+
+    @property
+    def frozen(self) -> bool:
+        """The live state is no longer read (:meth:`freeze` has returned)."""
+        return self._frozen
+
+    def write(self, write: Callable[[memoryview], object], segments: Sequence[Segment]) -> None:
+        """Sends ``segments`` (of ``staged.segments``), in order, through ``write``.
+
+        Args:
+            write: e.g. a socket's ``sendall``; called with one block at a time.
+            segments: the blocks to send.
+
+        Raises:
+            CheckpointError: a live block changed since staging, or a block is no longer
+                served (already delivered to every expected healer before the freeze).
+        """
+        bounce: torch.Tensor | None = None
+        for seg in segments:
+            i = self._index[seg]
+            if not self.staged.live[seg.storage]:
+                write(self._views[seg.storage][seg.start : seg.end])
+            else:
+                with self._cond:
+                    if self._copied[i]:
+                        source = None
+                    elif self._frozen:
+                        raise CheckpointError(
+                            f"checkpoint block [{seg.start}, {seg.end}) of storage "
+                            f"{seg.storage} is no longer served (the state has changed)"
+                        )
+                    else:
+                        self._live_reads += 1
+                        source = self.staged.buffers[seg.storage]
+                if source is None:
+                    # Copied by the freeze (and checked as it was copied).
+                    write(self._copy_views[seg.storage][seg.start : seg.end])
+                else:
+                    if bounce is None:
+                        bounce = self._pool.take(self.staged_block_bytes)
+                    n = seg.end - seg.start
+                    try:
+                        bounce[:n].copy_(source[seg.start : seg.end])
+                    finally:
+                        with self._cond:
+                            self._live_reads -= 1
+                            self._cond.notify_all()
+                    data = byte_view(bounce)[:n]
+                    if crc32(data) != seg.crc:
+                        self._changed(seg)
+                    write(data)
+            with self._cond:
+                self._delivered[i] += 1
+        if bounce is not None:
+            self._pool.give_back([bounce])
+
+    @property
+    def staged_block_bytes(self) -> int:
+        """The largest segment (the bounce buffer's size)."""
+        return max((s.end - s.start for s in self.staged.segments), default=0)
+
+    def _changed(self, seg: Segment) -> None:
+        if not self.unstable:
+            logger.warning(
+                "a storage of %d bytes changed while it was served live (a large tensor updated "
+                "outside the optimizer step?): this heal fails, and this replica stages private "
+                "copies of its state from now on",
+                self.staged.buffers[seg.storage].numel(),
+            )
+        self.unstable = True
+        raise CheckpointError(
+            f"checkpoint block [{seg.start}, {seg.end}) of storage {seg.storage} changed while "
+            "it was served"
+        )
+
+    def freeze(self) -> None:
+        """Training thread, before the state changes: copies what is not yet delivered.
+
+        Returns once the live state is no longer read: every block that an expected healer
+        has not yet received is in a private copy (checksummed as it is copied), and no bounce
+        copy from the live state is in flight. Idempotent.
+        """
+        if self._frozen:
+            return
+        segments = self.staged.segments
+        # From the end of the stream: a healer receiving from the front meanwhile may finish
+        # blocks before they need copying.
+        for i in reversed(range(len(segments))):
+            seg = segments[i]
+            if not self.staged.live[seg.storage]:
+                continue
+            with self._cond:
+                if self._delivered[i] >= self._readers:
+                    continue
+            copy = self._copies.get(seg.storage)
+            if copy is None:
+                copy = self._pool.take(self.staged.buffers[seg.storage].numel())
+                self._copy_views[seg.storage] = byte_view(copy)
+                with self._cond:
+                    self._copies[seg.storage] = copy
+            copy[seg.start : seg.end].copy_(self.staged.buffers[seg.storage][seg.start : seg.end])
+            if crc32(self._copy_views[seg.storage][seg.start : seg.end]) != seg.crc:
+                if not self.unstable:
+                    logger.warning(
+                        "a storage of %d bytes changed before the optimizer step while it was "
+                        "served live: this heal fails, and this replica stages private copies "
+                        "of its state from now on",
+                        self.staged.buffers[seg.storage].numel(),
+                    )
+                self.unstable = True
+            self.copied_bytes += seg.end - seg.start
+            with self._cond:
+                self._copied[i] = True
+        with self._cond:
+            self._frozen = True
+            if not self._cond.wait_for(lambda: self._live_reads == 0, self._freeze_wait):
+                raise CheckpointError(
+                    f"a copy of the live state was still in flight after {self._freeze_wait} s"
+                )
+
+    def release(self) -> None:
+        """Gives the private buffers back to the pool (nobody reads this checkpoint any more)."""
+        self._pool.give_back(self.staged.private)
+        self._pool.give_back(list(self._copies.values()))
+        self._copies.clear()
+        self._copy_views.clear()
