@@ -8,6 +8,7 @@ certificate. The lighthouse keeps serving throughout.
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import time
 from datetime import timedelta
@@ -19,6 +20,7 @@ from torchheal._wire import methods
 from torchheal._wire import session_pb2 as spb
 from torchheal._wire import torchft_pb2 as pb
 from torchheal.coordination import LighthouseClient, LighthouseServer
+from torchheal.coordination.link_tcp import DirectStream
 from torchheal.coordination.rpc.frames import FrameReader, frame
 from torchheal.coordination.session_client import heartbeat_ack, heartbeat_request, issued_quorum
 
@@ -172,6 +174,30 @@ def test_a_groups_connection_that_ends_is_its_death_certificate(make_lighthouse)
     y.close()
 
 
+def test_frames_split_across_reads_of_several_connections_arrive_whole(make_lighthouse):
+    # The lane reads every connection into one shared buffer: what a read leaves unfinished
+    # (half a frame) must not be overwritten by the next connection's read.
+    lighthouse = make_lighthouse(min_replicas=2)
+    raws = {rid: Raw(lighthouse) for rid in ("a", "b")}
+    rests = {}
+    for ack, (rid, raw) in enumerate(raws.items(), start=1):
+        raw.send(_hello(f"tool-{rid}", detached=True))
+        assert raw.next().WhichOneof("kind") == "welcome"
+        request = frame(_request(rid * 40, request_id=9).SerializeToString())
+        # An acknowledged heartbeat and half a request in one write: once the ack is back,
+        # the lighthouse has read that half, and the other connection's read comes next.
+        raw.send_raw(frame(heartbeat_request(rid * 40, ack)) + request[:30])
+        assert raw.next().heartbeat_ack.ack == ack
+        rests[rid] = request[30:]
+    for rid, raw in raws.items():
+        raw.send_raw(rests[rid])
+    for raw in raws.values():
+        issued = raw.next().quorum
+        assert issued.request_id == 9
+        assert [m.replica_id for m in issued.quorum.participants] == ["a" * 40, "b" * 40]
+        raw.close()
+
+
 @pytest.mark.parametrize("timeout_ms", [150, 600])
 def test_a_request_expires_when_its_time_is_up_and_not_before(make_lighthouse, timeout_ms):
     # 150 ms: the timer is set with the request; 600 ms (over two 100 ms ticks): the periodic
@@ -218,3 +244,27 @@ def test_heartbeat_requests_built_from_bytes_match_the_generated_class():
     for replica_id, ack in (("a", 1), ("", 7), ("é" * 100, 2**35)):
         expected = spb.SessionRequest(heartbeat=spb.Heartbeat(replica_id=replica_id, ack=ack))
         assert heartbeat_request(replica_id, ack) == expected.SerializeToString()
+
+
+def test_a_managers_direct_stream_reads_events_split_across_reads():
+    # The manager's end reads into one buffer per connection: the half event a read leaves
+    # must survive the next read into the same buffer.
+    events = [
+        spb.SessionEvent(lost=spb.MemberLost(replica_id=rid * 50, quorum_id=3, reason="gone"))
+        for rid in ("x", "y")
+    ]
+    first, second = (frame(e.SerializeToString()) for e in events)
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+
+        async def read_both() -> list[spb.SessionEvent]:
+            stream = await DirectStream.open("127.0.0.1", listener.getsockname()[1], 10)
+            peer, _ = await asyncio.get_running_loop().run_in_executor(None, listener.accept)
+            with peer:
+                peer.sendall(first + second[:20])
+                got = [await stream.read()]  # the first event: that read held half the second
+                peer.sendall(second[20:])
+                got.append(await stream.read())
+            stream.cancel()
+            return got
+
+        assert asyncio.run(read_both()) == events
