@@ -36,9 +36,11 @@ class GatedTransport(HTTPTransport):
         super().__init__(TIMEOUT, 0, hostname="127.0.0.1")
         self.gate = gate
 
-    def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: Any) -> Any:
+    def recv_checkpoint(
+        self, src_rank: int, metadata: str, step: int, timeout: Any, **kwargs: Any
+    ) -> Any:
         assert self.gate.wait(30), "the test never opened the gate"
-        return super().recv_checkpoint(src_rank, metadata, step, timeout)
+        return super().recv_checkpoint(src_rank, metadata, step, timeout, **kwargs)
 
 
 def _until(predicate: Callable[[], bool], seconds: float = 15.0) -> bool:
@@ -264,3 +266,32 @@ def test_localsgd_heals_at_its_first_sync_without_a_warm_up() -> None:
             LocalSGD(b.manager, model, torch.optim.SGD(model.parameters(), lr=0.1), 1)
             assert _join_while_a_trains(lh, a, b)["committed"]
             assert torch.equal(b.weight, torch.full((3,), 3.0))
+
+
+@pytest.mark.parametrize("step, in_place", [(0, True), (5, False)])
+def test_a_restarted_group_receives_into_its_own_tensors(step: int, in_place: bool) -> None:
+    """A group at step 0 that never committed holds nothing worth keeping: its heal lands in
+    its own tensors (the state it loads is its own weight, filled in). One that committed
+    before keeps receiving into fresh memory: its state survives a heal that fails."""
+    with (
+        lighthouse(min_replicas=2) as lh,
+        replica(lh, "a", weight=3.0) as a,
+        replica(lh, "b", weight=0.0) as b,
+    ):
+        a.manager.load_state_dict({"step": 20, "batches_committed": 20})
+        b.manager.load_state_dict({"step": step, "batches_committed": step})
+        received: list[bool] = []
+        load = b.load
+
+        def spy(state: dict[str, torch.Tensor]) -> None:
+            received.append(state["weight"] is b.weight)
+            load(state)
+
+        b.load = spy  # type: ignore[method-assign]
+        events = [threading.Event(), threading.Event()]
+        res_a, res_b = run_parallel(
+            lambda: _allreduce_then_commit(a, 2.0, events[0]),
+            lambda: _allreduce_then_commit(b, 5.0, events[1]),
+        )
+        assert res_a["committed"] and res_b["committed"]
+        assert received == [in_place] and torch.equal(b.weight, torch.full((3,), 3.0))

@@ -7,6 +7,7 @@ from concurrent.futures import Future
 from datetime import timedelta
 from typing import Any
 
+from torchheal.checkpointing import TornCheckpointError
 from torchheal.coordination.plan import Participation
 from torchheal.coordination.types import QuorumResult
 from torchheal.manager.heal import HealStep
@@ -181,3 +182,34 @@ def test_the_warm_up_is_one_step_and_can_be_skipped() -> None:
     skipped, _ = _heal(_Host(), [], warmup=True)
     skipped.skip_warmup()
     assert skipped.begin() is False and not skipped.warming_up
+
+
+def test_a_heal_torn_part_way_fails_every_step_until_a_heal_succeeds() -> None:
+    host, loaded = _Host(step=0, batches=0), []
+    heal, _ = _heal(host, loaded)
+    torn = TornCheckpointError("receiving into this replica's own tensors failed part way")
+    future: Future[Transfer] = Future()
+    future.set_result(Transfer(None, [torn]))
+    heal.take_outcome(_outcome(healing=True, transfer=future))
+    heal.settle()
+    heal.apply()
+    heal.check_torn()
+    assert heal.torn and torn in host.errors
+    # A later step that does not heal (no peer ahead of it) still fails: its state is a mix.
+    host.errors.clear()
+    heal.begin()
+    heal.take_outcome(_outcome(healing=False))
+    heal.check_torn()
+    assert [type(e) for e in host.errors] == [RuntimeError]
+    assert "must heal from a peer" in str(host.errors[0])
+    # Torn inside the quorum (a synchronous heal) counts the same.
+    other, _ = _heal(_Host(step=0, batches=0), [])
+    other.take_outcome(_outcome(healing=True, errors=[torn]))
+    assert other.torn
+    # A heal that succeeds mends it.
+    host.errors.clear()
+    heal.begin()
+    heal.take_outcome(_outcome(healing=True, received=_received()))
+    heal.apply()
+    heal.check_torn()
+    assert not heal.torn and host.errors == [] and loaded == ["weights"]

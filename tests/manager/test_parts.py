@@ -180,6 +180,36 @@ def test_recovery_rejects_a_heal_without_source_or_sections() -> None:
         receiver.receive(_quorum(heal=True, recover_src_replica_rank=0))
 
 
+class _InPlaceMemory(MemoryTransport):
+    """Says it receives in place and takes ``into`` (records what it was given)."""
+
+    receives_in_place = True
+
+    def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: Any, **kw: Any):
+        self.into = kw.get("into")
+        return super().recv_checkpoint(src_rank, metadata, step, timeout)
+
+
+class _OldSignature(MemoryTransport):
+    """Says it receives in place, but its recv_checkpoint (an override) takes no ``into``."""
+
+    receives_in_place = True
+
+
+def test_recovery_receives_in_place_only_where_the_transport_takes_it() -> None:
+    network: dict[tuple[str, int], bytes] = {}
+    state = {"user": {"default": {"w": torch.arange(3.0)}}, "torchft": {"step": 5}}
+    MemoryTransport(network, "sender").send_checkpoint([1], 5, state, S)
+    heal = _quorum(heal=True, recover_src_replica_rank=0, recover_src_manager_address="x")
+    mine = {"user": {"default": {"w": torch.zeros(3)}}}
+    taker = _InPlaceMemory(network, "receiver")
+    _recovery(taker, []).receive(heal, into=mine)
+    assert taker.into is mine
+    # A transport whose method cannot take it still heals (into fresh memory), never a TypeError.
+    got = _recovery(_OldSignature(network, "receiver"), []).receive(heal, into=mine)
+    assert torch.equal(got["user"]["default"]["w"], torch.arange(3.0))
+
+
 # --- QuorumWorker ----------------------------------------------------------------------------
 
 

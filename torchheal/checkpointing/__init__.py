@@ -12,6 +12,7 @@ from torchheal.checkpointing.transport import (
     CheckpointError,
     CheckpointTimeoutError,
     CheckpointTransport,
+    TornCheckpointError,
 )
 
 __all__ = [
@@ -21,4 +22,5 @@ __all__ = [
     "HTTPTransport",
     "PGTransport",
     "RWLock",
+    "TornCheckpointError",
 ]

@@ -294,18 +294,28 @@ def allocate_buffers(
     used: dict[int, torch.Tensor] = {}
     if template is not None:
         dtensor = dtensor_type()
+        taken: set[int] = set()  # template storages already written by another storage
         for i, t in _match_templates(desc, template).items():
             spec = desc.tensors[i]
             local = t.to_local() if dtensor is not None and isinstance(t, dtensor) else t
+            ptr = local.untyped_storage().data_ptr()
             if (
                 buffers[spec.storage] is None
+                and ptr not in taken
                 and local.dtype == spec.dtype
                 and local.untyped_storage().nbytes() == desc.storage_nbytes[spec.storage]
                 and local.device.type == torch.device(device).type
                 and not (local.is_conj() or local.is_neg())
             ):
                 buffers[spec.storage] = storage_bytes(local)
+                taken.add(ptr)
                 used[i] = t
+            elif (
+                buffers[spec.storage] is not None
+                and ptr == buffers[spec.storage].data_ptr()
+                and local.dtype == spec.dtype
+            ):
+                used[i] = t  # another view of a storage already received in place
     try:
         out = [
             b if b is not None else torch.empty(n, dtype=torch.uint8, device=device)

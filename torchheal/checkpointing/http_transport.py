@@ -29,12 +29,10 @@ a TLS client refuses to fetch from a plain ``http://`` peer.
 
 from __future__ import annotations
 
-import http.client
 import logging
 import socket
 import ssl
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from socketserver import TCPServer
@@ -43,19 +41,13 @@ from urllib.parse import parse_qs, urlsplit
 
 from torchheal._base.config import SecurityEnv, checkpoint_token
 from torchheal._base.timeouts import to_seconds
-from torchheal.checkpointing._verify import BlockVerifier
+from torchheal.checkpointing._http_fetch import Client, fetch
 from torchheal.checkpointing.live import LIVE_FROM_BYTES, LiveCheckpoint
 from torchheal.checkpointing.rwlock import RWLock
 from torchheal.checkpointing.serialization import (
     DEFAULT_BLOCK_BYTES,
-    HEADER,
     StagedCheckpoint,
     StagingPool,
-    allocate_buffers,
-    parse_description,
-    parse_header,
-    read_segments,
-    rebuild,
     split_chunks,
     stage,
 )
@@ -65,7 +57,7 @@ from torchheal.checkpointing.transport import (
     CheckpointTimeoutError,
     CheckpointTransport,
 )
-from torchheal.coordination.rpc.auth import RefusalLog, bearer, bearer_matches
+from torchheal.coordination.rpc.auth import RefusalLog, bearer_matches
 from torchheal.coordination.rpc.tls import client_ssl_context, server_ssl_context
 
 logger = logging.getLogger(__name__)
@@ -398,8 +390,16 @@ class HTTPTransport(CheckpointTransport[T]):
         mark("stage.end", nbytes=staged.data_bytes)
         self.allow_checkpoint(step)
 
+    receives_in_place = True
+
     def recv_checkpoint(
-        self, src_rank: int, metadata: str, step: int, timeout: timedelta | float | None = None
+        self,
+        src_rank: int,
+        metadata: str,
+        step: int,
+        timeout: timedelta | float | None = None,
+        *,
+        into: Any = None,
     ) -> T:
         """Fetches and verifies the checkpoint of ``step`` from the server at ``metadata``.
 
@@ -408,9 +408,13 @@ class HTTPTransport(CheckpointTransport[T]):
             metadata: the source's ``metadata()`` URL.
             step: the expected step.
             timeout: socket timeout; defaults to the constructor's.
+            into: the receiver's own state (same tree): CPU tensors whose storage matches the
+                incoming one in size and dtype are received into directly and returned as
+                themselves (no fresh memory, nothing to copy when loading).
 
         Raises:
             CheckpointTimeoutError: a connect or read timed out.
+            TornCheckpointError: the receive failed after bytes had landed in ``into``.
             CheckpointError: refused, wrong step, truncated, corrupted or malformed.
         """
         seconds = self._timeout if timeout is None else to_seconds(timeout)
@@ -425,52 +429,13 @@ class HTTPTransport(CheckpointTransport[T]):
                 f"{self._scheme}: set the same TORCHHEAL_TLS_* on every replica group"
             )
         base = f"{url.path.rstrip('/')}/{step}"
-        client = _Client(url.hostname, url.port, seconds, self._token, self._client_context)
+        client = Client(url.hostname, url.port, seconds, self._token, self._client_context)
         try:
-            return self._fetch(client, base, step)
+            return fetch(client, base, step, self._num_chunks, into)
         except TimeoutError as e:
             raise CheckpointTimeoutError(f"checkpoint fetch from {metadata} timed out: {e}") from e
         except OSError as e:
             raise CheckpointError(f"checkpoint fetch from {metadata} failed: {e}") from e
-
-    def _fetch(self, client: _Client, base: str, step: int) -> T:
-        key = "full" if self._num_chunks == 0 else "metadata"
-        with client.get(f"{base}/{key}") as resp:
-            length, crc = parse_header(_read_exact(resp, HEADER.size))
-            desc = parse_description(_read_exact(resp, length), crc)
-            if desc.step != step:
-                raise CheckpointError(f"received checkpoint for step {desc.step}, wanted {step}")
-            data = desc.data_bytes if self._num_chunks == 0 else 0
-            if resp.length is not None and resp.length != data:
-                raise CheckpointError(
-                    f"checkpoint stream length mismatch: {resp.length} data bytes, "
-                    f"description says {data}"
-                )
-            buffers, used = allocate_buffers(desc)
-            mark("fetch.data.begin", nbytes=desc.data_bytes)
-            if self._num_chunks == 0:
-                with BlockVerifier() as verifier:
-                    read_segments(resp.readinto, buffers, desc.segments, verifier.submit)
-        if self._num_chunks:
-            chunks = split_chunks(desc.segments, self._num_chunks)
-
-            def fetch(i: int, verifier: BlockVerifier) -> None:
-                with client.get(f"{base}/{i}?n={self._num_chunks}") as resp:
-                    want = sum(s.end - s.start for s in chunks[i])
-                    if resp.length != want:
-                        raise CheckpointError(
-                            f"checkpoint chunk {i} is {resp.length} bytes, expected {want}"
-                        )
-                    read_segments(resp.readinto, buffers, chunks[i], verifier.submit)
-
-            with (
-                BlockVerifier() as verifier,
-                ThreadPoolExecutor(self._num_chunks, thread_name_prefix="torchheal-fetch") as pool,
-            ):
-                for f in [pool.submit(fetch, i, verifier) for i in range(self._num_chunks)]:
-                    f.result()
-        mark("fetch.data.end")
-        return rebuild(desc, buffers, used)
 
     def shutdown(self, wait: bool = True) -> None:
         """Stops the server.
@@ -484,43 +449,3 @@ class HTTPTransport(CheckpointTransport[T]):
             self._thread.join()
         else:
             threading.Thread(target=self._server.shutdown, daemon=True).start()
-
-
-class _Client:
-    """One GET per connection, with the token and a socket timeout."""
-
-    def __init__(
-        self,
-        host: str,
-        port: int,
-        timeout: float,
-        token: str | None,
-        context: ssl.SSLContext | None = None,
-    ) -> None:
-        self._host, self._port, self._timeout, self._token = host, port, timeout, token
-        self._context = context
-
-    def get(self, path: str) -> http.client.HTTPResponse:
-        conn: http.client.HTTPConnection
-        if self._context is not None:
-            conn = http.client.HTTPSConnection(
-                self._host, self._port, timeout=self._timeout, context=self._context
-            )
-        else:
-            conn = http.client.HTTPConnection(self._host, self._port, timeout=self._timeout)
-        headers = {"Authorization": bearer(self._token)} if self._token else {}
-        conn.request("GET", path, headers=headers)
-        resp = conn.getresponse()
-        if resp.status != 200:
-            message = resp.read(4096).decode(errors="replace")
-            resp.close()
-            conn.close()
-            raise CheckpointError(f"checkpoint server answered {resp.status} for {path}: {message}")
-        return resp
-
-
-def _read_exact(resp: http.client.HTTPResponse, n: int) -> bytes:
-    data = resp.read(n)
-    if len(data) != n:
-        raise CheckpointError(f"truncated checkpoint stream: got {len(data)} of {n} bytes")
-    return data

@@ -26,6 +26,14 @@ class CheckpointTimeoutError(CheckpointError, TimeoutError):
     """A checkpoint transfer did not complete within its timeout."""
 
 
+class TornCheckpointError(CheckpointError):
+    """A receive into the caller's own tensors (``into``) failed after bytes had landed there.
+
+    Those tensors now hold a mix of their old contents and unverified received bytes: the
+    receiver must not train on them, nor send them, until a later receive succeeds.
+    """
+
+
 class CheckpointTransport(ABC, Generic[T]):
     """Moves a replica's state to healing peers; generic over the state type ``T``."""
 
@@ -42,6 +50,12 @@ class CheckpointTransport(ABC, Generic[T]):
     #: ``send_checkpoint`` may run on another thread than the collectives and concurrently with
     #: them (it does not use the cross-replica process group).
     runs_beside_collectives: bool = False
+
+    #: ``recv_checkpoint`` takes ``into=``, a state of the receiver's own tensors, and receives
+    #: straight into those whose layout matches (no fresh buffers, nothing to copy when
+    #: loading). The bytes land before they are verified: a receive that fails after that
+    #: raises :class:`TornCheckpointError`.
+    receives_in_place: bool = False
 
     @abstractmethod
     def metadata(self) -> str:

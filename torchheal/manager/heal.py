@@ -13,6 +13,13 @@ reductions, so its transfer runs on a transfer thread while the collectives go o
 ``should_commit`` waits for it (:meth:`HealStep.settle`) before loading. A transfer that
 outlives the manager's timeout fails the step; what it delivers later is dropped.
 
+Receiving in place: a replica at step 0 that has never committed (a restarted group) holds
+nothing worth keeping, so its heal receives straight into its own tensors (no fresh memory, no
+copy when loading; ``StepRequest.heal_in_place``). If that receive fails part way, its tensors
+hold a mix of old and unverified bytes: the replica is *torn* (:attr:`HealStep.torn`) until a
+later heal succeeds. A torn replica never commits a step it did not heal in, and never sends its
+state (the Manager captures nothing to send).
+
 The warm-up: a group that (re)starts into a running job takes its first step alone. A restarted
 process's first iteration is its slowest (allocations, autograd and DDP warm-up); taken inside a
 quorum, every other group would wait for it in the step's collectives. So that step joins no
@@ -35,6 +42,7 @@ from datetime import timedelta
 from typing import Any, Protocol
 
 from torchheal.checkpointing.timeline import mark
+from torchheal.checkpointing.transport import TornCheckpointError
 from torchheal.manager.log import ManagerLogger
 from torchheal.manager.quorum_worker import QuorumOutcome, Transfer
 
@@ -98,6 +106,9 @@ class HealStep:
         self.warmup_pending = warmup
         #: This step is the warm-up.
         self.warming_up = False
+        #: A receive into this replica's own tensors failed part way: they hold a mix of old
+        #: and unverified bytes until a heal succeeds.
+        self.torn = False
 
     def drain(self) -> None:
         """Training thread, step start: the last step's transfer (its should_commit never
@@ -146,6 +157,7 @@ class HealStep:
 
     def take_outcome(self, outcome: QuorumOutcome) -> None:
         """Quorum thread: keeps the heal part of the step's quorum work."""
+        self._note_torn(outcome.errors)
         if outcome.recovery_event is not None:
             self.recovery_event = outcome.recovery_event
         if outcome.transfer is not None:
@@ -195,10 +207,30 @@ class HealStep:
             self._waited(time.perf_counter() - started)
         for error in transfer.errors:
             self._host.report_error(error)
+        self._note_torn(transfer.errors)
         if transfer.recovery_event is not None:
             self.recovery_event = transfer.recovery_event
         if transfer.received is not None and self.healing:
             self.take(transfer.received, max_step)
+
+    def _note_torn(self, errors: list[Exception]) -> None:
+        if any(isinstance(e, TornCheckpointError) for e in errors):
+            if not self.torn:
+                self._log.warning(
+                    "a heal into this replica's own tensors failed part way: it will not commit "
+                    "or send its state until a heal succeeds"
+                )
+            self.torn = True
+
+    def check_torn(self) -> None:
+        """Training thread, before the vote: a torn replica's step does not commit."""
+        if self.torn:
+            self._host.report_error(
+                RuntimeError(
+                    "this replica's state was partly overwritten by a heal that failed; it "
+                    "must heal from a peer before it may commit"
+                )
+            )
 
     def synchronize(self) -> None:
         """Training thread: waits for the device work of the last transfer (CUDA only)."""
@@ -218,6 +250,7 @@ class HealStep:
             self._load_user(pending["user"])
             mark("load.end")
             self._log.info("loaded the recovered state dict")
+            self.torn = False
         except Exception as e:
             self._log.exception(f"loading the recovered state dict failed: {e}")
             self._host.report_error(e)

@@ -297,8 +297,9 @@ class Manager:
             self._start_warmup()
             return
 
-        # Capture what a healing peer would receive on this (the training) thread.
-        captured = self._capture_state_dict() if allow_heal else None
+        # Capture what a healing peer would receive on this (the training) thread; a torn
+        # replica (a heal into its own tensors failed part way) has nothing it may send.
+        captured = self._capture_state_dict() if allow_heal and not self._heal.torn else None
         request = StepRequest(
             step=self._step,
             commit_failures=self._commit_failures,
@@ -310,6 +311,8 @@ class Manager:
             device=torch.cuda.current_device() if torch.cuda.is_available() else -1,
             can_load=not self._state.empty,
             background=self._background_transfer,
+            # Nothing worth keeping (never committed): a heal receives into its own tensors.
+            heal_in_place=self._step == 0 and self._batches_committed == 0,
         )
         self._quorums.submit(request)
         if not self._use_async_quorum:
@@ -489,6 +492,7 @@ class Manager:
             self.report_error(pg_error)
         if self._healing:
             self._apply_pending_state_dict()
+        self._heal.check_torn()
 
         num_participants = self.num_participants()
         errored = self._errored is not None

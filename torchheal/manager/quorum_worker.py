@@ -117,6 +117,9 @@ class StepRequest:
             (torchtitan registers them only after building the Manager).
         background: move state beside the step's collectives (``QuorumOutcome.transfer``)
             instead of before them.
+        heal_in_place: a heal receives straight into ``captured`` (this replica's own
+            tensors) where the transport can: its state holds nothing worth keeping if the
+            receive fails part way.
     """
 
     step: int
@@ -129,6 +132,7 @@ class StepRequest:
     device: int = -1
     can_load: bool = True
     background: bool = False
+    heal_in_place: bool = False
 
 
 class QuorumWorker:
@@ -236,9 +240,7 @@ class QuorumWorker:
             # The transport does not use the process group: the transfer starts now, while
             # the group is being rebuilt, and runs on beside the step's collectives.
             outcome.healing = quorum.heal
-            outcome.transfer = self._transfers.submit(
-                self._transfer, quorum, request.captured, request.can_load, None
-            )
+            outcome.transfer = self._transfers.submit(self._transfer, quorum, request, None)
         elif moves and quorum.heal and request.can_load:
             # Ask the source how to reach its state while the group is being rebuilt.
             metadata = self._transfers.submit(self._recovery.fetch_metadata, quorum)
@@ -253,7 +255,7 @@ class QuorumWorker:
                 return outcome
         if moves and not request.background:
             outcome.healing = quorum.heal
-            transfer = self._transfer(quorum, request.captured, request.can_load, metadata)
+            transfer = self._transfer(quorum, request, metadata)
             outcome.received = transfer.received
             outcome.errors.extend(transfer.errors)
             outcome.recovery_event = transfer.recovery_event
@@ -311,12 +313,9 @@ class QuorumWorker:
         mark("configure.end", quorum_id=quorum.quorum_id)
 
     def _transfer(
-        self,
-        quorum: QuorumResult,
-        captured: dict[str, Any] | None,
-        can_load: bool,
-        metadata: Future[str] | None,
+        self, quorum: QuorumResult, request: StepRequest, metadata: Future[str] | None
     ) -> Transfer:
+        captured = request.captured
         outcome = Transfer()
         stream = self._recovery_stream
         with torch.cuda.stream(stream) if stream is not None else nullcontext():
@@ -334,7 +333,7 @@ class QuorumWorker:
                         self._recovery.send(quorum, snapshot)
                     mark("send.end")
                 if quorum.heal:
-                    if not can_load:
+                    if not request.can_load:
                         # Fail the step now rather than fetch state nobody can load.
                         raise RuntimeError(
                             "this replica must heal from replica rank "
@@ -344,7 +343,8 @@ class QuorumWorker:
                         )
                     mark("receive.begin")
                     address = metadata.result() if metadata is not None else None
-                    outcome.received = self._recovery.receive(quorum, address)
+                    into = captured if request.heal_in_place else None
+                    outcome.received = self._recovery.receive(quorum, address, into)
                     mark("receive.end")
             except Exception as e:
                 self._log.exception(f"recovery failed: {e}")

@@ -13,6 +13,7 @@ in-memory transport and no servers; :func:`metadata_over_grpc` is the real one.
 from __future__ import annotations
 
 import asyncio
+import inspect
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -74,6 +75,14 @@ async def _fetch_metadata(
         await channel.close()
 
 
+def _takes_into(method: Callable[..., Any]) -> bool:
+    try:
+        params = inspect.signature(method).parameters.values()
+    except (TypeError, ValueError):  # pragma: no cover - a builtin without a signature
+        return False
+    return any(p.name == "into" or p.kind is p.VAR_KEYWORD for p in params)
+
+
 class Recovery:
     """Sends and receives whole state dicts through a checkpoint transport.
 
@@ -95,6 +104,11 @@ class Recovery:
         log: Callable[[str], None],
     ) -> None:
         self._transport = transport
+        # Receiving into this replica's own tensors needs a transport that says it can, and
+        # whose recv_checkpoint (a subclass may override it) takes ``into``.
+        self._in_place = getattr(transport, "receives_in_place", False) is True and _takes_into(
+            transport.recv_checkpoint
+        )
         self._fetch_metadata = fetch_metadata
         self._group_rank = group_rank
         self._timeout = timeout
@@ -132,12 +146,16 @@ class Recovery:
         mark("metadata.end")
         return metadata
 
-    def receive(self, quorum: QuorumResult, metadata: str | None = None) -> dict[str, Any]:
+    def receive(
+        self, quorum: QuorumResult, metadata: str | None = None, into: Any = None
+    ) -> dict[str, Any]:
         """Fetches the state of step ``quorum.max_step`` from the assigned source.
 
         Args:
             quorum: this rank's quorum result (``heal`` is True).
             metadata: the source's metadata when already fetched (:meth:`fetch_metadata`).
+            into: this replica's own state, received into where the transport can
+                (``receives_in_place``; its failure part way raises ``TornCheckpointError``).
 
         Returns:
             the received ``{"user": ..., "torchft": ...}`` state dict.
@@ -153,8 +171,13 @@ class Recovery:
         self._log(f"healing to step {quorum.max_step} from replica rank {source} ({address})")
         if metadata is None:
             metadata = self.fetch_metadata(quorum)
+        extra = {"into": into} if into is not None and self._in_place else {}
         received = self._transport.recv_checkpoint(
-            src_rank=source, metadata=metadata, step=quorum.max_step, timeout=self._timeout
+            src_rank=source,
+            metadata=metadata,
+            step=quorum.max_step,
+            timeout=self._timeout,
+            **extra,
         )
         if not isinstance(received, dict) or not {"user", "torchft"} <= received.keys():
             raise RuntimeError("received checkpoint lacks the 'user'/'torchft' sections")

@@ -77,10 +77,12 @@ class _TimedRecovery:
         s.recovery_sends += 1
         s.recovery_send_bytes += state_bytes(state)
 
-    def receive(self, quorum: QuorumResult, metadata: str | None = None) -> dict[str, Any]:
+    def receive(
+        self, quorum: QuorumResult, metadata: str | None = None, into: Any = None
+    ) -> dict[str, Any]:
         start = time.perf_counter()
         try:
-            received = self._recovery.receive(quorum, metadata)
+            received = self._recovery.receive(quorum, metadata, into)
         except BaseException:
             self._stats.heal_failures += 1
             raise

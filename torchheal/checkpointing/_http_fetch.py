@@ -1,0 +1,146 @@
+"""The healer's side of the HTTP checkpoint transport: fetch, verify, rebuild.
+
+:func:`fetch` reads the description, validates it, then reads every storage's bytes straight
+into preallocated buffers (or into the healer's own tensors, ``into``), one stream or
+``num_chunks`` parallel ones, each block's CRC checked on worker threads as it arrives
+(:class:`~torchheal.checkpointing._verify.BlockVerifier`); nothing is returned before every
+block has been verified.
+"""
+
+from __future__ import annotations
+
+import http.client
+import ssl
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from torchheal.checkpointing._format import HEADER, split_chunks
+from torchheal.checkpointing._verify import BlockVerifier
+from torchheal.checkpointing.deserialization import (
+    Description,
+    allocate_buffers,
+    parse_description,
+    parse_header,
+    read_segments,
+    rebuild,
+)
+from torchheal.checkpointing.timeline import mark
+from torchheal.checkpointing.transport import CheckpointError, TornCheckpointError
+from torchheal.coordination.rpc.auth import bearer
+
+__all__ = ["Client", "fetch"]
+
+
+def fetch(client: Client, base: str, step: int, num_chunks: int, into: Any = None) -> Any:
+    """Fetches, verifies and rebuilds the checkpoint of ``step`` under ``base``.
+
+    Args:
+        client: the connection factory for the source's server.
+        base: the URL path of the step (``/checkpoint/{step}``).
+        step: the expected step.
+        num_chunks: 0 reads one stream; ``n > 0`` reads ``n`` chunks in parallel.
+        into: the healer's own state: matching CPU storages are received into directly.
+
+    Raises:
+        TornCheckpointError: the receive failed after bytes had landed in ``into``.
+        CheckpointError: refused, wrong step, truncated, corrupted or malformed.
+    """
+    key = "full" if num_chunks == 0 else "metadata"
+    with client.get(f"{base}/{key}") as resp:
+        length, crc = parse_header(read_exact(resp, HEADER.size))
+        desc = parse_description(read_exact(resp, length), crc)
+        if desc.step != step:
+            raise CheckpointError(f"received checkpoint for step {desc.step}, wanted {step}")
+        data = desc.data_bytes if num_chunks == 0 else 0
+        if resp.length is not None and resp.length != data:
+            raise CheckpointError(
+                f"checkpoint stream length mismatch: {resp.length} data bytes, "
+                f"description says {data}"
+            )
+        buffers, used = allocate_buffers(desc, into)
+        mark("fetch.data.begin", nbytes=desc.data_bytes, in_place=len(used))
+        try:
+            _read_data(client, base, resp, desc, buffers, num_chunks)
+        except Exception as e:
+            if not used:
+                raise
+            raise TornCheckpointError(
+                f"receiving into this replica's own tensors failed part way ({e}): they "
+                "hold a mix of old and unverified bytes until a later heal succeeds"
+            ) from e
+    mark("fetch.data.end")
+    return rebuild(desc, buffers, used)
+
+
+def _read_data(
+    client: Client,
+    base: str,
+    resp: http.client.HTTPResponse,
+    desc: Description,
+    buffers: list[torch.Tensor],
+    num_chunks: int,
+) -> None:
+    """Reads every storage's bytes into ``buffers`` and verifies them."""
+    if num_chunks == 0:
+        with BlockVerifier() as verifier:
+            read_segments(resp.readinto, buffers, desc.segments, verifier.submit)
+        return
+    chunks = split_chunks(desc.segments, num_chunks)
+
+    def one(i: int, verifier: BlockVerifier) -> None:
+        with client.get(f"{base}/{i}?n={num_chunks}") as chunk:
+            want = sum(s.end - s.start for s in chunks[i])
+            if chunk.length != want:
+                raise CheckpointError(
+                    f"checkpoint chunk {i} is {chunk.length} bytes, expected {want}"
+                )
+            read_segments(chunk.readinto, buffers, chunks[i], verifier.submit)
+
+    with (
+        BlockVerifier() as verifier,
+        ThreadPoolExecutor(num_chunks, thread_name_prefix="torchheal-fetch") as pool,
+    ):
+        for f in [pool.submit(one, i, verifier) for i in range(num_chunks)]:
+            f.result()
+
+
+class Client:
+    """One GET per connection, with the token and a socket timeout."""
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        timeout: float,
+        token: str | None,
+        context: ssl.SSLContext | None = None,
+    ) -> None:
+        self._host, self._port, self._timeout, self._token = host, port, timeout, token
+        self._context = context
+
+    def get(self, path: str) -> http.client.HTTPResponse:
+        conn: http.client.HTTPConnection
+        if self._context is not None:
+            conn = http.client.HTTPSConnection(
+                self._host, self._port, timeout=self._timeout, context=self._context
+            )
+        else:
+            conn = http.client.HTTPConnection(self._host, self._port, timeout=self._timeout)
+        headers = {"Authorization": bearer(self._token)} if self._token else {}
+        conn.request("GET", path, headers=headers)
+        resp = conn.getresponse()
+        if resp.status != 200:
+            message = resp.read(4096).decode(errors="replace")
+            resp.close()
+            conn.close()
+            raise CheckpointError(f"checkpoint server answered {resp.status} for {path}: {message}")
+        return resp
+
+
+def read_exact(resp: http.client.HTTPResponse, n: int) -> bytes:
+    data = resp.read(n)
+    if len(data) != n:
+        raise CheckpointError(f"truncated checkpoint stream: got {len(data)} of {n} bytes")
+    return data
