@@ -10,10 +10,11 @@ bytes against the generated classes.
 
 from __future__ import annotations
 
-__all__ = ["message_field", "uint_field", "varint"]
+__all__ = ["int_field", "message_field", "uint_field", "varint"]
 
 _LENGTH_DELIMITED = 2
 _VARINT = 0
+_MASK64 = (1 << 64) - 1
 _SMALL = [bytes([v]) for v in range(128)]
 
 
@@ -67,3 +68,16 @@ def uint_field(number: int, value: int) -> bytes:
     if value == 0:
         return b""
     return varint(number << 3 | _VARINT) + varint(value)
+
+
+def int_field(number: int, value: int) -> bytes:
+    """The wire bytes of a signed ``int64``/``int32`` field (omitted when 0, as proto3 does):
+    a negative value is its 64-bit two's complement, ten bytes long, as protobuf encodes it.
+
+    Args:
+        number: the field number (>= 1).
+        value: a value in the field's range.
+    """
+    if value == 0:
+        return b""
+    return varint(number << 3 | _VARINT) + varint(value & _MASK64)

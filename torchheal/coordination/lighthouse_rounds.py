@@ -9,7 +9,8 @@ bookkeeping of the requests waiting for a quorum and the delivery of an issued o
   with the answer), not a task or a queue: when a quorum is issued, one pass over the waiting
   requests answers the ones it includes and puts the others back for the next round (reference
   §4: "not in quorum, retrying"). A session's answer is written straight to its connection.
-* The quorum is serialized once per round; each waiter's envelope is built around those bytes.
+* The quorum is serialized once per round, from each member's message serialized when it
+  joined, and each waiter's envelope is built around those bytes (``lighthouse_answers.py``).
 * The decision runs once per event-loop turn in which requests arrived (requests that arrive
   together share it), not once per request, which would make a round of N requests O(N^2).
   When a request brings the round to the last quorum's size (usually the round's last
@@ -36,8 +37,8 @@ import time
 from collections.abc import Callable
 
 from torchheal._wire import torchft_pb2 as pb
-from torchheal._wire.splice import message_field, uint_field, varint
 from torchheal.coordination import convert
+from torchheal.coordination.lighthouse_answers import Issued, member_entry, quorum_bytes
 from torchheal.coordination.lighthouse_state import QuorumStore, StoreError
 from torchheal.coordination.quorum import (
     LighthouseConfig,
@@ -53,7 +54,7 @@ from torchheal.coordination.quorum import (
 )
 from torchheal.coordination.types import Quorum, QuorumMember, Timestamp
 
-__all__ = ["Issued", "QuorumRounds", "Waiter"]
+__all__ = ["QuorumRounds", "Waiter"]
 
 # A child of the lighthouse's logger, so configuring that one configures the whole lighthouse.
 logger: logging.Logger = logging.getLogger("torchheal.coordination.lighthouse.rounds")
@@ -63,66 +64,24 @@ logger: logging.Logger = logging.getLogger("torchheal.coordination.lighthouse.ro
 MIN_HEARTBEAT_RETENTION_S = 60.0
 PRUNE_INTERVAL_S = 1.0
 
-# SessionEvent field 2 (QuorumIssued, length-delimited), and in it field 2 (the quorum).
-_EVENT_QUORUM_TAG = varint(2 << 3 | 2)
-_ISSUED_QUORUM = 2
-
-
-class Issued:
-    """An issued quorum as its waiters need it, serialized once for all of them.
-
-    Args:
-        quorum_id: its id.
-        member_ids: the replica ids it includes.
-        quorum_bytes: the serialized ``torchft.Quorum``.
-    """
-
-    __slots__ = ("_heads", "_unary", "issued_tail", "member_ids", "quorum_bytes", "quorum_id")
-
-    def __init__(self, quorum_id: int, member_ids: frozenset[str], quorum_bytes: bytes) -> None:
-        self.quorum_id = quorum_id
-        self.member_ids = member_ids
-        self.quorum_bytes = quorum_bytes
-        #: The quorum as field 2 of a ``QuorumIssued`` (what follows the request id).
-        self.issued_tail = message_field(_ISSUED_QUORUM, quorum_bytes)
-        # What precedes a request id of each encoded length in a session event (the same for
-        # every waiter whose id has that length).
-        self._heads: dict[int, bytes] = {}
-        self._unary: bytes | None = None
-
-    @property
-    def unary_response(self) -> bytes:
-        """A serialized ``LighthouseQuorumResponse`` around the quorum."""
-        if self._unary is None:
-            self._unary = message_field(1, self.quorum_bytes)
-        return self._unary
-
-    def session_event(self, request_id: int) -> bytes:
-        """The serialized ``SessionEvent`` answering a session's request ``request_id``."""
-        request = uint_field(1, request_id)
-        head = self._heads.get(len(request))
-        if head is None:
-            head = _EVENT_QUORUM_TAG + varint(len(request) + len(self.issued_tail))
-            self._heads[len(request)] = head
-        return b"".join((head, request, self.issued_tail))
-
 
 class Waiter:
     """One request waiting for a quorum that includes its member.
 
     Args:
         member: the validated requester.
-        raw: its message as received (echoed, to keep fields unknown to us).
+        entry: its message as received, as a quorum's participant (:func:`member_entry`;
+            echoed, to keep fields unknown to us).
         deliver: called once with the :class:`Issued` quorum that includes the member.
     """
 
-    __slots__ = ("deadline", "deliver", "expired", "member", "raw", "timer")
+    __slots__ = ("deadline", "deliver", "entry", "expired", "member", "timer")
 
     def __init__(
-        self, member: QuorumMember, raw: pb.QuorumMember, deliver: Callable[[Issued], None]
+        self, member: QuorumMember, entry: bytes, deliver: Callable[[Issued], None]
     ) -> None:
         self.member = member
-        self.raw = raw
+        self.entry = entry
         self.deliver = deliver
         # A request with a timeout (QuorumRounds.wait_until): when it expires (monotonic
         # seconds) and whom to tell; its timer may be set later than the request (arm_timers).
@@ -171,8 +130,9 @@ class QuorumRounds:
                 )
         self._notify = notify
         self._observed = observed
-        # replica_id -> the requester's message as received, for participants of the round.
-        self._raw: dict[str, pb.QuorumMember] = {}
+        # replica_id -> the requester's message as received (its quorum entry), for
+        # participants of the round.
+        self._entries: dict[str, bytes] = {}
         # Requests waiting for a quorum, in arrival order (a dict used as an ordered set).
         self._waiters: dict[Waiter, None] = {}
         # When the current round's first request arrived (for the round latency).
@@ -204,12 +164,12 @@ class QuorumRounds:
         Left out of an issued quorum, the request stays for the next one. The caller takes it
         back with :meth:`forget` (its caller went away) or :meth:`withdraw` (it timed out).
         """
-        waiter = Waiter(member, raw, deliver)
+        waiter = Waiter(member, member_entry(raw), deliver)
         now = time.monotonic()
         with self.lock:
             state = self.state
             join(state, member, now)
-            self._raw[member.replica_id] = raw
+            self._entries[member.replica_id] = waiter.entry
             if self._round_started is None:
                 self._round_started = now
             prev = state.prev_quorum
@@ -379,10 +339,10 @@ class QuorumRounds:
                 return
             round_s = 0.0 if self._round_started is None else now - self._round_started
             self._round_started = None
-            raw = self._raw
+            entries = self._entries
             # Participants were cleared by tick(); their messages go with the issued quorum.
-            self._raw = {}
-        self._deliver(quorum, raw, now)
+            self._entries = {}
+        self._deliver(quorum, entries, now)
         if self._observed:
             self._notify("quorum_issued", quorum, reason, round_s, now)
 
@@ -402,11 +362,10 @@ class QuorumRounds:
         self._saved = key
         return True
 
-    def _deliver(self, quorum: Quorum, raw: dict[str, pb.QuorumMember], now: float) -> None:
+    def _deliver(self, quorum: Quorum, entries: dict[str, bytes], now: float) -> None:
         """Answer every waiting request the quorum includes; put the others back. One pass."""
-        quorum_bytes = convert.quorum_to_pb(quorum, raw).SerializeToString()
         member_ids = frozenset(m.replica_id for m in quorum.participants)
-        issued = Issued(quorum.quorum_id, member_ids, quorum_bytes)
+        issued = Issued(quorum.quorum_id, member_ids, quorum_bytes(quorum, entries))
         if logger.isEnabledFor(logging.INFO):  # the member list is built only to be logged
             logger.info(
                 "Issued quorum %d with %d participants: %s",
@@ -427,7 +386,7 @@ class QuorumRounds:
                         quorum.quorum_id,
                     )
                     requeue(self.state, waiter.member, now)
-                    self._raw[waiter.member.replica_id] = waiter.raw
+                    self._entries[waiter.member.replica_id] = waiter.entry
                     if self._round_started is None:
                         self._round_started = now
         for waiter in answered:
