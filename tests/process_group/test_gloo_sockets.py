@@ -1,0 +1,78 @@
+"""Finding a Gloo group's pair sockets from outside, with plain sockets standing in for Gloo's."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import pytest
+
+from torchheal.process_group.gloo_sockets import PairSockets, socket_inodes
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+
+_CLIENT = (
+    "import socket, sys\n"
+    "s = socket.create_connection(('127.0.0.1', int(sys.argv[1])))\n"
+    "sys.stdout.write('connected\\n'); sys.stdout.flush()\n"
+    "sys.stdin.read()\n"
+)
+
+
+@pytest.fixture
+def visitor() -> Iterator[callable]:
+    """Connects another process to a port of ours (a healer fetching our checkpoint)."""
+    procs: list[subprocess.Popen[str]] = []
+
+    def connect(port: int) -> None:
+        p = subprocess.Popen(
+            [sys.executable, "-c", _CLIENT, str(port)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        procs.append(p)
+        assert p.stdout is not None and p.stdout.readline() == "connected\n"
+
+    yield connect
+    for p in procs:
+        p.kill()
+        p.wait()
+
+
+def _inode(sock: socket.socket) -> int:
+    return next(i for i, fd in socket_inodes().items() if fd == sock.fileno())
+
+
+def test_the_pairs_are_the_new_connections_and_not_another_servers(visitor) -> None:
+    ours = socket.create_server(("127.0.0.1", 0))  # one of this process's servers
+    before = PairSockets.before()
+    group = socket.create_server(("127.0.0.1", 0))  # the group's own listener
+    out = socket.create_connection(group.getsockname())  # a connection we opened
+    accepted, _ = group.accept()  # and one we accepted on the group's listener
+    visitor(ours.getsockname()[1])
+    guest, _ = ours.accept()  # a peer of another server, arrived meanwhile
+    with ours, group, out, accepted, guest:
+        pairs = PairSockets.after(before, world_size=3)
+        assert pairs is not None and pairs._inodes == {_inode(out), _inode(accepted)}
+        # Anything but exactly world_size - 1 candidates: nothing is kept.
+        assert PairSockets.after(before, world_size=2) is None
+        # Cutting them makes a blocked receive end at once; the guest is left alone.
+        assert pairs.cut() == 2
+        out.settimeout(5)
+        assert out.recv(1) == b""
+        guest.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            guest.recv(1)
+
+
+def test_a_store_clients_connection_is_found_by_its_port() -> None:
+    store = socket.create_server(("127.0.0.1", 0))
+    before = PairSockets.before()
+    client = socket.create_connection(store.getsockname())
+    accepted, _ = store.accept()
+    with store, client, accepted:
+        found = PairSockets.to_port(before, store.getsockname()[1])
+        assert found._inodes == {_inode(client)}
