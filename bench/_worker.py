@@ -59,19 +59,20 @@ def _phases(args: argparse.Namespace, *marks: float) -> dict[str, float]:
     return {"phases": {n: round(d * 1e3, 3) for n, d in zip(names, spans, strict=True)}}
 
 
-def thread_cpu() -> dict[str, float]:
-    """CPU seconds used so far by each thread of this process (``--phases``; Linux only).
+def thread_usage() -> dict[str, tuple[float, int]]:
+    """CPU seconds and minor page faults so far of each thread of this process (``--phases``).
 
-    Python threads are named by their ``threading`` name, native ones (Gloo, gRPC, torch) by
-    the kernel's name for them.
+    Linux only. Python threads are named by their ``threading`` name, native ones (Gloo, gRPC,
+    torch) by the kernel's name for them. Minor faults count pages the kernel had to map (and
+    zero) on first touch: memory the allocator gave back to the system and took again.
     """
     names = {t.native_id: t.name for t in threading.enumerate()}
     tick = os.sysconf("SC_CLK_TCK")
-    cpu: dict[str, float] = {}
+    usage: dict[str, tuple[float, int]] = {}
     try:
         tids = os.listdir("/proc/self/task")
     except OSError:
-        return cpu
+        return usage
     for tid in tids:
         try:
             with open(f"/proc/self/task/{tid}/stat") as f:
@@ -81,28 +82,34 @@ def thread_cpu() -> dict[str, float]:
         comm = stat[stat.index("(") + 1 : stat.rindex(")")]
         fields = stat[stat.rindex(")") + 2 :].split()
         name = names.get(int(tid), comm)
-        cpu[name] = cpu.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
-    return cpu
+        cpu, faults = usage.get(name, (0.0, 0))
+        cpu += (int(fields[11]) + int(fields[12])) / tick
+        usage[name] = (cpu, faults + int(fields[7]))
+    return usage
 
 
 class CpuMeter:
-    """Per-thread CPU seconds between the end of the warm-up and the end of the run."""
+    """Per-thread CPU seconds and page faults between the end of the warm-up and of the run."""
 
     def __init__(self, args: argparse.Namespace) -> None:
         self._on = args.phases
         self._warmup = args.warmup
-        self._start: dict[str, float] | None = None
+        self._start: dict[str, tuple[float, int]] | None = None
 
     def step(self, step: int) -> None:
         if self._on and self._start is None and step >= self._warmup:
-            self._start = thread_cpu()
+            self._start = thread_usage()
 
     def fields(self) -> dict[str, dict[str, float]]:
         if not self._on or self._start is None:
             return {}
-        end = thread_cpu()
-        used = {k: round(v - self._start.get(k, 0.0), 3) for k, v in end.items()}
-        return {"thread_cpu": {k: v for k, v in used.items() if v > 0}}
+        end = thread_usage()
+        cpu = {k: round(v[0] - self._start.get(k, (0.0, 0))[0], 3) for k, v in end.items()}
+        faults = {k: v[1] - self._start.get(k, (0.0, 0))[1] for k, v in end.items()}
+        return {
+            "thread_cpu": {k: v for k, v in cpu.items() if v > 0},
+            "thread_faults": {k: v for k, v in faults.items() if v > 0},
+        }
 
 
 def run_ft(args: argparse.Namespace, group: int) -> None:

@@ -5,6 +5,18 @@ Each configuration runs as separate processes; steps/s is measured on every grou
 warm-up and averaged. Goal: torchheal within 5% of plain DDP and at least the reference.
 
     python -m bench.step_overhead [--steps 120] [--warmup 20] [--rounds 2] [--phases]
+                                  [--malloc glibc|steady]
+
+On CPU the step's gradients (18 MB here) are freed by ``zero_grad`` and allocated again by the
+next backward. glibc's malloc gives the top of its heap back to the system when more than its
+trim threshold is free there, and whether the freed gradients reach that threshold depends on
+where they happen to lie in the heap: in some processes every step then maps and zeroes the
+gradients' pages again (about 4,700 page faults, 8-10 ms of CPU per step on the 2-core machine
+this was written on), in others never, whichever library runs the loop (a bare loop without DDP
+does it every step). ``--phases`` prints the training thread's page faults per step so a table
+shows when this happened. ``--malloc steady`` gives every configuration's workers the same
+fixed thresholds (``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_``), which takes the
+allocator's layout out of the comparison; the default measures what a user gets.
 """
 
 from __future__ import annotations
@@ -49,6 +61,11 @@ def phase_medians(result: RunResult, warmup: int) -> dict[str, float]:
     return {name: statistics.median(v) for name, v in spans.items()}
 
 
+#: Fixed glibc malloc thresholds for ``--malloc steady``: blocks under 32 MiB (glibc's largest
+#: dynamic threshold) come from the heap, and the heap keeps up to 1 GiB free at its top.
+STEADY_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
+
+
 def thread_cpu_per_step(result: RunResult, steps: int) -> dict[str, float]:
     """CPU milliseconds per measured step by thread name, summed over the groups (``--phases``)."""
     cpu: dict[str, float] = {}
@@ -57,6 +74,15 @@ def thread_cpu_per_step(result: RunResult, steps: int) -> dict[str, float]:
             for name, seconds in e.fields.get("thread_cpu", {}).items():
                 cpu[name] = cpu.get(name, 0.0) + seconds * 1e3 / steps
     return cpu
+
+
+def main_thread_faults_per_step(result: RunResult, steps: int) -> list[float]:
+    """Minor page faults of each group's training thread per measured step (``--phases``)."""
+    return [
+        e.fields.get("thread_faults", {}).get("MainThread", 0) / steps
+        for e in result.events
+        if e.kind == "done"
+    ]
 
 
 def main() -> None:
@@ -70,6 +96,12 @@ def main() -> None:
         "--phases", action="store_true", help="also print the median time of each step phase"
     )
     parser.add_argument(
+        "--malloc",
+        choices=["glibc", "steady"],
+        default="glibc",
+        help="glibc: the allocator's defaults; steady: the same fixed thresholds for everyone",
+    )
+    parser.add_argument(
         "--only", nargs="+", choices=["plain", "torchheal", "torchft"], help="configurations"
     )
     args = parser.parse_args()
@@ -81,27 +113,35 @@ def main() -> None:
     results: dict[str, list[float]] = {i: [] for i in impls}
     phases: dict[str, list[dict[str, float]]] = {i: [] for i in impls}
     cpu: dict[str, list[dict[str, float]]] = {i: [] for i in impls}
+    faults: dict[str, list[float]] = {i: [] for i in impls}
+    malloc_env = STEADY_MALLOC if args.malloc == "steady" else {}
     for r in range(args.rounds):
         # Interleaved, and each round in another order, so a slow spell of the (shared)
         # machine does not fall on one configuration only.
         for impl in impls[r % len(impls) :] + impls[: r % len(impls)]:
             if impl == "plain":
                 store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-                env = {"PLAIN_STORE_HOST": "127.0.0.1", "PLAIN_STORE_PORT": str(store.port)}
+                env = {
+                    "PLAIN_STORE_HOST": "127.0.0.1",
+                    "PLAIN_STORE_PORT": str(store.port),
+                    **malloc_env,
+                }
                 result = run_workers("plain", 2, "http://unused:1", worker_args, env=env)
                 del store
             else:
                 with lighthouse(impl) as addr:
-                    result = run_workers(impl, 2, addr, worker_args)
+                    result = run_workers(impl, 2, addr, worker_args, env=malloc_env)
             assert not result.timed_out, f"{impl} run timed out"
             results[impl].append(steps_per_second(result, args.warmup))
             phases[impl].append(phase_medians(result, args.warmup))
             cpu[impl].append(thread_cpu_per_step(result, args.steps - args.warmup))
+            faults[impl].extend(main_thread_faults_per_step(result, args.steps - args.warmup))
 
     base = statistics.median(results[impls[0]])
     print(
         f"\nStep overhead: 2 replica groups x 1 rank, Gloo, ~5M-param MLP, {args.steps} steps"
-        f" ({args.warmup} warm-up), median of {args.rounds} interleaved rounds"
+        f" ({args.warmup} warm-up), median of {args.rounds} interleaved rounds,"
+        f" malloc {args.malloc}"
     )
     print(f"{'configuration':<26}{'steps/s':>10}{'min':>8}{'max':>8}{'vs ' + impls[0]:>16}")
     names = {
@@ -133,6 +173,9 @@ def main() -> None:
                 f"{names[impl]:<26}{total:>8.2f} total: "
                 + ", ".join(f"{t} {v:.2f}" for t, v in top)
             )
+        print("\ntraining thread's page faults per step (each group of each round)")
+        for impl in impls:
+            print(f"{names[impl]:<26}" + " ".join(f"{v:.0f}" for v in faults[impl]))
 
 
 if __name__ == "__main__":
