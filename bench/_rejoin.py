@@ -12,6 +12,11 @@ code, the end of its imports, the Manager's construction, every step (begin, aft
 after the optimizer step), and, for torchheal with ``timeline``, every mark of
 ``torchheal.checkpointing.timeline`` (quorum, rebuild, snapshot, staging, transfer, load).
 
+With ``--pin`` each group's process (all its threads) runs on a CPU of its own (group g on
+CPU g mod the CPU count), the lighthouse and the driver wherever the scheduler puts them: as
+when groups run on separate machines, a group's step then slows only for what it does itself
+(serving a peer) and for what it waits on, not because the other group's work took its core.
+
     python -m bench._rejoin --impl torchheal --timeline     # one run, its timeline printed
 """
 
@@ -52,6 +57,8 @@ def _emit(kind: str, **fields: Any) -> None:
 
 def worker(args: argparse.Namespace) -> None:
     _emit("exec", t=T_EXEC)
+    if args.pin:
+        os.sched_setaffinity(0, {args.group % (os.cpu_count() or 1)})
     import logging
     from datetime import timedelta
 
@@ -274,6 +281,7 @@ def run_rejoin(
     alone: int = 8,
     after: int = 10,
     timeline: bool = False,
+    pin: bool = False,
 ) -> Rejoin:
     """One kill, restart and rejoin of group 1 of 2; see the module docstring.
 
@@ -285,8 +293,11 @@ def run_rejoin(
         alone: steps the survivor commits alone before the restart.
         after: steps the restarted group commits before the run ends.
         timeline: record torchheal's phase marks.
+        pin: each group on a CPU of its own (see the module docstring).
     """
     extra = ["--state-mb", str(state_mb), "--transport", transport]
+    if pin:
+        extra.append("--pin")
     if timeline:
         extra.append("--timeline")
     with (
@@ -437,10 +448,12 @@ def main() -> None:
     w.add_argument("--state-mb", type=int, default=0)
     w.add_argument("--transport", choices=["http", "pg"], default="http")
     w.add_argument("--timeline", action="store_true")
+    w.add_argument("--pin", action="store_true")
     parser.add_argument("--impl", default="torchheal")
     parser.add_argument("--state-mb", type=int, default=0)
     parser.add_argument("--transport", choices=["http", "pg"], default="http")
     parser.add_argument("--timeline", action="store_true")
+    parser.add_argument("--pin", action="store_true", help="each group on a CPU of its own")
     args = parser.parse_args()
     if args.cmd == "worker":
         worker(args)
@@ -449,7 +462,11 @@ def main() -> None:
         serve_lighthouse(args.impl, args.port)
         return
     r = run_rejoin(
-        args.impl, state_mb=args.state_mb, transport=args.transport, timeline=args.timeline
+        args.impl,
+        state_mb=args.state_mb,
+        transport=args.transport,
+        timeline=args.timeline,
+        pin=args.pin,
     )
     if args.timeline:
         print_timeline(r)

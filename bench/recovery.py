@@ -37,6 +37,11 @@ def main() -> None:
     parser.add_argument("--heartbeat-timeout-ms", type=int, default=5000)
     parser.add_argument("--rejoin-runs", type=int, default=1, help="rejoins per implementation")
     parser.add_argument("--rejoin-only", action="store_true", help="only the rejoin table")
+    parser.add_argument(
+        "--pin",
+        action="store_true",
+        help="rejoin with each group on a CPU of its own (as on separate machines)",
+    )
     args = parser.parse_args()
     impls = ["torchheal"] + (["torchft"] if reference_available() else [])
     sizes = [int(s) for s in args.sizes.split(",")]
@@ -105,7 +110,9 @@ def rejoin_table(args: argparse.Namespace, impls: list[str], sizes: list[int]) -
     for size in sizes:
         for _ in range(args.rejoin_runs):
             for impl in impls:
-                r = run_rejoin(impl, state_mb=size, transport=args.transport, timeline=True)
+                r = run_rejoin(
+                    impl, state_mb=size, transport=args.transport, timeline=True, pin=args.pin
+                )
                 results.setdefault((impl, size), []).append(r)
                 if r.transfer_bytes:
                     # The wire's ceiling for the same bytes, measured now, between the runs.
@@ -117,7 +124,8 @@ def rejoin_table(args: argparse.Namespace, impls: list[str], sizes: list[int]) -
 
     print(
         f"\nRejoin of 1 of 2 groups ({args.transport} transport, AdamW MLP ~57 MB of state + "
-        f"ballast), medians of {args.rejoin_runs} run(s); seconds unless noted"
+        f"ballast{', each group on a CPU of its own' if args.pin else ''}), medians of "
+        f"{args.rejoin_runs} run(s); seconds unless noted"
     )
     head = (
         f"{'impl':<10}{'ballast':>8}{'start+imports':>14}{'rest->commit':>13}"
