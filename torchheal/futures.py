@@ -204,7 +204,8 @@ def timed_then(
 ) -> Future[T]:
     """``future_timeout(fut, timeout).then(fn)`` in one callback instead of two.
 
-    ``fn`` gets the completed ``fut``, or after ``timeout`` a future failed with
+    ``fn`` gets ``fut`` itself once it completed (the very object: a caller can tell it from
+    the other case by identity), or after ``timeout`` a future failed with
     ``TimeoutError("future did not complete within {timeout}")``; the returned future holds
     what it returns (or the exception it raises, as is). ``fn`` runs once, on the thread that
     completed ``fut`` or on the timeout thread. Each callback of a collective's future runs
@@ -244,10 +245,10 @@ def timed_then(
 
     handle = _TIMEOUT_MANAGER.schedule(timeout, _on_timeout)
 
-    def _on_done(f: Future[Any]) -> None:
+    def _on_done(_: Future[Any]) -> None:
         handle.cancel()
         if _claim():
-            _settle(f)
+            _settle(fut)
 
     fut.add_done_callback(_on_done)
     return out

@@ -9,6 +9,13 @@ Failures never escape into the training loop: the first derived future goes thro
 ``manager.wrap_future`` (timeout + error swallowed into ``report_error``), and
 :meth:`_ManagedWork.wait` reports any later error and returns ``False``.
 
+The first continuation runs in one Python callback on the collective's own future when the
+manager offers ``_wrap_future_then``: the error check of the process group's recording work,
+the continuation (the Manager's averaging) and the manager's timeout and swallowing. Each
+callback takes the GIL on the thread that completes the collective (Gloo's), once per gradient
+bucket, while the training thread computes the rest of backward; three of them per bucket were
+three hand-offs of the GIL.
+
 Differences from the reference's first version (the published wheel has the same fixes): each
 callback binds its own chain node (a closure over the loop variable ran the wrong callback when
 futures completed late on another thread), and ``wait(timeout)`` passes the timeout through.
@@ -28,7 +35,7 @@ import torch.distributed as dist
 
 # The reference's torchft.work also defines the completed no-op work; ours lives with the
 # process groups and is re-exported here so the reference's import path resolves.
-from torchheal.process_group.work import _DummyWork
+from torchheal.process_group.work import _DummyWork, _ErrorRecordingWork
 
 __all__ = ["_DummyWork", "_ManagedFuture", "_ManagedWork"]
 
@@ -165,13 +172,47 @@ class _ManagedWork(dist.Work):
             fut = self._manager.wrap_future(fut, self._default_result)
         return fut
 
+    def _fused_first(self, node: _ManagedFuture) -> torch.futures.Future[Any] | None:
+        # The first continuation and everything around it in one callback (module docstring);
+        # None where the manager cannot (a sink without ``_wrap_future_then``).
+        wrap_then = getattr(self._manager, "_wrap_future_then", None)
+        if wrap_then is None:
+            return None
+        work = self._work
+        if isinstance(work, _ErrorRecordingWork):
+            raw, report = work.take_future()
+        else:
+            raw, report = work.get_future(), None
+        self._head._future = raw
+        stream = self._stream
+        callback = node._callback
+        assert callback is not None
+
+        def first(f: torch.futures.Future[Any]) -> Any:
+            try:
+                f.value()  # re-raises the collective's error, or the timeout
+            except Exception as e:
+                if f is raw and report is not None:  # the collective failed, not timed out
+                    report(e)
+                raise
+            with torch.cuda.stream(stream) if stream is not None else nullcontext():
+                return callback(f)
+
+        return wrap_then(raw, first, self._default_result)
+
     def _materialize(self) -> None:
         with self._lock:
             if self._materialized:
                 return
-            fut = self._work.get_future()
-            self._head._future = fut
             node, first = self._head._next, True
+            fut = self._fused_first(node) if node is not None else None
+            if fut is not None:
+                assert node is not None
+                node._future = fut
+                node, first = node._next, False
+            else:
+                fut = self._work.get_future()
+                self._head._future = fut
             while node is not None:
                 fut = self._derive(fut, node, first)
                 node._future = fut

@@ -315,3 +315,99 @@ def test_timeout_budget_warning() -> None:
                 quorum_timeout=timedelta(seconds=2),
             ):
                 pass
+
+
+class _PendingWork(torch.distributed.Work):
+    def __init__(self, future: torch.futures.Future) -> None:
+        super().__init__()
+        self.future = future
+
+    def get_future(self) -> torch.futures.Future:
+        return self.future
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        self.future.wait()
+        return True
+
+
+class _PendingGroup(ProcessGroupDummy):
+    """Its allreduces complete when the test says so."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.issued: list[tuple[torch.futures.Future, list[torch.Tensor]]] = []
+
+    def allreduce(self, tensors, opts):  # type: ignore[no-untyped-def, override]
+        future: torch.futures.Future = torch.futures.Future()
+        self.issued.append((future, tensors))
+        return _PendingWork(future)
+
+
+def _counting_callbacks(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts every Python callback chained on any future from now on."""
+    count = [0]
+    then, add_done_callback = torch.futures.Future.then, torch.futures.Future.add_done_callback
+
+    def counted_then(self, callback):  # type: ignore[no-untyped-def]
+        count[0] += 1
+        return then(self, callback)
+
+    def counted_add(self, callback):  # type: ignore[no-untyped-def]
+        count[0] += 1
+        return add_done_callback(self, callback)
+
+    monkeypatch.setattr(torch.futures.Future, "then", counted_then)
+    monkeypatch.setattr(torch.futures.Future, "add_done_callback", counted_add)
+    return count
+
+
+def test_a_gradient_bucket_costs_one_callback_on_its_collective(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # DDP's comm hook hands Manager.allreduce's future on (as_future). Every Python callback
+    # of the chain runs with the GIL on the thread completing the collective (Gloo's) while
+    # backward goes on: the error check, the averaging, the timeout and the swallowing run
+    # as one.
+    pg = _PendingGroup()
+    with lighthouse() as lh, replica(lh, "a", pg=pg) as r:
+        m = r.manager
+        m.start_quorum()
+        m.wait_quorum()
+        m._participating_replica_world_size = 4
+        t = torch.full((4,), 8.0)
+        callbacks = _counting_callbacks(monkeypatch)
+        out = m.allreduce(t).as_future()
+        assert callbacks[0] == 1
+        future, tensors = pg.issued[-1]
+        future.set_result(tensors)
+        assert out.wait() is t
+        torch.testing.assert_close(t, torch.full((4,), 2.0))
+        assert m.errored() is None
+
+        failed = torch.full((4,), 8.0)
+        out = m.allreduce(failed).as_future()
+        assert callbacks[0] == 2
+        future, _ = pg.issued[-1]
+        future.set_exception(RuntimeError("peer gone"))
+        assert out.wait() is failed  # swallowed: the bucket as it was, not averaged
+        torch.testing.assert_close(failed, torch.full((4,), 8.0))
+        assert "peer gone" in str(m.errored())
+        assert m._telemetry.stats.allreduce_errors == 1  # the recording work saw it once
+        assert m.should_commit() is False
+
+
+def test_a_bucket_that_times_out_is_not_a_collective_error() -> None:
+    pg = _PendingGroup()
+    with lighthouse() as lh, replica(lh, "a", pg=pg) as r:
+        m = r.manager
+        m._timeout = timedelta(milliseconds=10)
+        m.start_quorum()
+        m.wait_quorum()
+        t = torch.ones(2)
+        out = m.allreduce(t).as_future()
+        assert out.wait() is t  # never completed: only the timeout ends it
+        assert isinstance(m.errored().original_exception, TimeoutError)
+        assert m._telemetry.stats.allreduce_errors == 0
+        future, tensors = pg.issued[-1]
+        future.set_result(tensors)  # late: nothing runs any more
+        assert m._telemetry.stats.allreduce_errors == 0

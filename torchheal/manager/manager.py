@@ -56,6 +56,10 @@ __all__ = ["IS_TRITON_AVAILABLE", "Manager"]
 T = TypeVar("T")
 
 
+def _value(f: torch.futures.Future[T]) -> T:
+    return f.value()
+
+
 class Manager:
     """Manages the fault-tolerant training loop of one rank of one replica group.
 
@@ -452,15 +456,25 @@ class Manager:
             timeout: defaults to the manager's ``timeout``.
         """
 
-        def callback(f: torch.futures.Future[T]) -> T:
+        return self._wrap_future_then(fut, _value, default, timeout)
+
+    def _wrap_future_then(
+        self,
+        fut: torch.futures.Future[Any],
+        then: Callable[[torch.futures.Future[Any]], T],
+        default: T,
+        timeout: timedelta | None = None,
+    ) -> torch.futures.Future[T]:
+        # ``wrap_future(fut.then(then), default)`` in one callback on ``fut``: this runs for
+        # every gradient bucket, on the thread completing its collective (torchheal.work).
+        def callback(f: torch.futures.Future[Any]) -> T:
             try:
-                return f.value()
+                return then(f)
             except Exception as e:
                 self._logger.exception(f"future failed, skipping the step: {e}")
                 self.report_error(e)
                 return default
 
-        # One callback for the timeout and the swallowing: this runs for every gradient bucket.
         wrapped = timed_then(fut, timeout or self._timeout, callback)
         self._ledger.track_future(wrapped)
         return wrapped

@@ -119,9 +119,27 @@ class _ErrorRecordingWork(dist.Work):
             self._fut = _chain(self._work.get_future(), _check)
         return self._fut
 
+    def take_future(self) -> tuple[Future[Any], Callable[[Exception], None]]:
+        """The inner future unchecked, and the reporter its failure must be passed to.
+
+        For a caller that looks at the outcome in a callback of its own anyway (the Manager's
+        gradient buckets): one callback on the collective's future instead of two. From then
+        on :meth:`get_future` returns the same unchecked future, so a failure is reported
+        once, by that caller.
+        """
+        if self._fut is not None:
+            # Already chained through the reporter: the caller's check must not report again.
+            return self._fut, _ignore
+        self._fut = self._work.get_future()
+        return self._fut, self._on_error
+
     def is_completed(self) -> bool:
         """Whether the inner work finished."""
         return self._work.is_completed()
+
+
+def _ignore(e: Exception) -> None:
+    pass
 
 
 class _FailedWork(dist.Work):
