@@ -77,7 +77,7 @@ from torchheal.coordination.plan import NotParticipatingError, compute_quorum_re
 from torchheal.coordination.round import QuorumRound, RetryPolicy, RoundStart
 from torchheal.coordination.rpc.addresses import format_target, parse_address
 from torchheal.coordination.rpc.errors import StatusError, status_error
-from torchheal.coordination.rpc.in_process import InProcessCaller
+from torchheal.coordination.rpc.in_process import IN_PROCESS_GRACE_S, InProcessCaller
 from torchheal.coordination.rpc.server import AioServerThread, unary_handler, unary_stream_handler
 from torchheal.coordination.types import Quorum, QuorumMember, QuorumResult
 
@@ -191,6 +191,7 @@ class ManagerServer:
             self._server.submit, methods.MANAGER_QUORUM, self.address()
         )
         self._commit_what = f"ManagerService/ShouldCommit to {self.address()}"
+        self._quorum_what = f"ManagerService/Quorum to {self.address()}"
         logger.info(
             "%s manager server listening on %s, lighthouse %s",
             self._prefix,
@@ -282,7 +283,46 @@ class ManagerServer:
                 not in the quorum, or the server is shut down.
         """
         timeout_s = to_seconds(timeout)
-        result = self._quorum_in_process(
+        answer = self.start_quorum_in_process(
+            group_rank, step, checkpoint_metadata, shrink_only, init_sync, commit_failures, timeout
+        )
+        try:
+            return answer.result(timeout_s + IN_PROCESS_GRACE_S)
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError(
+                f"{self._quorum_what} failed: status: Cancelled, message: "
+                f'"Timeout expired" (the server loop did not answer within {timeout_s:g}s)'
+            ) from None
+
+    def start_quorum_in_process(
+        self,
+        group_rank: int,
+        step: int,
+        checkpoint_metadata: str,
+        shrink_only: bool,
+        init_sync: bool,
+        commit_failures: int,
+        timeout: timedelta,
+    ) -> concurrent.futures.Future[QuorumResult]:
+        """:meth:`quorum_in_process` without waiting: the future holds its result or error.
+
+        The request goes to the server's loop from this thread and the answer is settled on
+        the loop thread, with no thread in between (the training thread asks at the start of
+        a step and meets the answer later). Callbacks added to the future run on the loop
+        thread, so they must be quick; a waiter gives up at ``timeout`` plus
+        :data:`~torchheal.coordination.rpc.in_process.IN_PROCESS_GRACE_S` (a stuck loop).
+
+        Args:
+            group_rank: as :meth:`quorum_in_process`.
+            step: as :meth:`quorum_in_process`.
+            checkpoint_metadata: as :meth:`quorum_in_process`.
+            shrink_only: as :meth:`quorum_in_process`.
+            init_sync: as :meth:`quorum_in_process`.
+            commit_failures: as :meth:`quorum_in_process`.
+            timeout: as :meth:`quorum_in_process`.
+        """
+        timeout_s = to_seconds(timeout)
+        answer = self._quorum_in_process.start(
             self._join_quorum(
                 group_rank,
                 step,
@@ -294,9 +334,20 @@ class ManagerServer:
             ),
             timeout_s,
         )
-        # Exactly what a gRPC caller gets (fields the protocol lacks do not travel), so rank 0
-        # and the other ranks see the same result.
-        return convert.quorum_result_from_pb(convert.quorum_result_to_pb(result))
+        out: concurrent.futures.Future[QuorumResult] = concurrent.futures.Future()
+
+        def settle(done: concurrent.futures.Future[QuorumResult]) -> None:
+            try:
+                # Exactly what a gRPC caller gets (fields the protocol lacks do not travel),
+                # so rank 0 and the other ranks see the same result.
+                result = convert.quorum_result_from_pb(convert.quorum_result_to_pb(done.result()))
+            except BaseException as e:
+                out.set_exception(e)
+                return
+            out.set_result(result)
+
+        answer.add_done_callback(settle)
+        return out
 
     def should_commit_in_process(
         self, group_rank: int, step: int, should_commit: bool, timeout: timedelta

@@ -134,6 +134,7 @@ def build_parts(
     copies = needs_no_snapshot(transport)
     worker = QuorumWorker(
         quorum_call=endpoints.quorum,
+        quorum_start=endpoints.start_quorum,
         process_group=process_group,
         recovery=telemetry.recovery(
             Recovery(

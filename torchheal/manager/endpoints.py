@@ -12,6 +12,7 @@ deadlines and errors) instead of a gRPC round trip to itself.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import threading
 import uuid
@@ -86,6 +87,42 @@ class GroupEndpoints:
         """
         call = self.server.quorum_in_process if self.server is not None else self.client._quorum
         return call(
+            group_rank=group_rank,
+            step=step,
+            checkpoint_metadata=checkpoint_metadata,
+            shrink_only=shrink_only,
+            init_sync=init_sync,
+            commit_failures=commit_failures,
+            timeout=timeout,
+        )
+
+    def start_quorum(
+        self,
+        group_rank: int,
+        step: int,
+        checkpoint_metadata: str,
+        shrink_only: bool,
+        init_sync: bool,
+        commit_failures: int,
+        timeout: timedelta,
+    ) -> concurrent.futures.Future[QuorumResult] | None:
+        """:meth:`quorum` without waiting, where the server lives in this process (rank 0).
+
+        Returns the future answer (settled on the server's loop thread), or None on the other
+        ranks, which ask with the blocking :meth:`quorum`.
+
+        Args:
+            group_rank: as :meth:`quorum`.
+            step: as :meth:`quorum`.
+            checkpoint_metadata: as :meth:`quorum`.
+            shrink_only: as :meth:`quorum`.
+            init_sync: as :meth:`quorum`.
+            commit_failures: as :meth:`quorum`.
+            timeout: as :meth:`quorum`.
+        """
+        if self.server is None:
+            return None
+        return self.server.start_quorum_in_process(
             group_rank=group_rank,
             step=step,
             checkpoint_metadata=checkpoint_metadata,

@@ -180,7 +180,7 @@ class Manager:
         self._telemetry = parts.telemetry
         self._worker = parts.worker
         self._ledger = StepLedger()
-        self._quorums = QuorumThread(self._worker.run, self._apply_outcome, self._telemetry)
+        self._quorums = QuorumThread(self._worker, self._apply_outcome, self._telemetry)
         self._background_transfer = parts.background_transfer
         self._heal = HealStep(
             host=self,

@@ -1,11 +1,21 @@
 """The thread a step's quorum runs on, and the future the training loop waits on.
 
-With an asynchronous quorum, ``start_quorum`` hands the step's quorum to one background thread
-(which runs :meth:`QuorumWorker.run <torchheal.manager.quorum_worker.QuorumWorker.run>`, times
-it for telemetry and hands the outcome to the Manager) and returns; the training loop meets the result in ``wait_quorum`` (directly, or through a
+With an asynchronous quorum, ``start_quorum`` hands the step's quorum to the background and
+returns; the training loop meets the result in ``wait_quorum`` (directly, or through a
 collective or a participation query). A quorum error is raised to the training loop exactly
 once: either when something waits for it, or else at the next ``start_quorum``, so an error
 nobody waited for is not lost and one already seen is not raised twice.
+
+Where the quorum can be asked for without waiting (group rank 0, whose manager server lives in
+its process: :meth:`QuorumWorker.start <torchheal.manager.quorum_worker.QuorumWorker.start>`),
+the training thread sends the request itself and no thread stands between it and the answer:
+a step whose quorum is the last one again, with nobody to heal, is finished where the answer
+lands (the server's loop thread: working out the participation, a few dozen microseconds).
+Only a step with work that may wait (rebuilding the process group, moving state) goes on to
+the quorum thread. Every Python thread that wakes up during the forward pass takes the GIL
+from the training thread; on a busy machine each hand-off can cost a scheduling slice, and
+the two hand-offs of the quorum thread per step were measurable. Other ranks ask over gRPC,
+on the quorum thread (:meth:`QuorumWorker.run`), as before.
 """
 
 from __future__ import annotations
@@ -13,8 +23,11 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FuturesTimeoutError
 
-from torchheal.manager.quorum_worker import QuorumOutcome, StepRequest
+from torchheal.coordination.rpc.in_process import IN_PROCESS_GRACE_S
+from torchheal.coordination.types import QuorumResult
+from torchheal.manager.quorum_worker import QuorumOutcome, QuorumWorker, StepRequest
 from torchheal.manager.telemetry import Telemetry
 
 __all__ = ["QuorumThread"]
@@ -24,26 +37,28 @@ class QuorumThread:
     """One background thread for the quorums, and the future of the latest one.
 
     Args:
-        run: the quorum thread's work for one step (``QuorumWorker.run``).
-        apply: takes in its outcome, on the quorum thread (the Manager).
+        worker: the step's quorum work (``run``, or ``start`` then ``finish``).
+        apply: takes in its outcome (the Manager), on the thread that finished it.
         telemetry: counts quorums, their failures and the training thread's waits (a quorum
             already done when asked for costs nothing and is not counted as a wait).
     """
 
     def __init__(
         self,
-        run: Callable[[StepRequest], QuorumOutcome],
+        worker: QuorumWorker,
         apply: Callable[[QuorumOutcome], None],
         telemetry: Telemetry,
     ) -> None:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="async_quorum")
-        self._run = run
+        self._worker = worker
         self._apply = apply
         self._telemetry = telemetry
         #: The latest step's quorum; None before the first ``start_quorum``.
         self.future: Future[None] | None = None
         # The quorum future whose error already reached the training loop.
         self._raised: Future[None] | None = None
+        # How long a waiter gives a quorum asked without the thread (None: asked on it).
+        self._patience_s: float | None = None
 
     def raise_unobserved(self) -> None:
         """Raises the last quorum's error if nothing has seen it yet (at a step's start)."""
@@ -61,16 +76,63 @@ class QuorumThread:
         Args:
             request: the step's arguments.
         """
-        self.future = self._executor.submit(self._quorum, request)
+        started = time.perf_counter()
+        answer = self._worker.start(request)
+        if answer is None:
+            self._patience_s = None
+            self.future = self._executor.submit(self._quorum, request)
+            return
+        done: Future[None] = Future()
+        # The server's loop answers by the request's deadline; this much more is for a loop
+        # that never answers at all (as the blocking in-process call allows).
+        self._patience_s = request.timeout.total_seconds() + IN_PROCESS_GRACE_S
+        self.future = done
+        answer.add_done_callback(lambda a: self._answered(request, a, done, started))
 
     def _quorum(self, request: StepRequest) -> None:
         # Quorum thread. A quorum RPC error propagates: wait() raises it.
         started = time.perf_counter()
         try:
-            outcome = self._run(request)
+            outcome = self._worker.run(request)
         except BaseException:
             self._telemetry.quorum_failed()
             raise
+        self._finished(request, outcome, started)
+
+    def _answered(
+        self,
+        request: StepRequest,
+        answer: Future[QuorumResult],
+        done: Future[None],
+        started: float,
+    ) -> None:
+        # Where the answer landed (the server's loop thread, or the training thread when it
+        # was already there): quick work only.
+        try:
+            quorum = answer.result()
+        except BaseException as e:
+            self._telemetry.quorum_failed()
+            done.set_exception(e)
+            return
+        if not self._worker.blocks(request, quorum):
+            self._finish(request, quorum, done, started)
+            return
+        try:
+            self._executor.submit(self._finish, request, quorum, done, started)
+        except BaseException as e:  # shut down
+            done.set_exception(e)
+
+    def _finish(
+        self, request: StepRequest, quorum: QuorumResult, done: Future[None], started: float
+    ) -> None:
+        try:
+            self._finished(request, self._worker.finish(request, quorum), started)
+        except BaseException as e:
+            done.set_exception(e)
+            return
+        done.set_result(None)
+
+    def _finished(self, request: StepRequest, outcome: QuorumOutcome, started: float) -> None:
         self._telemetry.quorum(
             outcome.quorum,
             request.current_quorum_id,
@@ -100,7 +162,14 @@ class QuorumThread:
             else:  # the training thread waits: count it
                 started = time.perf_counter()
                 try:
-                    future.result()
+                    future.result(self._patience_s)
+                except FuturesTimeoutError:
+                    if future.done():
+                        raise  # the quorum's own timeout
+                    raise TimeoutError(
+                        f"the manager server did not answer the quorum request within "
+                        f"{self._patience_s:g}s (its loop is stuck)"
+                    ) from None
                 finally:
                     self._telemetry.waited(time.perf_counter() - started)
         except BaseException:

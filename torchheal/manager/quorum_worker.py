@@ -55,6 +55,20 @@ class _QuorumCall(Protocol):
     ) -> QuorumResult: ...
 
 
+class _QuorumStart(Protocol):
+    def __call__(
+        self,
+        *,
+        group_rank: int,
+        step: int,
+        checkpoint_metadata: str,
+        shrink_only: bool,
+        init_sync: bool,
+        commit_failures: int,
+        timeout: timedelta,
+    ) -> Future[QuorumResult] | None: ...
+
+
 #: ``guard(quorum_id, replica_ids, store_port)``: the context a process-group build runs in.
 _BuildGuard = Callable[[int, Sequence[str], int], AbstractContextManager[Any]]
 
@@ -157,6 +171,8 @@ class QuorumWorker:
         log: the Manager's prefixed logger.
         group_world_size: the number of ranks in this replica group (names the rebuilt
             process group after the quorum).
+        quorum_start: this rank's quorum RPC without waiting (``GroupEndpoints.start_quorum``):
+            a future of its result, or None where only the blocking call exists.
     """
 
     def __init__(
@@ -176,8 +192,10 @@ class QuorumWorker:
         log: ManagerLogger,
         group_world_size: int = 1,
         send_guard: Callable[[], AbstractContextManager[Any]] = nullcontext,
+        quorum_start: _QuorumStart | None = None,
     ) -> None:
         self._quorum_call = quorum_call
+        self._quorum_start = quorum_start
         self._send_guard = send_guard
         # Background transfers and the metadata fetch that overlaps the group's rebuild.
         self._transfers = ThreadPoolExecutor(2, thread_name_prefix="torchheal-transfer")
@@ -205,10 +223,39 @@ class QuorumWorker:
         Raises:
             TimeoutError, RuntimeError: the quorum RPC failed.
         """
-        if request.device >= 0 and torch.cuda.is_available():
-            torch.cuda.set_device(request.device)
         mark("quorum.begin", step=request.step)
-        quorum = self._quorum_call(
+        quorum = self._quorum_call(**self._quorum_args(request))
+        return self.finish(request, quorum)
+
+    def start(self, request: StepRequest) -> Future[QuorumResult] | None:
+        """Sends this step's quorum request without waiting for the answer.
+
+        Args:
+            request: the step's arguments.
+
+        Returns:
+            the future answer (its callbacks may run on the manager server's loop thread),
+            or None where the quorum can only be asked for by :meth:`run`.
+        """
+        if self._quorum_start is None:
+            return None
+        mark("quorum.begin", step=request.step)
+        return self._quorum_start(**self._quorum_args(request))
+
+    def blocks(self, request: StepRequest, quorum: QuorumResult) -> bool:
+        """Whether :meth:`finish` has work that may wait: rebuild the group, move state.
+
+        Otherwise (the quorum of the last step again, nobody to heal) it only works out the
+        participation, quickly, on whichever thread has the answer.
+
+        Args:
+            request: the step's arguments.
+            quorum: the answer.
+        """
+        return quorum.quorum_id != request.current_quorum_id or self._moves(request, quorum)
+
+    def _quorum_args(self, request: StepRequest) -> dict[str, Any]:
+        return dict(
             group_rank=self._group_rank,
             step=request.step,
             checkpoint_metadata=self._metadata(),
@@ -217,6 +264,20 @@ class QuorumWorker:
             commit_failures=request.commit_failures,
             timeout=request.timeout,
         )
+
+    @staticmethod
+    def _moves(request: StepRequest, quorum: QuorumResult) -> bool:
+        return request.allow_heal and (quorum.heal or bool(quorum.recover_dst_replica_ranks))
+
+    def finish(self, request: StepRequest, quorum: QuorumResult) -> QuorumOutcome:
+        """The step's work after the answer: participation, rebuild, state moves.
+
+        Args:
+            request: the step's arguments.
+            quorum: the answer to its quorum request.
+        """
+        if request.device >= 0 and torch.cuda.is_available() and self.blocks(request, quorum):
+            torch.cuda.set_device(request.device)  # the quorum thread's CUDA work
         mark(
             "quorum.end",
             quorum_id=quorum.quorum_id,
@@ -234,7 +295,7 @@ class QuorumWorker:
                 self._min_replica_size,
             ),
         )
-        moves = request.allow_heal and (quorum.heal or bool(quorum.recover_dst_replica_ranks))
+        moves = self._moves(request, quorum)
         metadata: Future[str] | None = None
         if moves and request.background:
             # The transport does not use the process group: the transfer starts now, while

@@ -96,35 +96,77 @@ class InProcessCaller(Generic[T]):
             TimeoutError: the deadline passed; ``call`` was cancelled.
             RPCError: the handler answered with an error status, or the server is shut down.
         """
-        what = self._what
         timeout_s = to_seconds(timeout)
-        try:
-            future = self._submit(_with_deadline(call, timeout_s))
-        except RuntimeError as e:
-            call.close()  # never started: close it rather than leave it unawaited
-            raise status_error(what, grpc.StatusCode.UNAVAILABLE, str(e)) from None
+        future = self._start(call, timeout_s)
         try:
             return future.result(timeout_s + IN_PROCESS_GRACE_S)
-        except _DeadlineExceeded:
-            raise TimeoutError(
-                f'{what} failed: status: Cancelled, message: "Timeout expired" '
-                f"(in-process deadline of {timeout_s:g}s exceeded)"
-            ) from None
-        except StatusError as e:
-            raise status_error(what, e.code, e.details) from None
-        except concurrent.futures.CancelledError:
-            # The loop cancelled the call: the server is shutting down.
-            raise status_error(
-                what, grpc.StatusCode.UNAVAILABLE, "manager server shut down"
-            ) from None
         except concurrent.futures.TimeoutError:
             future.cancel()
             raise TimeoutError(
-                f'{what} failed: status: Cancelled, message: "Timeout expired" '
+                f'{self._what} failed: status: Cancelled, message: "Timeout expired" '
                 f"(the server loop did not answer within {timeout_s:g}s)"
             ) from None
-        except Exception as e:
-            # What unary_handler does on the gRPC path: log it and answer INTERNAL.
-            logger.error("%s failed", self._method.path, exc_info=e)
-            details = f"{self._method.path} failed: {e}"
-            raise status_error(what, grpc.StatusCode.INTERNAL, details) from None
+        except BaseException as e:
+            raise self._error(e, timeout_s) from None
+
+    def start(
+        self, call: Coroutine[Any, Any, T], timeout: timedelta | float
+    ) -> concurrent.futures.Future[T]:
+        """Start ``call`` on the server's loop without waiting for it.
+
+        Same deadline as :meth:`__call__`; the returned future fails with the error
+        :meth:`__call__` would raise (except the guard against a loop that never answers,
+        which is the waiter's: wait at most the deadline plus :data:`IN_PROCESS_GRACE_S`).
+        Callbacks added to it run on the server's loop thread: they must be quick.
+
+        Args:
+            call: the handler coroutine (not yet started).
+            timeout: the call's deadline.
+        """
+        timeout_s = to_seconds(timeout)
+        out: concurrent.futures.Future[T] = concurrent.futures.Future()
+        try:
+            future = self._start(call, timeout_s)
+        except BaseException as e:
+            out.set_exception(e)
+            return out
+
+        def settle(done: concurrent.futures.Future[T]) -> None:
+            try:
+                result = done.result()
+            except BaseException as e:
+                out.set_exception(self._error(e, timeout_s))
+                return
+            out.set_result(result)
+
+        future.add_done_callback(settle)
+        return out
+
+    def _start(
+        self, call: Coroutine[Any, Any, T], timeout_s: float
+    ) -> concurrent.futures.Future[T]:
+        try:
+            return self._submit(_with_deadline(call, timeout_s))
+        except RuntimeError as e:
+            call.close()  # never started: close it rather than leave it unawaited
+            raise status_error(self._what, grpc.StatusCode.UNAVAILABLE, str(e)) from None
+
+    def _error(self, e: BaseException, timeout_s: float) -> BaseException:
+        # The error a gRPC client gets for what the handler's coroutine ended with.
+        what = self._what
+        if isinstance(e, _DeadlineExceeded):
+            return TimeoutError(
+                f'{what} failed: status: Cancelled, message: "Timeout expired" '
+                f"(in-process deadline of {timeout_s:g}s exceeded)"
+            )
+        if isinstance(e, StatusError):
+            return status_error(what, e.code, e.details)
+        if isinstance(e, concurrent.futures.CancelledError):
+            # The loop cancelled the call: the server is shutting down.
+            return status_error(what, grpc.StatusCode.UNAVAILABLE, "manager server shut down")
+        if not isinstance(e, Exception):
+            return e  # KeyboardInterrupt and the like go through as they are
+        # What unary_handler does on the gRPC path: log it and answer INTERNAL.
+        logger.error("%s failed", self._method.path, exc_info=e)
+        details = f"{self._method.path} failed: {e}"
+        return status_error(what, grpc.StatusCode.INTERNAL, details)
