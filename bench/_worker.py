@@ -112,6 +112,11 @@ class CpuMeter:
         }
 
 
+def bucket_view(args: argparse.Namespace) -> dict[str, bool]:
+    """``--bucket-view``: every DDP with gradient views into its buckets; else each its default."""
+    return {"gradient_as_bucket_view": True} if args.bucket_view else {}
+
+
 def run_ft(args: argparse.Namespace, group: int) -> None:
     ft = importlib.import_module(args.impl)  # "torchheal" or "torchft": same public API
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
@@ -142,7 +147,7 @@ def run_ft(args: argparse.Namespace, group: int) -> None:
         replica_id=f"bench_{group}",
         checkpoint_transport=transport,
     )
-    ddp = ft.DistributedDataParallel(manager, model)
+    ddp = ft.DistributedDataParallel(manager, model, **bucket_view(args))
     optimizer = ft.Optimizer(manager, inner)
     emit("start", group, pid=os.getpid())
     cpu = CpuMeter(args)
@@ -190,7 +195,7 @@ def run_plain(args: argparse.Namespace, group: int) -> None:
         "gloo", store=store, rank=group, world_size=int(os.environ["NUM_REPLICA_GROUPS"])
     )
     model = make_model(0)
-    ddp = nn.parallel.DistributedDataParallel(model)
+    ddp = nn.parallel.DistributedDataParallel(model, **bucket_view(args))
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     emit("start", group, pid=os.getpid())
     cpu = CpuMeter(args)
@@ -229,6 +234,7 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=60.0)
     p.add_argument("--phases", action="store_true", help="time each phase of every step")
     p.add_argument("--warmup", type=int, default=20, help="steps before CPU is counted")
+    p.add_argument("--bucket-view", action="store_true", help="DDP(gradient_as_bucket_view=True)")
     args = p.parse_args()
     torch.set_num_threads(1)  # two groups share two cores
     group = int(os.environ.get("REPLICA_GROUP_ID", "0"))

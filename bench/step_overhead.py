@@ -102,11 +102,17 @@ def main() -> None:
         help="glibc: the allocator's defaults; steady: the same fixed thresholds for everyone",
     )
     parser.add_argument(
+        "--bucket-view",
+        action="store_true",
+        help="every configuration's DDP with gradient_as_bucket_view=True",
+    )
+    parser.add_argument(
         "--only", nargs="+", choices=["plain", "torchheal", "torchft"], help="configurations"
     )
     args = parser.parse_args()
     worker_args = ["--steps", str(args.steps), "--warmup", str(args.warmup)]
     worker_args += ["--phases"] if args.phases else []
+    worker_args += ["--bucket-view"] if args.bucket_view else []
     impls = ["plain", "torchheal"] + (["torchft"] if reference_available() else [])
     if args.only:
         impls = [i for i in impls if i in args.only]
@@ -141,7 +147,7 @@ def main() -> None:
     print(
         f"\nStep overhead: 2 replica groups x 1 rank, Gloo, ~5M-param MLP, {args.steps} steps"
         f" ({args.warmup} warm-up), median of {args.rounds} interleaved rounds,"
-        f" malloc {args.malloc}"
+        f" malloc {args.malloc}{', gradient_as_bucket_view' if args.bucket_view else ''}"
     )
     print(f"{'configuration':<26}{'steps/s':>10}{'min':>8}{'max':>8}{'vs ' + impls[0]:>16}")
     names = {

@@ -103,3 +103,23 @@ def test_ddp_skips_its_start_up_sync() -> None:
         # Whoever asks for it explicitly still gets it.
         synced = DistributedDataParallel(r.manager, _model(), init_sync=True)
         assert synced.process_group.wait_count > 0
+
+
+def test_gradients_are_bucket_views_unless_asked_otherwise() -> None:
+    # No copy of the reduced bucket back into gradients of their own (see the class docstring);
+    # the values are the same either way.
+    grads = {}
+    with lighthouse() as lh, replica(lh, "a") as r:
+        for views in (True, False):
+            kwargs = {} if views else {"gradient_as_bucket_view": False}
+            module = DistributedDataParallel(r.manager, _model(), **kwargs)
+            for step in range(2):  # the second backward starts from gradients set to None
+                r.manager.start_quorum()
+                module.zero_grad(set_to_none=True)
+                module(_inputs(step)).sum().backward()
+                assert r.manager.should_commit()
+            # A view's base is DDP's bucket; a gradient of its own has none.
+            assert all((p.grad._base is not None) == views for p in module.parameters())
+            grads[views] = [p.grad.clone() for p in module.parameters()]
+    for with_views, without in zip(grads[True], grads[False], strict=True):
+        assert torch.equal(with_views, without)

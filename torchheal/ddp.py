@@ -45,12 +45,23 @@ class DistributedDataParallel(parallel.DistributedDataParallel):
     parameters keep working), and it costs little (measured on the benchmark's 5M-parameter MLP:
     forward + backward 20.0-20.6 ms with it, 20.0-20.2 ms without).
 
+    ``gradient_as_bucket_view`` defaults to True (torch's and the reference's default is False):
+    each gradient is a view into DDP's bucket instead of a tensor of its own that DDP copies the
+    reduced bucket back into. Stock DDP scales the gradients by ``1/world_size`` while copying
+    them into the bucket; a comm hook cannot, so the average over the participating replicas
+    costs a pass of its own after the sum, and dropping the copy back keeps fault-tolerant DDP
+    at stock DDP's number of passes over the gradients (measured on the benchmark's 5M-parameter
+    MLP, both with views: 0.99x stock DDP's steps/s; without views torchheal makes three
+    passes to stock DDP's two). Gradients are bit-identical either way, and it saves their
+    memory; a view cannot be ``detach_()``-ed. Pass ``gradient_as_bucket_view=False`` for
+    separate gradient tensors.
+
     Args:
         manager: the Manager of this rank.
         module: the model.
         **kwargs: passed to ``torch.nn.parallel.DistributedDataParallel`` (except
             ``process_group`` and ``find_unused_parameters``, which are fixed; ``init_sync``
-            defaults to False).
+            defaults to False, ``gradient_as_bucket_view`` to True).
     """
 
     def __init__(self, manager: Any, module: nn.Module, **kwargs: Any) -> None:
@@ -58,6 +69,7 @@ class DistributedDataParallel(parallel.DistributedDataParallel):
             if fixed in kwargs:
                 raise ValueError(f"torchheal DistributedDataParallel sets {fixed} itself")
         kwargs.setdefault("init_sync", False)
+        kwargs.setdefault("gradient_as_bucket_view", True)
         super().__init__(
             module,
             process_group=ProcessGroupDummy(0, 1),
