@@ -7,6 +7,7 @@ otherwise wait out its whole timeout.
 
 from __future__ import annotations
 
+import logging
 from datetime import timedelta
 
 import torch
@@ -15,6 +16,8 @@ from torch.distributed.distributed_c10d import ProcessGroupGloo as _C10dGloo
 
 from torchheal.process_group.gloo_sockets import PairSockets
 from torchheal.process_group.wrappers import ProcessGroupWrapper
+
+logger = logging.getLogger(__name__)
 
 
 def create_gloo_pg(
@@ -81,7 +84,12 @@ class ProcessGroupGloo(ProcessGroupWrapper):
         """
         sockets, self._pair_sockets = self._pair_sockets, None
         if sockets is not None:
-            sockets.cut()
+            logger.info("aborting the Gloo group: cut %d connection(s)", sockets.cut())
+        elif errored and self._pg is not None:
+            logger.warning(
+                "aborting the Gloo group without cutting its connections (they could not be "
+                "told apart when it was built): an operation in flight ends only at its timeout"
+            )
         super().abort(errored)
 
     def getBackendName(self) -> str:
