@@ -126,6 +126,8 @@ def worker(args: argparse.Namespace) -> None:
         checkpoint_transport=transport,
     )
     _emit("manager.end")
+    if args.freeze_file is not None:
+        _stop_in_allreduce(manager, Path(args.freeze_file))
     ddp = ft.DistributedDataParallel(manager, model)
     optimizer = ft.Optimizer(manager, inner)
     stop = Path(args.stop_file)
@@ -154,6 +156,28 @@ def worker(args: argparse.Namespace) -> None:
     manager.shutdown(wait=False)
     _emit("done")
     os._exit(0)  # skip slow interpreter teardown (gloo, grpc threads)
+
+
+def _stop_in_allreduce(manager: Any, freeze: Path) -> None:
+    """Freezes this process (SIGSTOP) right after it starts an allreduce, once ``freeze`` exists.
+
+    Both libraries' DDP comm hooks call ``manager.allreduce``: the collective is under way and
+    its peers wait in it for data this process will not send until it is continued.
+    """
+    real = manager.allreduce
+    done = False
+
+    def allreduce(tensor: Any, *args: Any, **kwargs: Any) -> Any:
+        nonlocal done
+        work = real(tensor, *args, **kwargs)
+        if not done and freeze.exists():
+            done = True
+            _emit("stopping", step=manager.current_step())
+            os.kill(os.getpid(), signal.SIGSTOP)
+            _emit("continued")
+        return work
+
+    manager.allreduce = allreduce
 
 
 # ---------------------------------------------------------------------------------------------
@@ -218,7 +242,7 @@ def lighthouse_process(impl: str) -> Iterator[str]:
 def _start(group: int, impl: str, lighthouse: str, stop_file: str, extra: list[str]) -> Proc:
     cmd = [sys.executable, "-m", "bench._rejoin", "worker", "--impl", impl, "--group", str(group)]
     cmd += ["--lighthouse", lighthouse, "--stop-file", stop_file, *extra]
-    env = {**os.environ, "LOGLEVEL": "WARNING", "RUST_LOG": "warn", "OMP_NUM_THREADS": "1"}
+    env = {"LOGLEVEL": "WARNING", **os.environ, "RUST_LOG": "warn", "OMP_NUM_THREADS": "1"}
     started = time.time()
     popen = subprocess.Popen(
         cmd,
@@ -449,6 +473,7 @@ def main() -> None:
     w.add_argument("--transport", choices=["http", "pg"], default="http")
     w.add_argument("--timeline", action="store_true")
     w.add_argument("--pin", action="store_true")
+    w.add_argument("--freeze-file", default=None)
     parser.add_argument("--impl", default="torchheal")
     parser.add_argument("--state-mb", type=int, default=0)
     parser.add_argument("--transport", choices=["http", "pg"], default="http")
