@@ -85,3 +85,20 @@ def test_quorum_result_optional_fields():
 def test_timestamp():
     ts = Timestamp(seconds=1_700_000_000, nanos=123)
     assert convert.timestamp_from_pb(convert.timestamp_to_pb(ts)) == ts
+
+
+def test_decoded_values_have_every_field_as_constructed_ones_do():
+    # The decoders fill instances without the dataclasses' __init__: each must still carry
+    # exactly the fields the constructor sets (a field added to a type must be decoded too).
+    members = (
+        QuorumMember("a", "http://h:1", "h:2", 7, 4, True, {"k": 1}, 2),
+        QuorumMember("b"),
+    )
+    quorum = Quorum(quorum_id=5, participants=members, created=Timestamp(10, 20))
+    decoded = convert.quorum_from_pb(convert.quorum_to_pb(quorum))
+    pairs = [(decoded, quorum), (decoded.created, quorum.created)]
+    pairs += zip(decoded.participants, quorum.participants, strict=True)
+    for value, constructed in pairs:
+        assert type(value) is type(constructed)
+        assert vars(value) == vars(constructed)
+    assert decoded == quorum and hash(decoded.created) == hash(quorum.created)

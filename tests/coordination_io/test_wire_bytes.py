@@ -10,10 +10,12 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from torchheal._wire import session_pb2 as spb
 from torchheal._wire import torchft_pb2 as pb
 from torchheal._wire.splice import int_field
 from torchheal.coordination import Quorum, QuorumMember, Timestamp, convert
 from torchheal.coordination.lighthouse_answers import member_entry, quorum_bytes
+from torchheal.coordination.session_client import quorum_request
 
 INT64 = st.integers(-(2**63), 2**63 - 1)
 UINT64 = st.integers(0, 2**64 - 1)
@@ -67,3 +69,39 @@ def test_an_issued_quorum_built_from_pieces_equals_the_generated_class(
 @given(INT64)
 def test_signed_fields_built_from_bytes_equal_the_generated_class(value):
     assert int_field(4, value) == pb.QuorumMember(step=value).SerializeToString()
+
+
+ANY_INT = st.integers(-(2**70), 2**70)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    request_id=UINT64 | ANY_INT,
+    replica_id=st.text(max_size=8) | st.sampled_from(["\ud800", None, 5]),
+    address=st.text(max_size=8),
+    store_address=st.text(max_size=8),
+    step=INT64 | ANY_INT | st.sampled_from([True, 2.0]),
+    world_size=UINT64 | ANY_INT,
+    shrink_only=st.booleans() | st.sampled_from([0, 1]),
+    data=st.text(max_size=8),
+    timeout_ms=INT64 | ANY_INT,
+)
+def test_quorum_requests_built_from_bytes_equal_the_generated_class(**fields):
+    # In range, the bytes are the generated classes'; out of range or of the wrong type, the
+    # same error (the generated classes are then used to say what is wrong).
+    request_id, timeout_ms = fields.pop("request_id"), fields.pop("timeout_ms")
+    try:
+        expected: bytes | type[Exception] = spb.SessionRequest(
+            quorum=spb.QuorumRequest(
+                request_id=request_id,
+                requester=pb.QuorumMember(**fields),
+                timeout_ms=timeout_ms,
+            )
+        ).SerializeToString()
+    except (TypeError, ValueError) as e:
+        expected = type(e)
+    try:
+        got: bytes | type[Exception] = quorum_request(request_id, **fields, timeout_ms=timeout_ms)
+    except (TypeError, ValueError) as e:
+        got = type(e)
+    assert got == expected

@@ -37,6 +37,7 @@ from torchheal.coordination.session_client import (
     SessionBroken,
     heartbeat_request,
     issued_quorum,
+    quorum_request,
 )
 from torchheal.coordination.types import Quorum, QuorumResult
 
@@ -125,30 +126,35 @@ class LighthouseClient:
             RuntimeError: the lighthouse rejected the request or could not be reached.
             TypeError: ``data`` is not a JSON-serialisable dict.
         """
-        member = pb.QuorumMember(
-            replica_id=replica_id,
-            address=address,
-            store_address=store_address,
-            step=step,
-            world_size=world_size,
-            shrink_only=shrink_only,
-            data=convert.data_to_wire(data),
-        )
+        wire_data = convert.data_to_wire(data)
         session = self._open_session()
         if session is None:
+            member = pb.QuorumMember(
+                replica_id=replica_id,
+                address=address,
+                store_address=store_address,
+                step=step,
+                world_size=world_size,
+                shrink_only=shrink_only,
+                data=wire_data,
+            )
             response = self._quorum(pb.LighthouseQuorumRequest(requester=member), timeout)
             if not response.HasField("quorum"):
                 raise RuntimeError(f"lighthouse {self._addr} answered without a quorum")
             return convert.quorum_from_pb(response.quorum, strict_data=False)
         timeout_s = to_seconds(timeout)
         request_id = session.next_id()
-        request = spb.SessionRequest(
-            quorum=spb.QuorumRequest(
-                request_id=request_id,
-                requester=member,
-                timeout_ms=max(1, math.ceil(timeout_s * 1000)),
-            )
-        ).SerializeToString()
+        request = quorum_request(
+            request_id,
+            replica_id,
+            address,
+            store_address,
+            step,
+            world_size,
+            shrink_only,
+            wire_data,
+            max(1, math.ceil(timeout_s * 1000)),
+        )
         event = self._call(session, request_id, request, timeout_s, self._quorum_what)
         issued = issued_quorum(event)
         if issued is not None:

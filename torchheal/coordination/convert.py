@@ -8,7 +8,7 @@ in Python, with ``""`` <-> ``None``; proto3 ``optional`` fields map to ``None`` 
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, TypeVar
 
 from google.protobuf import timestamp_pb2
 
@@ -27,6 +27,22 @@ __all__ = [
     "timestamp_from_pb",
     "timestamp_to_pb",
 ]
+
+_T = TypeVar("_T")
+
+
+# The value types are frozen dataclasses, whose generated __init__ sets each field through
+# object.__setattr__: ~4 us for a QuorumMember here, against ~1.6 us to fill a new instance's
+# __dict__. Decoding builds one per member of a quorum on every request a lighthouse reads and
+# every quorum a client or manager receives, so the decoders below fill them directly, every
+# field named (tests check that against dataclasses.fields and the constructor's result).
+_new_instance = object.__new__
+
+
+def _filled(cls: type[_T], fields: dict[str, Any]) -> _T:
+    value = _new_instance(cls)
+    value.__dict__.update(fields)
+    return value
 
 
 def data_to_wire(data: dict[str, Any] | None) -> str:
@@ -87,7 +103,7 @@ def timestamp_from_pb(msg: timestamp_pb2.Timestamp) -> Timestamp:
     Args:
         msg: the protobuf message.
     """
-    return Timestamp(seconds=msg.seconds, nanos=msg.nanos)
+    return _filled(Timestamp, {"seconds": msg.seconds, "nanos": msg.nanos})
 
 
 def member_to_pb(member: QuorumMember) -> pb.QuorumMember:
@@ -122,21 +138,28 @@ def member_from_pb(msg: pb.QuorumMember, *, strict_data: bool = True) -> QuorumM
     Raises:
         ValueError: ``data`` is not a JSON object and ``strict_data`` is True.
     """
-    try:
-        data = data_from_wire(msg.data)
-    except ValueError:
-        if strict_data:
-            raise
+    data = msg.data
+    if data:
+        try:
+            data = data_from_wire(data)
+        except ValueError:
+            if strict_data:
+                raise
+            data = None
+    else:
         data = None
-    return QuorumMember(
-        replica_id=msg.replica_id,
-        address=msg.address,
-        store_address=msg.store_address,
-        step=msg.step,
-        world_size=msg.world_size,
-        shrink_only=msg.shrink_only,
-        data=data,
-        commit_failures=msg.commit_failures,
+    return _filled(
+        QuorumMember,
+        {
+            "replica_id": msg.replica_id,
+            "address": msg.address,
+            "store_address": msg.store_address,
+            "step": msg.step,
+            "world_size": msg.world_size,
+            "shrink_only": msg.shrink_only,
+            "data": data,
+            "commit_failures": msg.commit_failures,
+        },
     )
 
 
@@ -171,10 +194,15 @@ def quorum_from_pb(msg: pb.Quorum, *, strict_data: bool = True) -> Quorum:
     Raises:
         ValueError: a member's ``data`` is not a JSON object and ``strict_data`` is True.
     """
-    return Quorum(
-        quorum_id=msg.quorum_id,
-        participants=tuple(member_from_pb(m, strict_data=strict_data) for m in msg.participants),
-        created=timestamp_from_pb(msg.created),
+    return _filled(
+        Quorum,
+        {
+            "quorum_id": msg.quorum_id,
+            "participants": tuple(
+                [member_from_pb(m, strict_data=strict_data) for m in msg.participants]
+            ),
+            "created": timestamp_from_pb(msg.created),
+        },
     )
 
 
