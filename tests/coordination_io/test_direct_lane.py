@@ -20,6 +20,7 @@ from torchheal._wire import methods
 from torchheal._wire import session_pb2 as spb
 from torchheal._wire import torchft_pb2 as pb
 from torchheal.coordination import LighthouseClient, LighthouseServer
+from torchheal.coordination.lighthouse import LighthouseObserver
 from torchheal.coordination.link_tcp import DirectStream
 from torchheal.coordination.rpc.frames import FrameReader, frame
 from torchheal.coordination.session_client import heartbeat_ack, heartbeat_request, issued_quorum
@@ -195,6 +196,46 @@ def test_frames_split_across_reads_of_several_connections_arrive_whole(make_ligh
         issued = raw.next().quorum
         assert issued.request_id == 9
         assert [m.replica_id for m in issued.quorum.participants] == ["a" * 40, "b" * 40]
+        raw.close()
+
+
+class _SendOnJoin(LighthouseObserver):
+    """An observer that, when ``replica_id`` joins, sends ``data`` on ``sock`` (from the
+    lighthouse's loop: the bytes are there when the loop next looks at its sockets)."""
+
+    def __init__(self) -> None:
+        self.trigger: tuple[str, socket.socket, bytes] | None = None
+        self.reasons: list[str] = []
+
+    def joined(self, member, now):
+        if self.trigger is not None and member.replica_id == self.trigger[0]:
+            self.trigger[1].sendall(self.trigger[2])
+            self.trigger = None
+
+    def reason_changed(self, reason, now):
+        self.reasons.append(reason)
+
+
+def test_a_request_waiting_to_be_read_joins_before_the_round_is_decided(make_lighthouse):
+    # The second request of a round arrives while the first is handled: it is read before
+    # the first one's decision runs, so the round is decided once, not "not ready" first.
+    observer = _SendOnJoin()
+    lighthouse = make_lighthouse(min_replicas=2, observer=observer)
+    raws = {rid: Raw(lighthouse) for rid in ("a", "b")}
+    for rid, raw in raws.items():
+        raw.send(_hello(rid))
+        assert raw.next().WhichOneof("kind") == "welcome"
+    for step in (1, 2):
+        observer.reasons.clear()
+        second = frame(_request("b", request_id=step).SerializeToString())
+        observer.trigger = ("a", raws["b"].sock, second)
+        raws["a"].send(_request("a", request_id=step))
+        for raw in raws.values():
+            assert raw.next().quorum.request_id == step
+        if step == 2:  # the first round had no last quorum to compare with
+            assert [r for r in observer.reasons if "not ready" in r] == []
+            assert observer.reasons[-1].startswith("Fast quorum found!")
+    for raw in raws.values():
         raw.close()
 
 
