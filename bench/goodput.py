@@ -829,8 +829,16 @@ def main() -> None:
     with out_ctx as out:
         Path(out).mkdir(parents=True, exist_ok=True)
         modes = ["warm", "cold"] if args.restart == "both" else [args.restart]
-        results = [run(impl, args, victims, Path(out), mode) for impl in impls for mode in modes]
+        results, failed = [], []
+        for impl in impls:
+            for mode in modes:
+                try:
+                    results.append(run(impl, args, victims, Path(out), mode))
+                except RuntimeError as e:  # one library's run must not lose the others' rows
+                    failed.append(f"{impl} {mode}: {e}")
     report(results, args.timeline)
+    for line in failed:
+        print(f"not measured: {line}")
     print(f"\nload average after: {os.getloadavg()}")
 
 
