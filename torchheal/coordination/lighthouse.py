@@ -36,8 +36,8 @@ import grpc.aio
 from torchheal._wire import methods
 from torchheal._wire import session_pb2 as spb
 from torchheal._wire import torchft_pb2 as pb
-from torchheal.coordination.lighthouse_notices import SessionRegistry
 from torchheal.coordination.lighthouse_answers import Issued
+from torchheal.coordination.lighthouse_notices import SessionRegistry
 from torchheal.coordination.lighthouse_rounds import QuorumRounds, Waiter
 from torchheal.coordination.lighthouse_session import (
     MAX_REPLICA_ID_BYTES,
