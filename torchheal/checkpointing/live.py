@@ -152,6 +152,14 @@ class LiveCheckpoint:
         return max((s.end - s.start for s in self.staged.segments), default=0)
 
     def _changed(self, seg: Segment) -> None:
+        self._mark_unstable(seg)
+        raise CheckpointError(
+            f"checkpoint block [{seg.start}, {seg.end}) of storage {seg.storage} changed while "
+            "it was served"
+        )
+
+    def _mark_unstable(self, seg: Segment) -> None:
+        """A live storage changed before the optimizer step: copy everything from now on."""
         if not self.unstable:
             logger.warning(
                 "a storage of %d bytes changed while it was served live (a large tensor updated "
@@ -160,10 +168,6 @@ class LiveCheckpoint:
                 self.staged.buffers[seg.storage].numel(),
             )
         self.unstable = True
-        raise CheckpointError(
-            f"checkpoint block [{seg.start}, {seg.end}) of storage {seg.storage} changed while "
-            "it was served"
-        )
 
     def freeze(self) -> None:
         """Training thread, before the state changes: copies what is not yet delivered.
@@ -192,14 +196,7 @@ class LiveCheckpoint:
                     self._copies[seg.storage] = copy
             copy[seg.start : seg.end].copy_(self.staged.buffers[seg.storage][seg.start : seg.end])
             if crc32(self._copy_views[seg.storage][seg.start : seg.end]) != seg.crc:
-                if not self.unstable:
-                    logger.warning(
-                        "a storage of %d bytes changed before the optimizer step while it was "
-                        "served live: this heal fails, and this replica stages private copies "
-                        "of its state from now on",
-                        self.staged.buffers[seg.storage].numel(),
-                    )
-                self.unstable = True
+                self._mark_unstable(seg)
             self.copied_bytes += seg.end - seg.start
             with self._cond:
                 self._copied[i] = True
