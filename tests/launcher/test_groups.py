@@ -271,6 +271,50 @@ def test_once_a_group_finished_the_dead_are_not_restarted_nor_killed() -> None:
     assert kills == []
 
 
+# Group 1's first start takes a second before its first commit (as importing torch and healing
+# do), then trains until killed; its restart ends the job. Group 0 trains until then.
+SLOW_FIRST_STEP = textwrap.dedent(
+    """
+    import os, sys, time
+    from torchheal.launcher.events import emit
+    out, group = sys.argv[1], os.environ["REPLICA_GROUP_ID"]
+    finished = os.path.join(out, "finished")
+    if group == "1" and os.environ["TORCHELASTIC_RESTART_COUNT"] != "0":
+        open(finished, "w").close()
+        sys.exit(0)
+    if group == "1":
+        time.sleep(1.0)
+        with open(os.path.join(out, "first_step"), "w") as f:
+            f.write(repr(time.time()))
+    n = 0
+    while not os.path.exists(finished):
+        n += 1
+        emit("step", 0, step=n, committed=True)
+        time.sleep(0.05)
+    """
+)
+
+
+def test_a_timer_kill_waits_for_its_victims_first_commit(tmp_path: Path) -> None:
+    kills: list[tuple[int, float]] = []
+    launcher = Launcher(
+        [sys.executable, "-c", SLOW_FIRST_STEP, str(tmp_path)],
+        replicas=2,
+        lighthouse_addr="http://x:1",
+        kill_plan=KillPlan(every_s=0.3, victims=(1,)),
+        restart_delay_s=0.05,
+        deadline_s=60,
+        on_kill=lambda g, reason: kills.append((g, time.time())),
+    )
+    result = launcher.run()
+    assert result.error is None and not result.timed_out, result.error
+    # Due at 0.3 s, the kill waited for the commit that came at ~1 s; the restart then finished.
+    assert (tmp_path / "first_step").exists(), kills
+    first_step = float((tmp_path / "first_step").read_text())
+    assert [g for g, _ in kills] == [1] and kills[0][1] >= first_step
+    assert result.groups[1].exit_codes[-1] == 0 and len(result.groups[1].starts) == 2
+
+
 def test_launcher_rejects_bad_group_sizes() -> None:
     with pytest.raises(ValueError, match="nproc_per_replica"):
         Launcher(["x"], replicas=1, lighthouse_addr="http://x:1", nproc_per_replica=0)

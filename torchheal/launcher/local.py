@@ -47,7 +47,9 @@ class KillPlan:
     """When to inject failures.
 
     Args:
-        every_s: kill a group every this many seconds (None: never on a timer).
+        every_s: kill a group every this many seconds (None: never on a timer). A kill that
+            falls due while its victim has not yet committed a step since its last start waits
+            for that step.
         at_step: kill once, as soon as a group reports this committed step and every group
             has committed a step of its own: on a busy machine a group may start late, and a
             failure before the whole job trains shows nothing (None: never).
@@ -422,9 +424,13 @@ class Launcher:
                     break
                 if next_timer_kill is not None and now >= next_timer_kill:
                     victim = self._next_victim()
-                    if victim is not None:
-                        self._kill(victim, f"timer ({self._plan.every_s}s)")
-                    next_timer_kill = now + (self._plan.every_s or 0)
+                    if victim is None or self._groups[victim].stepped:
+                        if victim is not None:
+                            self._kill(victim, f"timer ({self._plan.every_s}s)")
+                        next_timer_kill = now + (self._plan.every_s or 0)
+                    # else the kill waits for the victim's first commit of this start: a group
+                    # killed while still starting (importing torch, healing) exercises no
+                    # recovery, and a timer shorter than a start would keep it from ever training.
                 for group, when in list(restart_at.items()):
                     if self._finished():  # the job ended while this group was down
                         del restart_at[group]
