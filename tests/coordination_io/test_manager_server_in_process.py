@@ -13,6 +13,7 @@ import pytest
 
 from torchheal.coordination import ManagerClient, ManagerServer
 from torchheal.coordination.rpc.errors import RPCError
+from torchheal.coordination.types import QuorumAsk
 
 from .helpers import Background, loopback, wait_until
 from .test_manager_server import ScriptedLighthouse
@@ -24,7 +25,7 @@ def mclient(server: ManagerServer) -> ManagerClient:
     return ManagerClient(server.address(), connect_timeout=timedelta(seconds=5))
 
 
-def quorum_args(rank: int, step: int = 0, **kwargs) -> dict:
+def quorum_ask(rank: int, step: int = 0, **kwargs) -> QuorumAsk:
     args = dict(
         group_rank=rank,
         step=step,
@@ -35,15 +36,15 @@ def quorum_args(rank: int, step: int = 0, **kwargs) -> dict:
         timeout=T,
     )
     args.update(kwargs)
-    return args
+    return QuorumAsk(**args)
 
 
 def local_quorum(server: ManagerServer, rank: int, **kwargs) -> Background:
-    return Background(lambda: server.quorum_in_process(**quorum_args(rank, **kwargs)))
+    return Background(lambda: server.quorum_in_process(quorum_ask(rank, **kwargs)))
 
 
 def grpc_quorum(client: ManagerClient, rank: int, **kwargs) -> Background:
-    return Background(lambda: client._quorum(**quorum_args(rank, **kwargs)))
+    return Background(lambda: client._quorum(**quorum_ask(rank, **kwargs).as_kwargs()))
 
 
 @pytest.fixture
@@ -105,11 +106,11 @@ def test_in_process_rejections_carry_the_grpc_status_and_message(make_lighthouse
     lighthouse = make_lighthouse(min_replicas=1)
     manager = make_manager(loopback(lighthouse), world_size=2)
     c = mclient(manager)
-    for args in (quorum_args(5), quorum_args(0, step=-1), quorum_args(0, commit_failures=-1)):
+    for ask in (quorum_ask(5), quorum_ask(0, step=-1), quorum_ask(0, commit_failures=-1)):
         with pytest.raises(RPCError) as local:
-            manager.quorum_in_process(**args)
+            manager.quorum_in_process(ask)
         with pytest.raises(RPCError) as remote:
-            c._quorum(**args)
+            c._quorum(**ask.as_kwargs())
         assert local.value.code == remote.value.code == grpc.StatusCode.INVALID_ARGUMENT
         assert str(local.value) == str(remote.value)
 

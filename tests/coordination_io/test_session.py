@@ -25,6 +25,7 @@ from torchheal._wire import methods
 from torchheal._wire import session_pb2 as spb
 from torchheal._wire import torchft_pb2 as pb
 from torchheal.coordination import LighthouseServer, ManagerServer
+from torchheal.coordination.types import QuorumAsk
 
 LONG = timedelta(seconds=30)
 
@@ -35,6 +36,7 @@ _MEMBER = textwrap.dedent(
     import sys
     from datetime import timedelta
     from torchheal.coordination import ManagerServer
+    from torchheal.coordination.types import QuorumAsk
     server = ManagerServer(
         replica_id=sys.argv[2], lighthouse_addr=sys.argv[1], hostname="127.0.0.1",
         bind="127.0.0.1:0", store_addr="store:1", world_size=1,
@@ -42,7 +44,8 @@ _MEMBER = textwrap.dedent(
     )
     print(server.port(), server.session_mode, flush=True)
     for line in sys.stdin:
-        result = server.quorum_in_process(0, int(line), "", False, False, 0, timedelta(seconds=30))
+        ask = QuorumAsk(0, int(line), "", False, False, 0, timedelta(seconds=30))
+        result = server.quorum_in_process(ask)
         print("quorum", result.quorum_id, result.replica_world_size, flush=True)
     """
 )
@@ -94,8 +97,12 @@ def members() -> Iterator[Callable[[str, str], Member]]:
         member.end()
 
 
+def _ask(group_rank: int, step: int, timeout: timedelta) -> QuorumAsk:
+    return QuorumAsk(group_rank, step, "", False, False, 0, timeout)
+
+
 def _quorum(server: ManagerServer, step: int) -> Background:
-    return Background(lambda: server.quorum_in_process(0, step, "", False, False, 0, LONG))
+    return Background(lambda: server.quorum_in_process(_ask(0, step, LONG)))
 
 
 def test_torchheal_servers_open_sessions_and_form_quorums(make_lighthouse, make_manager):
@@ -174,7 +181,7 @@ def test_ranks_watching_their_server_hear_the_notice(make_lighthouse, make_manag
         )(spb.WatchRequest(group_rank=1), timeout=60)
         victim = members(loopback(lighthouse), "b:1")
         rank0 = _quorum(server, 4)
-        rank1 = Background(lambda: server.quorum_in_process(1, 4, "", False, False, 0, LONG))
+        rank1 = Background(lambda: server.quorum_in_process(_ask(1, 4, LONG)))
         victim.ask(4)
         rank0.join(), rank1.join()
         victim.proc.kill()

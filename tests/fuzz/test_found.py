@@ -44,6 +44,7 @@ from torchheal.checkpointing.serialization import decode_bytes, encode_bytes, st
 from torchheal.coordination import LighthouseClient, LighthouseServer, ManagerServer
 from torchheal.coordination.convert import data_from_wire
 from torchheal.coordination.lighthouse_session import MAX_REPLICA_ID_BYTES
+from torchheal.coordination.types import QuorumAsk
 from torchheal.parameter_server import ParameterServer
 from torchheal.process_group.dummy import ProcessGroupDummy
 
@@ -137,7 +138,9 @@ def test_absurdly_long_grpc_timeout_still_runs_the_quorum(unary_manager, grpc_ti
     answer = pb.ManagerQuorumResponse.FromString(result.body[5:])
     assert answer.max_step == 3 and answer.replica_ids == ["rep:fuzz"]
     # Group rank 0 calls in-process; 10**5 days (8.6e9 s) is past the gRPC client's limit.
-    in_process = manager.quorum_in_process(0, 4, "m", False, False, 0, timedelta(days=10**5))
+    in_process = manager.quorum_in_process(
+        QuorumAsk(0, 4, "m", False, False, 0, timedelta(days=10**5))
+    )
     assert in_process.max_step == 4
 
 

@@ -228,7 +228,7 @@ def _worker(
     result: QuorumResult, pg: _PG, transport: MemoryTransport, use_async: bool = True
 ) -> QuorumWorker:
     return QuorumWorker(
-        quorum_call=lambda **kw: result,
+        quorum_call=lambda ask: result,
         process_group=lambda: pg,
         recovery=_recovery(transport, []),
         snapshot=lambda captured: captured,

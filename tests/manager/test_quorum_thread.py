@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from torchheal.coordination.plan import WorldSizeMode
-from torchheal.coordination.types import QuorumResult
+from torchheal.coordination.types import QuorumAsk, QuorumResult
 from torchheal.manager.log import ManagerLogger
 from torchheal.manager.quorum_thread import QuorumThread
 from torchheal.manager.quorum_worker import QuorumOutcome, QuorumWorker, StepRequest
@@ -45,7 +45,7 @@ class _Server:
         self.asked_on: list[str] = []
         self.answers: list[Future[QuorumResult]] = []
 
-    def start(self, **kw: Any) -> Future[QuorumResult]:
+    def start(self, ask: QuorumAsk) -> Future[QuorumResult]:
         self.asked_on.append(threading.current_thread().name)
         answer: Future[QuorumResult] = Future()
         self.answers.append(answer)
@@ -94,7 +94,7 @@ def _request(current_quorum_id: int) -> StepRequest:
 def _thread(server: _Server | None, pg: _PG) -> tuple[QuorumThread, list[tuple[str, int]]]:
     transport = MemoryTransport({}, "a")
     worker = QuorumWorker(
-        quorum_call=lambda **kw: _quorum(7),
+        quorum_call=lambda ask: _quorum(7),
         quorum_start=server.start if server is not None else None,
         process_group=lambda: pg,
         recovery=Recovery(transport, lambda *a: "", group_rank=0, timeout=S, log=print),

@@ -39,7 +39,7 @@ from torchheal.coordination.session_client import (
     issued_quorum,
     quorum_request,
 )
-from torchheal.coordination.types import Quorum, QuorumResult
+from torchheal.coordination.types import Quorum, QuorumAsk, QuorumResult
 
 __all__ = ["LighthouseClient", "ManagerClient"]
 
@@ -339,14 +339,10 @@ class ManagerClient:
             RuntimeError: the server rejected the request, the lighthouse call failed, or this
                 group is not in the quorum.
         """
-        request = pb.ManagerQuorumRequest(
-            group_rank=group_rank,
-            step=step,
-            checkpoint_metadata=checkpoint_metadata,
-            shrink_only=shrink_only,
-            init_sync=init_sync,
-            commit_failures=commit_failures,
+        ask = QuorumAsk(
+            group_rank, step, checkpoint_metadata, shrink_only, init_sync, commit_failures, timeout
         )
+        request = convert.quorum_ask_to_pb(ask)
         return convert.quorum_result_from_pb(self._quorum_call(request, timeout))
 
     def _checkpoint_metadata(self, rank: int, timeout: timedelta) -> str:

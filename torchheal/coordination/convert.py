@@ -8,18 +8,27 @@ in Python, with ``""`` <-> ``None``; proto3 ``optional`` fields map to ``None`` 
 from __future__ import annotations
 
 import json
+from datetime import timedelta
 from typing import Any, TypeVar
 
 from google.protobuf import timestamp_pb2
 
 from torchheal._wire import torchft_pb2 as pb
-from torchheal.coordination.types import Quorum, QuorumMember, QuorumResult, Timestamp
+from torchheal.coordination.types import (
+    Quorum,
+    QuorumAsk,
+    QuorumMember,
+    QuorumResult,
+    Timestamp,
+)
 
 __all__ = [
     "data_from_wire",
     "data_to_wire",
     "member_from_pb",
     "member_to_pb",
+    "quorum_ask_from_pb",
+    "quorum_ask_to_pb",
     "quorum_from_pb",
     "quorum_result_from_pb",
     "quorum_result_to_pb",
@@ -256,4 +265,38 @@ def quorum_result_from_pb(msg: pb.ManagerQuorumResponse) -> QuorumResult:
         heal=msg.heal,
         commit_failures=msg.commit_failures,
         replica_ids=list(msg.replica_ids),
+    )
+
+
+def quorum_ask_to_pb(ask: QuorumAsk) -> pb.ManagerQuorumRequest:
+    """Convert a :class:`QuorumAsk` to its request message (its timeout is the call's deadline).
+
+    Args:
+        ask: the value.
+    """
+    return pb.ManagerQuorumRequest(
+        group_rank=ask.group_rank,
+        step=ask.step,
+        checkpoint_metadata=ask.checkpoint_metadata,
+        shrink_only=ask.shrink_only,
+        init_sync=ask.init_sync,
+        commit_failures=ask.commit_failures,
+    )
+
+
+def quorum_ask_from_pb(msg: pb.ManagerQuorumRequest, timeout: timedelta) -> QuorumAsk:
+    """Convert a ``ManagerQuorumRequest`` to a :class:`QuorumAsk`.
+
+    Args:
+        msg: the request.
+        timeout: the call's remaining deadline (gRPC carries it outside the message).
+    """
+    return QuorumAsk(
+        group_rank=msg.group_rank,
+        step=msg.step,
+        checkpoint_metadata=msg.checkpoint_metadata,
+        shrink_only=msg.shrink_only,
+        init_sync=msg.init_sync,
+        commit_failures=msg.commit_failures,
+        timeout=timeout,
     )

@@ -79,7 +79,7 @@ from torchheal.coordination.rpc.addresses import format_target, parse_address
 from torchheal.coordination.rpc.errors import StatusError, status_error
 from torchheal.coordination.rpc.in_process import IN_PROCESS_GRACE_S, InProcessCaller
 from torchheal.coordination.rpc.server import AioServerThread, unary_handler, unary_stream_handler
-from torchheal.coordination.types import Quorum, QuorumMember, QuorumResult
+from torchheal.coordination.types import Quorum, QuorumAsk, QuorumMember, QuorumResult
 
 __all__ = ["ManagerServer"]
 
@@ -253,39 +253,23 @@ class ManagerServer:
 
         self._server.submit(add()).result()
 
-    def quorum_in_process(
-        self,
-        group_rank: int,
-        step: int,
-        checkpoint_metadata: str,
-        shrink_only: bool,
-        init_sync: bool,
-        commit_failures: int,
-        timeout: timedelta,
-    ) -> QuorumResult:
+    def quorum_in_process(self, ask: QuorumAsk) -> QuorumResult:
         """The ``Quorum`` call of a rank living in this process, without the gRPC round trip.
 
-        Same arguments, result and errors as ``ManagerClient._quorum``; the rank joins the same
-        round as the ranks calling over gRPC, and leaves it if ``timeout`` passes first.
+        Same result and errors as ``ManagerClient._quorum`` called with ``ask``'s fields; the
+        rank joins the same round as the ranks calling over gRPC, and leaves it if
+        ``ask.timeout`` passes first.
 
         Args:
-            group_rank: the caller's index in its replica group.
-            step: the caller's current step.
-            checkpoint_metadata: how healers fetch the caller's state (transport metadata).
-            shrink_only: only accept a quorum that drops members.
-            init_sync: heal replicas at step 0 from the primary so all start identical.
-            commit_failures: consecutive failed commits of the caller.
-            timeout: deadline of the whole quorum, also used for the lighthouse call.
+            ask: the rank's request.
 
         Raises:
-            TimeoutError: no quorum within ``timeout``.
+            TimeoutError: no quorum within ``ask.timeout``.
             RuntimeError: the request was rejected, the lighthouse call failed, this group is
                 not in the quorum, or the server is shut down.
         """
-        timeout_s = to_seconds(timeout)
-        answer = self.start_quorum_in_process(
-            group_rank, step, checkpoint_metadata, shrink_only, init_sync, commit_failures, timeout
-        )
+        timeout_s = to_seconds(ask.timeout)
+        answer = self.start_quorum_in_process(ask)
         try:
             return answer.result(timeout_s + IN_PROCESS_GRACE_S)
         except concurrent.futures.TimeoutError:
@@ -294,46 +278,20 @@ class ManagerServer:
                 f'"Timeout expired" (the server loop did not answer within {timeout_s:g}s)'
             ) from None
 
-    def start_quorum_in_process(
-        self,
-        group_rank: int,
-        step: int,
-        checkpoint_metadata: str,
-        shrink_only: bool,
-        init_sync: bool,
-        commit_failures: int,
-        timeout: timedelta,
-    ) -> concurrent.futures.Future[QuorumResult]:
+    def start_quorum_in_process(self, ask: QuorumAsk) -> concurrent.futures.Future[QuorumResult]:
         """:meth:`quorum_in_process` without waiting: the future holds its result or error.
 
         The request goes to the server's loop from this thread and the answer is settled on
         the loop thread, with no thread in between (the training thread asks at the start of
         a step and meets the answer later). Callbacks added to the future run on the loop
-        thread, so they must be quick; a waiter gives up at ``timeout`` plus
+        thread, so they must be quick; a waiter gives up at ``ask.timeout`` plus
         :data:`~torchheal.coordination.rpc.in_process.IN_PROCESS_GRACE_S` (a stuck loop).
 
         Args:
-            group_rank: as :meth:`quorum_in_process`.
-            step: as :meth:`quorum_in_process`.
-            checkpoint_metadata: as :meth:`quorum_in_process`.
-            shrink_only: as :meth:`quorum_in_process`.
-            init_sync: as :meth:`quorum_in_process`.
-            commit_failures: as :meth:`quorum_in_process`.
-            timeout: as :meth:`quorum_in_process`.
+            ask: the rank's request.
         """
-        timeout_s = to_seconds(timeout)
-        answer = self._quorum_in_process.start(
-            self._join_quorum(
-                group_rank,
-                step,
-                checkpoint_metadata,
-                shrink_only,
-                init_sync,
-                commit_failures,
-                timeout_s,
-            ),
-            timeout_s,
-        )
+        timeout_s = to_seconds(ask.timeout)
+        answer = self._quorum_in_process.start(self._join_quorum(ask, timeout_s), timeout_s)
         out: concurrent.futures.Future[QuorumResult] = concurrent.futures.Future()
 
         def settle(done: concurrent.futures.Future[QuorumResult]) -> None:
@@ -445,47 +403,32 @@ class ManagerServer:
         remaining = context.time_remaining()
         if remaining is None:
             raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, "missing timeout")
-        result = await self._join_quorum(
-            request.group_rank,
-            request.step,
-            request.checkpoint_metadata,
-            request.shrink_only,
-            request.init_sync,
-            request.commit_failures,
-            remaining,
-        )
+        ask = convert.quorum_ask_from_pb(request, timedelta(seconds=remaining))
+        result = await self._join_quorum(ask, remaining)
         return convert.quorum_result_to_pb(result)
 
-    async def _join_quorum(
-        self,
-        rank: int,
-        step: int,
-        checkpoint_metadata: str,
-        shrink_only: bool,
-        init_sync: bool,
-        commit_failures: int,
-        remaining: float,
-    ) -> QuorumResult:
+    async def _join_quorum(self, ask: QuorumAsk, remaining: float) -> QuorumResult:
         """One rank's part of a quorum round (the gRPC handler and the in-process call).
 
         Raises:
             StatusError: the status to answer with.
             asyncio.CancelledError: the caller's deadline passed (the rank leaves the round).
         """
+        rank, step = ask.group_rank, ask.step
         try:
-            self._round.check(rank, step, commit_failures)
+            self._round.check(rank, step, ask.commit_failures)
         except ValueError as e:
             raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
-        self._checkpoint_metadata[rank] = checkpoint_metadata
+        self._checkpoint_metadata[rank] = ask.checkpoint_metadata
         member = QuorumMember(
             replica_id=self._replica_id,
             address=self.address(),
             store_address=self._store_addr,
             step=step,
             world_size=self._world_size,
-            shrink_only=shrink_only,
+            shrink_only=ask.shrink_only,
             data=None,
-            commit_failures=commit_failures,
+            commit_failures=ask.commit_failures,
         )
         joined = self._round.join(rank, member, asyncio.get_running_loop().time(), remaining)
         outcome = self._round_outcomes.get(joined.round_id)
@@ -516,7 +459,7 @@ class ManagerServer:
             raise StatusError(e.code, e.details) from None
 
         try:
-            return compute_quorum_results(self._replica_id, rank, quorum, init_sync)
+            return compute_quorum_results(self._replica_id, rank, quorum, ask.init_sync)
         except NotParticipatingError as e:
             raise StatusError(grpc.StatusCode.NOT_FOUND, str(e)) from None
 

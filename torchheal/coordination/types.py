@@ -8,6 +8,7 @@ from the wire lives in `convert.py`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 
@@ -70,6 +71,41 @@ class Quorum:
     quorum_id: int
     participants: tuple[QuorumMember, ...] = ()
     created: Timestamp = field(default_factory=Timestamp)
+
+
+@dataclass(frozen=True)
+class QuorumAsk:
+    """One rank's request to join its group's quorum round (``ManagerClient._quorum``'s arguments).
+
+    Args:
+        group_rank: the caller's index in its replica group.
+        step: the caller's current step.
+        checkpoint_metadata: how healers fetch the caller's state (transport metadata).
+        shrink_only: only accept a quorum that drops members.
+        init_sync: heal replicas at step 0 from the primary so all start identical.
+        commit_failures: consecutive failed commits of the caller.
+        timeout: deadline of the whole quorum, also used for the lighthouse call.
+    """
+
+    group_rank: int
+    step: int
+    checkpoint_metadata: str
+    shrink_only: bool
+    init_sync: bool
+    commit_failures: int
+    timeout: timedelta
+
+    def as_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments of ``ManagerClient._quorum`` (the reference's signature)."""
+        return {
+            "group_rank": self.group_rank,
+            "step": self.step,
+            "checkpoint_metadata": self.checkpoint_metadata,
+            "shrink_only": self.shrink_only,
+            "init_sync": self.init_sync,
+            "commit_failures": self.commit_failures,
+            "timeout": self.timeout,
+        }
 
 
 @dataclass

@@ -25,7 +25,7 @@ from torch.distributed import TCPStore
 from torchheal.coordination.client import ManagerClient
 from torchheal.coordination.manager_server import ManagerServer
 from torchheal.coordination.rpc.addresses import format_target
-from torchheal.coordination.types import QuorumResult
+from torchheal.coordination.types import QuorumAsk, QuorumResult
 
 __all__ = ["MANAGER_ADDR_KEY", "REPLICA_ID_KEY", "GroupEndpoints", "open_endpoints"]
 
@@ -64,73 +64,28 @@ class GroupEndpoints:
     joined_running: bool = False
     _closed: threading.Event = field(default_factory=threading.Event)
 
-    def quorum(
-        self,
-        group_rank: int,
-        step: int,
-        checkpoint_metadata: str,
-        shrink_only: bool,
-        init_sync: bool,
-        commit_failures: int,
-        timeout: timedelta,
-    ) -> QuorumResult:
+    def quorum(self, ask: QuorumAsk) -> QuorumResult:
         """This rank's part of the quorum round (see ``ManagerClient._quorum``).
 
         Args:
-            group_rank: this rank's index in the group.
-            step: its current step.
-            checkpoint_metadata: how healers fetch its state.
-            shrink_only: only accept a quorum that drops members.
-            init_sync: heal replicas at step 0 so all start identical.
-            commit_failures: consecutive failed commits.
-            timeout: deadline of the whole quorum.
+            ask: the rank's request.
         """
-        call = self.server.quorum_in_process if self.server is not None else self.client._quorum
-        return call(
-            group_rank=group_rank,
-            step=step,
-            checkpoint_metadata=checkpoint_metadata,
-            shrink_only=shrink_only,
-            init_sync=init_sync,
-            commit_failures=commit_failures,
-            timeout=timeout,
-        )
+        if self.server is not None:
+            return self.server.quorum_in_process(ask)
+        return self.client._quorum(**ask.as_kwargs())
 
-    def start_quorum(
-        self,
-        group_rank: int,
-        step: int,
-        checkpoint_metadata: str,
-        shrink_only: bool,
-        init_sync: bool,
-        commit_failures: int,
-        timeout: timedelta,
-    ) -> concurrent.futures.Future[QuorumResult] | None:
+    def start_quorum(self, ask: QuorumAsk) -> concurrent.futures.Future[QuorumResult] | None:
         """:meth:`quorum` without waiting, where the server lives in this process (rank 0).
 
         Returns the future answer (settled on the server's loop thread), or None on the other
         ranks, which ask with the blocking :meth:`quorum`.
 
         Args:
-            group_rank: as :meth:`quorum`.
-            step: as :meth:`quorum`.
-            checkpoint_metadata: as :meth:`quorum`.
-            shrink_only: as :meth:`quorum`.
-            init_sync: as :meth:`quorum`.
-            commit_failures: as :meth:`quorum`.
-            timeout: as :meth:`quorum`.
+            ask: the rank's request.
         """
         if self.server is None:
             return None
-        return self.server.start_quorum_in_process(
-            group_rank=group_rank,
-            step=step,
-            checkpoint_metadata=checkpoint_metadata,
-            shrink_only=shrink_only,
-            init_sync=init_sync,
-            commit_failures=commit_failures,
-            timeout=timeout,
-        )
+        return self.server.start_quorum_in_process(ask)
 
     def should_commit(
         self, group_rank: int, step: int, should_commit: bool, timeout: timedelta

@@ -25,13 +25,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
 from torchheal.checkpointing.timeline import mark
 from torchheal.coordination.plan import Participation, WorldSizeMode, participation
-from torchheal.coordination.types import QuorumResult
+from torchheal.coordination.types import QuorumAsk, QuorumResult
 from torchheal.manager.log import ManagerLogger, describe_quorum
 from torchheal.manager.recovery import Recovery
 from torchheal.process_group.base import accepts_quorum_keywords
@@ -39,34 +39,6 @@ from torchheal.process_group.store import parse_store_addr
 from torchheal.utils import quorum_global_ranks
 
 __all__ = ["QuorumOutcome", "QuorumWorker", "StepRequest", "Transfer"]
-
-
-class _QuorumCall(Protocol):
-    def __call__(
-        self,
-        *,
-        group_rank: int,
-        step: int,
-        checkpoint_metadata: str,
-        shrink_only: bool,
-        init_sync: bool,
-        commit_failures: int,
-        timeout: timedelta,
-    ) -> QuorumResult: ...
-
-
-class _QuorumStart(Protocol):
-    def __call__(
-        self,
-        *,
-        group_rank: int,
-        step: int,
-        checkpoint_metadata: str,
-        shrink_only: bool,
-        init_sync: bool,
-        commit_failures: int,
-        timeout: timedelta,
-    ) -> Future[QuorumResult] | None: ...
 
 
 #: ``guard(quorum_id, replica_ids, store_port)``: the context a process-group build runs in.
@@ -178,7 +150,7 @@ class QuorumWorker:
     def __init__(
         self,
         *,
-        quorum_call: _QuorumCall,
+        quorum_call: Callable[[QuorumAsk], QuorumResult],
         process_group: Callable[[], Any],
         recovery: Recovery,
         snapshot: Callable[[dict[str, Any]], dict[str, Any]],
@@ -192,7 +164,7 @@ class QuorumWorker:
         log: ManagerLogger,
         group_world_size: int = 1,
         send_guard: Callable[[], AbstractContextManager[Any]] = nullcontext,
-        quorum_start: _QuorumStart | None = None,
+        quorum_start: Callable[[QuorumAsk], Future[QuorumResult] | None] | None = None,
     ) -> None:
         self._quorum_call = quorum_call
         self._quorum_start = quorum_start
@@ -224,7 +196,7 @@ class QuorumWorker:
             TimeoutError, RuntimeError: the quorum RPC failed.
         """
         mark("quorum.begin", step=request.step)
-        quorum = self._quorum_call(**self._quorum_args(request))
+        quorum = self._quorum_call(self._ask(request))
         return self.finish(request, quorum)
 
     def start(self, request: StepRequest) -> Future[QuorumResult] | None:
@@ -240,7 +212,7 @@ class QuorumWorker:
         if self._quorum_start is None:
             return None
         mark("quorum.begin", step=request.step)
-        return self._quorum_start(**self._quorum_args(request))
+        return self._quorum_start(self._ask(request))
 
     def blocks(self, request: StepRequest, quorum: QuorumResult) -> bool:
         """Whether :meth:`finish` has work that may wait: rebuild the group, move state.
@@ -254,8 +226,8 @@ class QuorumWorker:
         """
         return quorum.quorum_id != request.current_quorum_id or self._moves(request, quorum)
 
-    def _quorum_args(self, request: StepRequest) -> dict[str, Any]:
-        return dict(
+    def _ask(self, request: StepRequest) -> QuorumAsk:
+        return QuorumAsk(
             group_rank=self._group_rank,
             step=request.step,
             checkpoint_metadata=self._metadata(),
