@@ -18,6 +18,7 @@ import torchheal.coordination as heal_mod
 from tests.interop.helpers import CONNECT, Cluster, Impl, gather, loopback, manager_quorum
 from tests.reference import import_reference
 from torchheal._wire import torchft_pb2 as pb
+from torchheal.coordination.types import QuorumAsk
 
 ref_mod = import_reference("torchft.coordination")
 
@@ -74,6 +75,6 @@ def test_every_rank_of_a_torchheal_group_sees_replica_ids(cluster: Cluster) -> N
     _, lh_addr = cluster.lighthouse(HEAL, min_replicas=1)
     server = cluster.manager(HEAL, "solo:u", lh_addr, "s:1", 2)
     client = HEAL.mod.ManagerClient(loopback(server), CONNECT)
-    local = cluster.submit(server.quorum_in_process, 0, 0, "", False, False, 0, TIMEOUT)
+    local = cluster.submit(server.quorum_in_process, QuorumAsk(0, 0, "", False, False, 0, TIMEOUT))
     remote = cluster.submit(manager_quorum, HEAL, client, 1, 0, "", False, False, 0, TIMEOUT)
     assert [list(r.replica_ids) for r in gather([local, remote])] == [["solo:u"], ["solo:u"]]

@@ -27,6 +27,7 @@ from torchheal.coordination import LighthouseClient, LighthouseServer, ManagerSe
 from torchheal.coordination import manager_server as manager_server_module
 from torchheal.coordination.rpc.frames import FrameReader, frame
 from torchheal.coordination.session_client import DirectSession, SessionBroken
+from torchheal.coordination.types import QuorumAsk
 
 NO_TOKEN: list[tuple[str, str]] = []
 WRONG = [("authorization", "Bearer not-the-token")]
@@ -194,7 +195,9 @@ def test_manager_server_refuses_every_service_without_the_job_token(
     # Rank 0 (in process) asks for a quorum; the group's request goes to the lighthouse once
     # rank 1 asks too.
     rank0 = Background(
-        lambda: server.quorum_in_process(0, 0, "m", False, False, 0, timedelta(seconds=4))
+        lambda: server.quorum_in_process(
+            QuorumAsk(0, 0, "m", False, False, 0, timedelta(seconds=4))
+        )
     )
     quorum = pb.ManagerQuorumRequest(group_rank=1, step=0, checkpoint_metadata="m")
     commit = pb.ShouldCommitRequest(should_commit=True, group_rank=1, step=0)

@@ -29,6 +29,7 @@ from torchheal.coordination import LighthouseClient, LighthouseServer, ManagerSe
 from torchheal.coordination.dashboard import DashboardServer, LighthouseRecorder
 from torchheal.coordination.rpc.channels import UnaryCaller, connect
 from torchheal.coordination.rpc.tls import client_ssl_context
+from torchheal.coordination.types import QuorumAsk
 
 TIMEOUT = timedelta(seconds=10)
 
@@ -45,7 +46,7 @@ def test_tls_on_the_lighthouse_and_the_manager_server(job_env: Any, pki: Pki) ->
         )  # fmt: skip
         try:
             assert server._link is not None and not server._link.direct  # the gRPC stream
-            result = server.quorum_in_process(0, 0, "m", False, False, 0, TIMEOUT)
+            result = server.quorum_in_process(QuorumAsk(0, 0, "m", False, False, 0, TIMEOUT))
             assert result.replica_world_size == 1
         finally:
             server.shutdown()
