@@ -79,10 +79,26 @@ def imports_of(name: str, path: Path, modules: dict[str, Path]) -> dict[str, int
     return found
 
 
+def _type_checking_only(tree: ast.Module) -> set[ast.AST]:
+    """Imports under ``if TYPE_CHECKING:`` (never run, so they cannot do I/O)."""
+    skipped: set[ast.AST] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and ast.unparse(node.test) in (
+            "TYPE_CHECKING",
+            "typing.TYPE_CHECKING",
+        ):
+            for child in node.body:
+                skipped |= set(ast.walk(child))
+    return skipped
+
+
 def stdlib_imports(path: Path) -> set[str]:
     tree = ast.parse(path.read_text())
+    type_only = _type_checking_only(tree)
     tops: set[str] = set()
     for node in ast.walk(tree):
+        if node in type_only:
+            continue
         if isinstance(node, ast.Import):
             tops |= {alias.name.split(".")[0] for alias in node.names}
         elif isinstance(node, ast.ImportFrom) and not node.level:

@@ -8,8 +8,10 @@ from the wire lives in `convert.py`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # a type only: a pure core imports nothing that could read a clock
+    from datetime import timedelta
 
 
 @dataclass(frozen=True)
