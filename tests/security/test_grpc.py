@@ -119,9 +119,12 @@ class Lane:
         self.sock = socket.create_connection(("127.0.0.1", lighthouse.direct_port()), timeout=10)
         self.reader = FrameReader(1 << 20)
 
-    def events_until_closed(self, *requests: spb.SessionRequest) -> list[spb.SessionEvent]:
+    def events_until_closed(
+        self, *requests: spb.SessionRequest, then: bytes = b""
+    ) -> list[spb.SessionEvent]:
         for r in requests:
             self.sock.sendall(frame(r.SerializeToString()))
+        self.sock.sendall(then)
         out = []
         while data := self.sock.recv(65536):
             out.extend(spb.SessionEvent.FromString(e) for e in self.reader.feed(data))
@@ -144,6 +147,17 @@ def test_the_direct_lane_needs_the_token_in_the_hello(
     assert lighthouse.status()["heartbeats"] == {}
     with pytest.raises(SessionBroken, match="job token"):
         DirectSession("127.0.0.1", lighthouse.direct_port(), "x", 5, SecurityEnv(token=token))
+
+
+def test_a_refused_peer_reads_why_even_with_bytes_left_unread(lighthouse: LighthouseServer) -> None:
+    # The lighthouse ends the session at the hello, while 1 MiB more is on its way: closed with
+    # those bytes unread, its socket would answer with a reset, which can reach the peer before
+    # the reason does (the peer then sees only "connection reset").
+    hello = spb.SessionRequest(hello=spb.Hello(replica_id="g0", protocol=1, token=""))
+    events = Lane(lighthouse).events_until_closed(hello, then=bytes(1 << 20))
+    assert [e.WhichOneof("kind") for e in events] == ["closed"]
+    assert events[0].closed.code == grpc.StatusCode.UNAUTHENTICATED.value[0]
+    assert "job token" in events[0].closed.message
 
 
 def test_clients_with_the_token_use_the_direct_lane_and_the_session(

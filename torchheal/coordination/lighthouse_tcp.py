@@ -46,6 +46,8 @@ logger: logging.Logger = logging.getLogger("torchheal.coordination.lighthouse.tc
 
 #: A peer that leaves this much unread is not reading at all: it is disconnected.
 MAX_UNSENT_BYTES = 256 * 1024 * 1024
+#: How long a session the lighthouse ended may take to read why and close its side.
+LINGER_S = 5.0
 #: The most one read takes from a connection. Reads land in one buffer per lane (a buffered
 #: protocol), not in a fresh ``bytes`` of this size per read: asyncio's plain protocols read
 #: with ``recv(256 KiB)``, and an allocation that large is an ``mmap``/``munmap`` pair each time
@@ -117,6 +119,7 @@ class _Connection(asyncio.BufferedProtocol):
         self._transport: asyncio.Transport | None = None
         self._session: SessionProtocol | None = None
         self._over = False
+        self._linger: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
@@ -193,6 +196,15 @@ class _Connection(asyncio.BufferedProtocol):
                 closed=spb.SessionClosed(code=error.code.value[0], message=error.details)
             ).SerializeToString()
             transport.write(varint(len(event)) + event)
+            if transport.can_write_eof():
+                # Half-close and drop what still comes (buffer_updated ignores it once over):
+                # closing with unread bytes in the socket answers them with a reset, which can
+                # reach the peer before it reads why it was ended. The peer's own close, or
+                # LINGER_S, ends the connection.
+                transport.write_eof()
+                self._linger = asyncio.get_running_loop().call_later(LINGER_S, transport.abort)
+                self._close_session()  # the session is over now, not when the peer closes
+                return
         transport.close()  # after what is buffered has been sent
 
     def abort(self) -> None:
@@ -201,9 +213,15 @@ class _Connection(asyncio.BufferedProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._over = True
+        if self._linger is not None:
+            self._linger.cancel()
         self._live.discard(self)
-        if self._session is not None:
-            self._session.close()
+        self._close_session()
+
+    def _close_session(self) -> None:
+        session, self._session = self._session, None
+        if session is not None:
+            session.close()
 
 
 def _listening_socket(host: str, port: int) -> socket.socket:
