@@ -126,9 +126,10 @@ def main() -> None:
             loss.backward()  # gradients are averaged across replica groups
             optimizer.step()  # applied only if the whole replica group committed
             if manager.current_step() % 20 == 0:
-                print(
-                    f"step {manager.current_step()} loss {loss.item():.4f} participants {manager.num_participants()}"
-                )
+                # The line and its newline in one write: a group's ranks share one pipe, and
+                # print's separate write of the newline lets another rank's line in between.
+                step, n = manager.current_step(), manager.num_participants()
+                print(f"step {step} loss {loss.item():.4f} participants {n}\n", end="", flush=True)
             if manager.current_step() >= STEPS:
                 break
     manager.shutdown()
