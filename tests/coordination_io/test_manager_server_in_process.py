@@ -6,6 +6,7 @@ calls minus the round trip: same rounds, same results, same errors, same deadlin
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from datetime import timedelta
 
 import grpc
@@ -44,7 +45,7 @@ def local_quorum(server: ManagerServer, rank: int, **kwargs) -> Background:
 
 
 def grpc_quorum(client: ManagerClient, rank: int, **kwargs) -> Background:
-    return Background(lambda: client._quorum(**quorum_ask(rank, **kwargs).as_kwargs()))
+    return Background(lambda: client._quorum(**asdict(quorum_ask(rank, **kwargs))))
 
 
 @pytest.fixture
@@ -110,7 +111,7 @@ def test_in_process_rejections_carry_the_grpc_status_and_message(make_lighthouse
         with pytest.raises(RPCError) as local:
             manager.quorum_in_process(ask)
         with pytest.raises(RPCError) as remote:
-            c._quorum(**ask.as_kwargs())
+            c._quorum(**asdict(ask))
         assert local.value.code == remote.value.code == grpc.StatusCode.INVALID_ARGUMENT
         assert str(local.value) == str(remote.value)
 

@@ -339,11 +339,22 @@ class ManagerClient:
             RuntimeError: the server rejected the request, the lighthouse call failed, or this
                 group is not in the quorum.
         """
-        ask = QuorumAsk(
-            group_rank, step, checkpoint_metadata, shrink_only, init_sync, commit_failures, timeout
+        return self._ask_quorum(
+            QuorumAsk(
+                group_rank,
+                step,
+                checkpoint_metadata,
+                shrink_only,
+                init_sync,
+                commit_failures,
+                timeout,
+            )
         )
+
+    def _ask_quorum(self, ask: QuorumAsk) -> QuorumResult:
+        """:meth:`_quorum` with its arguments in one value (what the Manager's ranks hold)."""
         request = convert.quorum_ask_to_pb(ask)
-        return convert.quorum_result_from_pb(self._quorum_call(request, timeout))
+        return convert.quorum_result_from_pb(self._quorum_call(request, ask.timeout))
 
     def _checkpoint_metadata(self, rank: int, timeout: timedelta) -> str:
         """Fetch the checkpoint metadata a group rank last reported to this server.

@@ -97,18 +97,6 @@ class QuorumAsk:
     commit_failures: int
     timeout: timedelta
 
-    def as_kwargs(self) -> dict[str, Any]:
-        """The keyword arguments of ``ManagerClient._quorum`` (the reference's signature)."""
-        return {
-            "group_rank": self.group_rank,
-            "step": self.step,
-            "checkpoint_metadata": self.checkpoint_metadata,
-            "shrink_only": self.shrink_only,
-            "init_sync": self.init_sync,
-            "commit_failures": self.commit_failures,
-            "timeout": self.timeout,
-        }
-
 
 @dataclass
 class QuorumResult:

@@ -72,7 +72,7 @@ class GroupEndpoints:
         """
         if self.server is not None:
             return self.server.quorum_in_process(ask)
-        return self.client._quorum(**ask.as_kwargs())
+        return self.client._ask_quorum(ask)
 
     def start_quorum(self, ask: QuorumAsk) -> concurrent.futures.Future[QuorumResult] | None:
         """:meth:`quorum` without waiting, where the server lives in this process (rank 0).
