@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -44,23 +45,32 @@ REPORT = textwrap.dedent(
 )
 
 
-def _pool(tmp_path: Path, **kw) -> SparePool:
+@pytest.fixture(params=[True, False], ids=["forked", "fresh"])
+def fork(request: pytest.FixtureRequest) -> bool:
+    """How the pool starts its spares: forked from one template that imported once (the
+    default on Linux), or each as a fresh interpreter (elsewhere)."""
+    return request.param
+
+
+def _pool(tmp_path: Path, fork: bool, **kw) -> SparePool:
     env = {**os.environ, "ONLY_SPARE": "x"}
     kw.setdefault("preload", ())  # the mechanism, not torch's import time, is under test
-    return SparePool([sys.executable, "unused.py"], 1, env=env, cwd=str(tmp_path), **kw)
+    return SparePool([sys.executable, "unused.py"], 1, env=env, cwd=str(tmp_path), fork=fork, **kw)
 
 
 def _env(**extra: str) -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k != "ONLY_SPARE"} | extra
 
 
-def test_a_spare_runs_the_script_with_the_ranks_argv_env_cwd_and_exit_code(tmp_path: Path) -> None:
+def test_a_spare_runs_the_script_with_the_ranks_argv_env_cwd_and_exit_code(
+    tmp_path: Path, fork: bool
+) -> None:
     script = tmp_path / "scripts" / "report.py"
     script.parent.mkdir()
     script.write_text(REPORT)
     workdir = tmp_path / "work"
     workdir.mkdir()
-    with _pool(tmp_path) as pool:
+    with _pool(tmp_path, fork) as pool:
         assert pool.fill() == 1
         assert pool.wait_ready(TIMEOUT)
         spare_pid = pool.pids[0]
@@ -84,7 +94,9 @@ def test_a_spare_runs_the_script_with_the_ranks_argv_env_cwd_and_exit_code(tmp_p
     }
 
 
-def test_a_spare_runs_a_module_and_its_failure_reads_like_the_scripts(tmp_path: Path) -> None:
+def test_a_spare_runs_a_module_and_its_failure_reads_like_the_scripts(
+    tmp_path: Path, fork: bool
+) -> None:
     pkg = tmp_path / "mypkg"
     pkg.mkdir()
     (pkg / "__init__.py").write_text("")
@@ -92,7 +104,7 @@ def test_a_spare_runs_a_module_and_its_failure_reads_like_the_scripts(tmp_path: 
         "import os, sys\nprint('in', __name__, sys.argv[1:], os.getcwd(), flush=True)\n"
         "raise RuntimeError('boom from the script')\n"
     )
-    with _pool(tmp_path) as pool:
+    with _pool(tmp_path, fork) as pool:
         pool.fill()
         proc = pool.spawn([sys.executable, "-m", "mypkg.train", "a"], _env(), str(tmp_path))
         out, _ = proc.communicate(timeout=TIMEOUT)
@@ -104,10 +116,10 @@ def test_a_spare_runs_a_module_and_its_failure_reads_like_the_scripts(tmp_path: 
     assert "spare_child" not in tb and "runpy" not in tb, tb  # the script's frames only
 
 
-def test_sigkill_of_a_taken_spare_kills_the_script(tmp_path: Path) -> None:
+def test_sigkill_of_a_taken_spare_kills_the_script(tmp_path: Path, fork: bool) -> None:
     script = tmp_path / "wait.py"
     script.write_text("import os, signal\nprint(os.getpid(), flush=True)\nsignal.pause()\n")
-    with _pool(tmp_path) as pool:
+    with _pool(tmp_path, fork) as pool:
         pool.fill()
         proc = pool.spawn([sys.executable, str(script)], _env())
         assert started_warm(proc)
@@ -118,10 +130,12 @@ def test_sigkill_of_a_taken_spare_kills_the_script(tmp_path: Path) -> None:
         assert proc.wait(timeout=TIMEOUT) == -signal.SIGKILL
 
 
-def test_a_script_that_kills_itself_with_a_signal_exits_by_that_signal(tmp_path: Path) -> None:
+def test_a_script_that_kills_itself_with_a_signal_exits_by_that_signal(
+    tmp_path: Path, fork: bool
+) -> None:
     script = tmp_path / "term.py"
     script.write_text("import os, signal\nos.kill(os.getpid(), signal.SIGTERM)\n")
-    with _pool(tmp_path) as pool:
+    with _pool(tmp_path, fork) as pool:
         pool.fill()
         proc = pool.spawn([sys.executable, str(script)], _env())
         assert started_warm(proc)
@@ -139,16 +153,19 @@ def _wait_exit(pid: int) -> None:
 
 
 def test_a_spare_killed_before_it_was_taken_falls_back_to_a_cold_start(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, fork: bool, caplog: pytest.LogCaptureFixture
 ) -> None:
     script = tmp_path / "report.py"
     script.write_text(REPORT)
-    with _pool(tmp_path) as pool:
+    with _pool(tmp_path, fork) as pool:
         pool.fill()
         assert pool.wait_ready(TIMEOUT)
         (pid,) = pool.pids
-        os.kill(pid, signal.SIGKILL)
-        _wait_exit(pid)
+        # Forked: the template goes first, or it would fork another spare.
+        for victim in [pool.template_pid, pid] if fork else [pid]:
+            assert victim is not None
+            os.kill(victim, signal.SIGKILL)
+            _wait_exit(victim)
         with caplog.at_level(logging.WARNING, logger="torchheal.launcher.spare"):
             proc = pool.spawn([sys.executable, str(script), "0"], _env(GROUP="1"))
         out, _ = proc.communicate(timeout=TIMEOUT)
@@ -157,14 +174,84 @@ def test_a_spare_killed_before_it_was_taken_falls_back_to_a_cold_start(
     assert proc.returncode == 0, out
     seen = json.loads(out.strip().splitlines()[-1])
     assert seen["group"] == "1" and seen["warm"] is None
-    assert f"exited with -{int(signal.SIGKILL)} before it was used" in caplog.text
+    if fork:
+        assert f"template exited with -{int(signal.SIGKILL)}" in caplog.text
+        assert "before it was used" in caplog.text  # (its status died with the template)
+    else:
+        assert f"exited with -{int(signal.SIGKILL)} before it was used" in caplog.text
 
 
-def test_spares_that_keep_dying_turn_the_pool_off(tmp_path: Path) -> None:
+def test_a_forked_spare_killed_before_it_was_taken_is_replaced_by_another_fork(
+    tmp_path: Path,
+) -> None:
+    script = tmp_path / "report.py"
+    script.write_text(REPORT)
+    with _pool(tmp_path, True) as pool:
+        pool.fill()
+        assert pool.wait_ready(TIMEOUT)
+        (pid,) = pool.pids
+        os.kill(pid, signal.SIGKILL)
+        _wait_exit(pid)
+        proc = pool.spawn([sys.executable, str(script), "0"], _env(GROUP="1"))
+        out, _ = proc.communicate(timeout=TIMEOUT)
+        assert started_warm(proc) and proc.pid != pid
+        assert (pool.taken, pool.cold) == (1, 0)
+    assert proc.returncode == 0, out
+    assert json.loads(out.strip().splitlines()[-1])["warm"] == "1"
+
+
+def test_refills_fork_from_the_template_without_importing_again(tmp_path: Path) -> None:
+    imports = tmp_path / "imports"
+    (tmp_path / "counted.py").write_text(f"open({str(imports)!r}, 'a').write('x')\n")
+    script = tmp_path / "report.py"
+    script.write_text(REPORT)
+    with _pool(tmp_path, True, preload=["counted"]) as pool:
+        pool.fill()
+        assert pool.wait_ready(TIMEOUT)
+        procs = []
+        for group in "123":
+            procs.append(pool.spawn([sys.executable, str(script), "0"], _env(GROUP=group)))
+            pool.fill()  # the refill: a fork, at once
+            assert len(pool.pids) == 1
+        outs = [proc.communicate(timeout=TIMEOUT)[0] for proc in procs]
+    assert [proc.returncode for proc in procs] == [0, 0, 0], outs
+    assert all(map(started_warm, procs)) and len({proc.pid for proc in procs}) == 3
+    assert [json.loads(out.strip().splitlines()[-1])["group"] for out in outs] == ["1", "2", "3"]
+    assert imports.read_text() == "x"  # once, in the template: no spare imported it again
+
+
+def test_a_forked_rank_outlives_the_pool_and_its_exit_status_still_arrives(
+    tmp_path: Path,
+) -> None:
+    fifo = tmp_path / "release"
+    os.mkfifo(fifo)
+    script = tmp_path / "waits.py"
+    script.write_text(f"import sys\nopen({str(fifo)!r}).read()\nsys.exit(4)\n")
+    with _pool(tmp_path, True) as pool:
+        pool.fill()
+        assert pool.wait_ready(TIMEOUT)
+        template = pool.template_pid
+        proc = pool.spawn([sys.executable, str(script)], _env())
+    assert template is not None and started_warm(proc)
+    # The pool closed; the rank runs on, and so does its parent, the template.
+    assert proc.poll() is None
+    os.kill(template, 0)
+    with open(fifo, "w") as release:
+        release.write("go")
+    assert proc.wait(timeout=TIMEOUT) == 4
+    _wait_exit(template)  # its last child ended: the template leaves too
+
+
+def test_spares_that_keep_dying_turn_the_pool_off(tmp_path: Path, fork: bool) -> None:
     (tmp_path / "dies_on_import.py").write_text("import os\nos._exit(3)\n")
     env = {**os.environ, "PYTHONPATH": str(tmp_path)}
     with SparePool(
-        [sys.executable, "x.py"], 1, env=env, cwd=str(tmp_path), preload=["dies_on_import"]
+        [sys.executable, "x.py"],
+        1,
+        env=env,
+        cwd=str(tmp_path),
+        preload=["dies_on_import"],
+        fork=fork,
     ) as pool:
         for _ in range(3):
             assert pool.fill() == 1
@@ -174,11 +261,12 @@ def test_spares_that_keep_dying_turn_the_pool_off(tmp_path: Path) -> None:
         assert not started_warm(proc) and proc.wait(timeout=TIMEOUT) == 0
 
 
-def test_a_rank_whose_start_up_variables_differ_starts_cold(tmp_path: Path) -> None:
+def test_a_rank_whose_start_up_variables_differ_starts_cold(tmp_path: Path, fork: bool) -> None:
     script = tmp_path / "report.py"
     script.write_text(REPORT)
-    with _pool(tmp_path) as pool:
+    with _pool(tmp_path, fork) as pool:
         pool.fill()
+        assert pool.wait_ready(TIMEOUT)
         proc = pool.spawn([sys.executable, str(script), "0"], _env(OMP_NUM_THREADS="3"))
         proc.communicate(timeout=TIMEOUT)
         assert not started_warm(proc) and pool.pids  # the spare is kept for the next rank
@@ -306,12 +394,14 @@ def _may_leave_idle() -> bool:
     return os.geteuid() == 0
 
 
-def test_a_spare_preloads_at_idle_priority_and_runs_the_rank_at_normal(tmp_path: Path) -> None:
+def test_a_spare_preloads_at_idle_priority_and_runs_the_rank_at_normal(
+    tmp_path: Path, fork: bool
+) -> None:
     (tmp_path / "policies.py").write_text(POLICIES)
     (tmp_path / "threaded.py").write_text(  # a preloaded module that starts a thread
         "import threading\nthreading.Thread(target=threading.Event().wait, daemon=True).start()\n"
     )
-    with _pool(tmp_path, preload=["threaded"]) as pool:
+    with _pool(tmp_path, fork, preload=["threaded"]) as pool:
         pool.fill()
         assert pool.wait_ready(TIMEOUT)
         pid = pool.pids[0]
@@ -325,12 +415,13 @@ def test_a_spare_preloads_at_idle_priority_and_runs_the_rank_at_normal(tmp_path:
 
 
 def test_a_spare_taken_while_preloading_finishes_at_normal_priority(tmp_path: Path) -> None:
+    """A spare started fresh is handed the rank while it still imports."""
     fifo = tmp_path / "release"
     os.mkfifo(fifo)
     # A preload that cannot finish until the test lets it: the hand-over comes first.
     (tmp_path / "blocked.py").write_text(f"open({str(fifo)!r}).read()\n")
     (tmp_path / "policies.py").write_text(POLICIES)
-    with _pool(tmp_path, preload=["blocked"]) as pool:
+    with _pool(tmp_path, False, preload=["blocked"]) as pool:
         pool.fill()
         pid = pool.pids[0]
         if _may_leave_idle():
@@ -359,3 +450,37 @@ def _wait_for(predicate, what: str) -> None:
     while not predicate():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         select.select([], [], [], 0.01)
+
+
+def test_a_rank_that_comes_while_the_template_imports_waits_for_it_at_normal_priority(
+    tmp_path: Path,
+) -> None:
+    fifo = tmp_path / "release"
+    os.mkfifo(fifo)
+    (tmp_path / "blocked.py").write_text(f"open({str(fifo)!r}).read()\n")
+    (tmp_path / "policies.py").write_text(POLICIES)
+    spawned: list[subprocess.Popen[str]] = []
+    with _pool(tmp_path, True, preload=["blocked"]) as pool:
+        pool.fill()
+        pid = pool.template_pid
+        assert pid is not None
+        if _may_leave_idle():
+            _wait_for(lambda: _policy(pid) == os.SCHED_IDLE, "the template going idle")
+        spawner = threading.Thread(
+            target=lambda: spawned.append(
+                pool.spawn([sys.executable, "policies.py"], _env(), str(tmp_path))
+            )
+        )
+        spawner.start()
+        try:
+            # The rank waits for the template, which finishes its imports at normal priority.
+            _wait_for(lambda: _policy(pid) == os.SCHED_OTHER, "normal priority for the rank")
+            assert spawner.is_alive() and not spawned
+        finally:
+            with open(fifo, "w") as release:
+                release.write("go")
+            spawner.join(TIMEOUT)
+        (proc,) = spawned
+        out, _ = proc.communicate(timeout=TIMEOUT)
+    assert started_warm(proc) and proc.returncode == 0, out
+    assert json.loads(out.strip().splitlines()[-1]) == [os.SCHED_OTHER]

@@ -4,7 +4,9 @@
   their output, injects failures (:class:`KillPlan`) and restarts the dead.
 * ``group.py`` — one start of a group: its store, torchrun's variables, its ranks.
 * ``spare.py`` / ``spare_child.py`` — warm spares: processes that imported torch ahead of a
-  restart (at idle priority) and are handed a rank's argv and environment.
+  restart (at idle priority) and are handed a rank's argv and environment;
+  ``spare_template.py`` / ``spare_fork.py`` — on Linux, spares forked from one template that
+  imported once, so that refilling the pool after a restart costs no imports.
 * ``proctree.py``, ``progress.py``, ``lighthouse.py`` — ending a group's processes, the progress
   line and report, a lighthouse and dashboard in process.
 * ``events.py`` — the one-line-per-event protocol (``@torchheal {...}``) workers print and the

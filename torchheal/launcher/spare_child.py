@@ -49,7 +49,7 @@ from torchheal.launcher.local import take_environment
 MAX_HANDOVER_BYTES = 16 * 1024 * 1024
 
 
-def _preload(modules: list[str]) -> list[str]:
+def preload(modules: list[str]) -> list[str]:
     """Imports ``modules``; returns those that failed (``module: error``), best effort."""
     missing = []
     for name in modules:
@@ -60,12 +60,21 @@ def _preload(modules: list[str]) -> list[str]:
     return missing
 
 
-class _Priority:
+class Priority:
     """The preload's idle priority, and giving it back (see the module docstring)."""
 
     def __init__(self) -> None:
         self.idle = False
         self._decided = threading.Event()
+
+    @classmethod
+    def inherited(cls, idle: bool) -> Priority:
+        """The priority of a process forked from a spare template whose preload went ``idle``
+        (a fork keeps the scheduling policy of the thread that forked)."""
+        priority = cls()
+        priority.idle = idle
+        priority._decided.set()
+        return priority
 
     def idle_while_preloading(self) -> None:
         """Switches this thread to ``SCHED_IDLE`` if it may switch back later."""
@@ -184,10 +193,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--preload", action="append", default=[])
     args = parser.parse_args(argv)
     t0 = time.monotonic()
-    priority = _Priority()
+    priority = Priority()
     priority.normal_on_handover()
     priority.idle_while_preloading()
-    missing = _preload(args.preload)
+    missing = preload(args.preload)
     ready = {
         "ready": True,
         "missing": missing,
@@ -199,6 +208,15 @@ def main(argv: list[str] | None = None) -> None:
         os.close(args.ready_fd)
     except OSError:
         pass  # the pool is gone; the hand-over read below sees its end too
+    serve(priority)
+
+
+def serve(priority: Priority) -> None:
+    """Waits for the hand-over on stdin, then becomes the rank and runs its script; exits.
+
+    Args:
+        priority: this spare's priority, given back at the hand-over.
+    """
     try:
         raw = _read_line(0)
     except KeyboardInterrupt:

@@ -1,0 +1,165 @@
+"""The process side of a spare template: import once, then fork warm spares on request.
+
+    python [options] -m torchheal.launcher.spare_template --control-fd N [--preload MOD ...]
+
+Started by :class:`torchheal.launcher.spare.SparePool` (its launcher side is
+:mod:`torchheal.launcher.spare_fork`). A warm spare started as a fresh interpreter pays the whole
+``import torch`` again (2-4 s of CPU here) every time the pool refills after a restart: CPU taken
+from the groups still training, the moment they are recovering from the failure. The template
+pays it once. It imports the ``--preload`` modules at idle CPU priority (as
+:mod:`~torchheal.launcher.spare_child` does), says ``{"ready": ...}`` on the control socket (a
+``SOCK_SEQPACKET`` Unix socket, one JSON object per message), and then serves:
+
+* ``{"fork": {"session": bool}}`` with three file descriptors (the spare's stdin, stdout and
+  stderr): forks a child that takes them as 0, 1 and 2, starts a session of its own when asked,
+  and is from then on exactly a spare that finished preloading: it waits for the hand-over on
+  its stdin and becomes the rank (:func:`torchheal.launcher.spare_child.serve`). The template
+  answers ``{"pid": P}``, or ``{"error": "..."}`` when it could not fork.
+* Each child's end as ``{"exit": P, "code": C}`` (``C`` as :attr:`subprocess.Popen.returncode`
+  reads it: negative for a signal), since only the template, their parent, can collect it.
+
+When the pool closes its end, the template forks nothing more; it exits once its last child
+ended (a rank that runs keeps its parent, and its exit status, until then). The template never
+starts a thread of its own: a fork copies only the thread that calls it.
+
+Only JSON crosses the socket (nothing is unpickled); file descriptors travel as ``SCM_RIGHTS``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import select
+import signal
+import socket
+import sys
+import time
+from typing import Any
+
+from torchheal.launcher.spare_child import Priority, preload, serve
+
+#: Longest request read from the control socket.
+MAX_REQUEST_BYTES = 65536
+
+
+def _send(sock: socket.socket, message: dict[str, Any]) -> None:
+    try:
+        sock.send(json.dumps(message).encode())
+    except OSError:
+        pass  # the pool is gone: nobody is left to tell
+
+
+class _Template:
+    def __init__(self, sock: socket.socket, priority: Priority) -> None:
+        self.sock = sock
+        self.priority = priority
+        self.children: set[int] = set()
+        self.open = True
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        # A Python handler, so that SIGCHLD wakes the select below through the wake-up fd.
+        signal.signal(signal.SIGCHLD, lambda *_: None)
+        signal.set_wakeup_fd(self._wake_w)
+
+    def run(self) -> None:
+        """Serves until the pool closed its end and every child ended."""
+        while self.open or self.children:
+            watched = [self._wake_r, self.sock] if self.open else [self._wake_r]
+            readable, _, _ = select.select(watched, [], [])
+            if self._wake_r in readable:
+                while True:
+                    try:
+                        if not os.read(self._wake_r, 4096):
+                            break
+                    except BlockingIOError:
+                        break
+            self._reap()
+            if self.sock in readable:
+                self._serve_one()
+
+    def _reap(self) -> None:
+        while self.children:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            self.children.discard(pid)
+            _send(self.sock, {"exit": pid, "code": os.waitstatus_to_exitcode(status)})
+
+    def _serve_one(self) -> None:
+        try:
+            data, fds, _, _ = socket.recv_fds(self.sock, MAX_REQUEST_BYTES, 3)
+        except OSError:
+            data, fds = b"", []
+        if not data:
+            self.open = False  # the pool closed its end
+            for fd in fds:
+                os.close(fd)
+            return
+        try:
+            request = json.loads(data)
+            fork = request["fork"]
+            if not isinstance(fork, dict) or len(fds) != 3:
+                raise ValueError("a fork request carries an object and 3 file descriptors")
+        except (ValueError, KeyError, TypeError) as e:
+            for fd in fds:
+                os.close(fd)
+            _send(self.sock, {"error": f"bad request: {e}"})
+            return
+        sys.stdout.flush()
+        sys.stderr.flush()
+        try:
+            pid = os.fork()
+        except OSError as e:
+            for fd in fds:
+                os.close(fd)
+            _send(self.sock, {"error": f"fork failed: {e}"})
+            return
+        if pid == 0:
+            self._become_spare(fds, bool(fork.get("session")))  # never returns
+        for fd in fds:
+            os.close(fd)
+        self.children.add(pid)
+        _send(self.sock, {"pid": pid})
+
+    def _become_spare(self, fds: list[int], session: bool) -> None:
+        """In the child: the template's state dropped, the spare's descriptors taken."""
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        self.sock.close()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+        for target, fd in enumerate(fds):
+            os.dup2(fd, target)
+        for fd in set(fds) - {0, 1, 2}:
+            os.close(fd)
+        if session:
+            os.setsid()
+        priority = Priority.inherited(self.priority.idle)
+        priority.normal_on_handover()
+        serve(priority)
+        sys.exit(0)  # (serve exits itself)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Preload, say ready, then fork spares until the pool is gone and every child ended."""
+    parser = argparse.ArgumentParser(prog="torchheal.launcher.spare_template")
+    parser.add_argument("--control-fd", type=int, required=True)
+    parser.add_argument("--preload", action="append", default=[])
+    args = parser.parse_args(argv)
+    t0 = time.monotonic()
+    sock = socket.socket(fileno=args.control_fd)
+    priority = Priority()
+    priority.idle_while_preloading()
+    missing = preload(args.preload)
+    ready = {"ready": True, "missing": missing, "s": round(time.monotonic() - t0, 3)}
+    _send(sock, {**ready, "idle": priority.idle})
+    _Template(sock, priority).run()
+
+
+if __name__ == "__main__":
+    main()
