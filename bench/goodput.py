@@ -17,7 +17,10 @@ imported torch (its compiler stack too) and the library, handed the group's argv
 when it is needed (``torchheal/launcher/spare.py``); the reference's spare imports torchft's
 modules instead of torchheal's, so both libraries restart the same way. ``cold`` starts an
 ordinary process (interpreter, imports and all); ``both`` does one run of each. Every row says
-which it used, and each kill whether the restart did begin in a spare.
+which it used, and each kill whether the restart did begin in a spare. ``--spares`` says how the
+pool makes its spares: forked from one template that imported once (the default, as ``torchheal
+launch`` does on Linux), or each a fresh interpreter that imports torch again after every kill,
+seconds of CPU taken from the groups still training.
 
 Reported, failures phase over healthy phase:
 
@@ -234,6 +237,7 @@ class Job:
         out: Path,
         compute_s: float = 0.0,
         restart: str = "warm",
+        spares: str = "forked",
     ) -> None:
         from torchheal.launcher.spare import SparePool
 
@@ -256,6 +260,7 @@ class Job:
             cwd=str(ROOT),
             preload=preload(impl),
             start_new_session=True,
+            fork=spares == "forked",
         )
 
     def command(self, group: int) -> list[str]:
@@ -366,6 +371,7 @@ class RunData:
     restart_delay: float = 0.0
     compute_s: float = 0.0
     restart: str = "cold"  # how restarted groups started: "warm" (a spare) or "cold"
+    spares: str = "forked"  # warm spares forked from a template, or each started "fresh"
 
     @property
     def label(self) -> str:
@@ -401,7 +407,7 @@ def run(
 ) -> RunData:
     """One run of ``impl`` restarting groups ``restart``: warm-up, then the windows."""
     with lighthouse_process(impl, out / f"lighthouse-{impl}-{restart}.log") as addr:
-        job = Job(impl, addr, args.groups, out, args.compute_s, restart)
+        job = Job(impl, addr, args.groups, out, args.compute_s, restart, args.spares)
         try:
             for g in range(args.groups):
                 job.start(g)
@@ -479,6 +485,7 @@ def run(
         args.restart_delay,
         args.compute_s,
         restart,
+        args.spares,
     )
     data.save(out / f"run-{impl}-{restart}.json")
     return data
@@ -684,6 +691,11 @@ def report(results: list[RunData], timeline: bool = False) -> None:
             else f"{failing_s:.0f} s more without any (control run)"
         )
         + (f"; {d0.compute_s:.2f} s of simulated accelerator time per step" if d0.compute_s else "")
+        + (
+            f"; warm spares {'forked from a template' if d0.spares == 'forked' else 'started fresh'}"
+            if any(r.restart == "warm" for r in results)
+            else ""
+        )
     )
     head = (
         f"{'impl restart':<16}{'job steps/s':>12}{'':>9}{'ratio':>7}{'commits/s':>11}{'':>9}{'ratio':>7}"
@@ -804,6 +816,14 @@ def main() -> None:
         help="how killed groups start again: in a warm spare that already imported torch and "
         "the library (torchheal.launcher.spare, the same for both libraries), as an ordinary "
         "process, or one run of each (default %(default)s)",
+    )
+    p.add_argument(
+        "--spares",
+        choices=("forked", "fresh"),
+        default="forked",
+        help="warm spares forked from one template that imported once (torchheal launch's way "
+        "on Linux), or each started as a fresh interpreter that imports again: a refill then "
+        "takes seconds of CPU from the groups training (default %(default)s)",
     )
     p.add_argument("--timeline", action="store_true", help="print each kill's timeline")
     p.add_argument("--out", default=None, help="keep events and logs here")

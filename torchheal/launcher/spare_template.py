@@ -152,13 +152,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--preload", action="append", default=[])
     args = parser.parse_args(argv)
     t0 = time.monotonic()
+    template_pid = os.getpid()
     sock = socket.socket(fileno=args.control_fd)
     priority = Priority()
     priority.idle_while_preloading()
-    missing = preload(args.preload)
-    ready = {"ready": True, "missing": missing, "s": round(time.monotonic() - t0, 3)}
-    _send(sock, {**ready, "idle": priority.idle})
-    _Template(sock, priority).run()
+    try:
+        missing = preload(args.preload)
+        ready = {"ready": True, "missing": missing, "s": round(time.monotonic() - t0, 3)}
+        _send(sock, {**ready, "idle": priority.idle})
+        _Template(sock, priority).run()
+    except KeyboardInterrupt:
+        if os.getpid() != template_pid:
+            raise  # a rank forked from here: it dies by SIGINT, as the script would
+        sys.exit(130)  # Ctrl-C on the launcher's terminal: leave quietly
 
 
 if __name__ == "__main__":
