@@ -484,3 +484,27 @@ def test_a_rank_that_comes_while_the_template_imports_waits_for_it_at_normal_pri
         out, _ = proc.communicate(timeout=TIMEOUT)
     assert started_warm(proc) and proc.returncode == 0, out
     assert json.loads(out.strip().splitlines()[-1]) == [os.SCHED_OTHER]
+
+
+def test_a_preload_that_starts_a_thread_makes_the_spares_start_fresh(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A fork copies only the forking thread: the rank would run without the module's thread.
+    (tmp_path / "flushing.py").write_text(
+        "import threading\n"
+        "threading.Thread(target=threading.Event().wait, name='flusher', daemon=True).start()\n"
+    )
+    (tmp_path / "threads.py").write_text(
+        "import json, threading\n"
+        "print(json.dumps(sorted(t.name for t in threading.enumerate())), flush=True)\n"
+    )
+    with caplog.at_level(logging.WARNING, logger="torchheal.launcher.spare"):
+        with _pool(tmp_path, True, preload=["flushing"]) as pool:
+            pool.fill()
+            assert pool.wait_ready(TIMEOUT)
+            assert pool.template_pid is None and len(pool.pids) == 1
+            proc = pool.spawn([sys.executable, "threads.py"], _env(), str(tmp_path))
+            out, _ = proc.communicate(timeout=TIMEOUT)
+    assert started_warm(proc) and proc.returncode == 0, out
+    assert "flusher" in json.loads(out.strip().splitlines()[-1])
+    assert "warm spares start fresh, not forked" in caplog.text and "flusher" in caplog.text

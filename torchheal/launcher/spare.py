@@ -284,6 +284,18 @@ class SparePool:
             started += 1
         return started
 
+    def _check_template(self) -> None:
+        """Spares start fresh from now on if the template said a fork of it would not do."""
+        template = self._template
+        why = (
+            None if template is None or template.ready is None else template.ready.get("unforkable")
+        )
+        if why:
+            self._warn(f"warm spares start fresh, not forked: {why}")
+            self._fork = False
+            self._template = None
+            template.kill()
+
     def _start_template(self) -> SpareTemplate:
         assert self._python is not None
         return SpareTemplate(self._python.interpreter, self._preload, env=self._env, cwd=self._cwd)
@@ -298,6 +310,7 @@ class SparePool:
         if not template.wait_ready(HURRY_TIMEOUT_S):
             self._drop_dead()
             return None
+        self._drop_dead()
         return self._fork_spare()
 
     def _fork_spare(self) -> SpareProcess | None:
@@ -375,12 +388,14 @@ class SparePool:
         Args:
             timeout: seconds to wait at most.
         """
+        deadline = time.monotonic() + timeout
         if self._fork:
             if self._template is None or not self._template.wait_ready(timeout):
                 return False
             self.fill()
-            return bool(self._spares)
-        deadline = time.monotonic() + timeout
+            if self._fork:
+                return bool(self._spares)
+            # it could not fork: fill() started fresh spares instead, waited for below
         for spare in list(self._spares):
             if self._check_ready(spare, max(0.0, deadline - time.monotonic())):
                 continue
@@ -407,6 +422,7 @@ class SparePool:
         return sum(self._check_ready(s) for s in self._spares if s.poll() is None)
 
     def _drop_dead(self) -> None:
+        self._check_template()
         template = self._template
         if template is not None and not template.alive():
             self._template = None

@@ -98,10 +98,11 @@ class SpareTemplate:
         return not self._closed and self.proc.poll() is None
 
     def wait_ready(self, timeout: float) -> bool:
-        """Until its imports are done (True), it died, or ``timeout`` ran out (False)."""
+        """Until it said it is ready (True: :attr:`ready` holds what it said), it died first,
+        or ``timeout`` ran out (False)."""
         with self._changed:
             self._changed.wait_for(lambda: self.ready is not None or self._closed, timeout)
-            return self.ready is not None and not self._closed
+            return self.ready is not None
 
     def hurry(self) -> None:
         """Puts every thread of the template back at normal CPU priority (a rank waits for its

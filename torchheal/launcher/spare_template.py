@@ -8,7 +8,10 @@ Started by :class:`torchheal.launcher.spare.SparePool` (its launcher side is
 from the groups still training, the moment they are recovering from the failure. The template
 pays it once. It imports the ``--preload`` modules at idle CPU priority (as
 :mod:`~torchheal.launcher.spare_child` does), says ``{"ready": ...}`` on the control socket (a
-``SOCK_SEQPACKET`` Unix socket, one JSON object per message), and then serves:
+``SOCK_SEQPACKET`` Unix socket, one JSON object per message), and then serves. When a fork of it
+would not be what a fresh spare is (the preload started a thread, or initialized CUDA), its ready
+message says why (``"unforkable"``) and it exits instead; the pool then starts spares fresh.
+Otherwise it serves:
 
 * ``{"fork": {"session": bool}}`` with three file descriptors (the spare's stdin, stdout and
   stderr): forks a child that takes them as 0, 1 and 2, starts a session of its own when asked,
@@ -34,6 +37,7 @@ import select
 import signal
 import socket
 import sys
+import threading
 import time
 from typing import Any
 
@@ -145,6 +149,23 @@ class _Template:
         sys.exit(0)  # (serve exits itself)
 
 
+def _unforkable() -> str | None:
+    """Why a fork of this process would not be the spare a fresh interpreter is, or None.
+
+    A fork copies only the calling thread: a thread a preloaded module started (a metrics
+    flusher, a watchdog) would be missing in every rank. And a process in which CUDA was
+    initialized cannot use it in a fork. The pool then starts its spares fresh.
+    """
+    threads = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
+    if threads:
+        return f"the preload started threads a fork would not have: {threads}"
+    torch = sys.modules.get("torch")
+    cuda = getattr(torch, "cuda", None)
+    if cuda is not None and cuda.is_initialized():
+        return "the preload initialized CUDA, which a forked process cannot use"
+    return None
+
+
 def main(argv: list[str] | None = None) -> None:
     """Preload, say ready, then fork spares until the pool is gone and every child ended."""
     parser = argparse.ArgumentParser(prog="torchheal.launcher.spare_template")
@@ -159,8 +180,10 @@ def main(argv: list[str] | None = None) -> None:
     try:
         missing = preload(args.preload)
         ready = {"ready": True, "missing": missing, "s": round(time.monotonic() - t0, 3)}
-        _send(sock, {**ready, "idle": priority.idle})
-        _Template(sock, priority).run()
+        unforkable = _unforkable()
+        _send(sock, {**ready, "idle": priority.idle, "unforkable": unforkable})
+        if unforkable is None:
+            _Template(sock, priority).run()
     except KeyboardInterrupt:
         if os.getpid() != template_pid:
             raise  # a rank forked from here: it dies by SIGINT, as the script would
