@@ -143,8 +143,11 @@ def test_a_script_that_kills_itself_with_a_signal_exits_by_that_signal(
 
 
 def _wait_exit(pid: int) -> None:
-    """Until ``pid`` has exited (not reaped: it is the pool's child), bounded."""
-    fd = os.pidfd_open(pid)
+    """Until ``pid`` has exited (or is gone already: reaped by its parent), bounded."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
     try:
         readable, _, _ = select.select([fd], [], [], TIMEOUT)
         assert readable, f"process {pid} did not exit"
@@ -508,3 +511,14 @@ def test_a_preload_that_starts_a_thread_makes_the_spares_start_fresh(
     assert started_warm(proc) and proc.returncode == 0, out
     assert "flusher" in json.loads(out.strip().splitlines()[-1])
     assert "warm spares start fresh, not forked" in caplog.text and "flusher" in caplog.text
+
+
+def test_closing_the_pool_ends_a_template_still_importing(tmp_path: Path) -> None:
+    fifo = tmp_path / "never"
+    os.mkfifo(fifo)
+    (tmp_path / "stuck.py").write_text(f"open({str(fifo)!r}).read()\n")  # never released
+    with _pool(tmp_path, True, preload=["stuck"]) as pool:
+        pool.fill()
+        template = pool.template_pid
+        assert template is not None
+    _wait_exit(template)  # not left behind, blocked in its imports

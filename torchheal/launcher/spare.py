@@ -565,7 +565,10 @@ class SparePool:
                     pipe.close()
         self._spares.clear()
         if self._template is not None:
-            self._template.close()  # it exits once the ranks it forked have ended
+            if self._template.ready is None:
+                self._template.kill()  # still importing: it has forked nothing yet
+            else:
+                self._template.close()  # it exits once the ranks it forked have ended
             self._template = None
 
     def __enter__(self) -> SparePool:
