@@ -522,3 +522,53 @@ def test_closing_the_pool_ends_a_template_still_importing(tmp_path: Path) -> Non
         template = pool.template_pid
         assert template is not None
     _wait_exit(template)  # not left behind, blocked in its imports
+
+
+def test_a_rank_that_comes_before_the_template_went_idle_still_raises_it(tmp_path: Path) -> None:
+    # The template is held in interpreter start-up (sitecustomize), before it goes idle: the
+    # rank's hurry comes first, and must not be undone when the template then goes idle.
+    fifo = tmp_path / "release"
+    os.mkfifo(fifo)
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(f"open({str(fifo)!r}).read()\n")
+    (tmp_path / "report.py").write_text(REPORT)
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    spawned: list[subprocess.Popen[str]] = []
+    with SparePool(
+        [sys.executable, "x.py"], 1, env=env, cwd=str(tmp_path), preload=(), fork=True
+    ) as pool:
+        pool.fill()
+        template = pool.template_pid
+        assert template is not None
+        spawner = threading.Thread(
+            target=lambda: spawned.append(
+                pool.spawn([sys.executable, "report.py", "0"], env, str(tmp_path))
+            )
+        )
+        spawner.start()
+        try:
+            _wait_for(lambda: not spawner.is_alive() or _hurried(pool), "the rank's hurry")
+        finally:
+            with open(fifo, "w") as release:
+                release.write("go")
+            spawner.join(TIMEOUT)
+        (proc,) = spawned
+        out, _ = proc.communicate(timeout=TIMEOUT)
+        policy = _policy(template)
+    assert started_warm(proc) and proc.returncode == 0, out
+    assert policy == os.SCHED_OTHER  # not left idle (it would starve on a busy machine)
+
+
+def _hurried(pool: SparePool) -> bool:
+    """The pool has asked its template to hurry: a byte waits in the template's pipe (the
+    order under test is internal to the pool, so is what shows it)."""
+    import fcntl
+    import termios
+
+    template = pool._template
+    if template is None or template._hurry_w < 0:
+        return False
+    pending = bytearray(4)
+    fcntl.ioctl(template._hurry_w, termios.FIONREAD, pending)
+    return int.from_bytes(pending, sys.byteorder) > 0

@@ -58,7 +58,11 @@ class SpareTemplate:
         cwd: str | None,
     ) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        # Written by hurry(): a template that reads it after going idle goes back to normal,
+        # so a hurry() that came before it went idle is not lost.
+        hurry_r, self._hurry_w = os.pipe()
         argv = [*interpreter, "-m", _TEMPLATE, "--control-fd", str(theirs.fileno())]
+        argv += ["--hurry-fd", str(hurry_r)]
         for module in preload:
             argv += ["--preload", module]
         try:
@@ -69,15 +73,17 @@ class SpareTemplate:
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
-                pass_fds=(theirs.fileno(),),
+                pass_fds=(theirs.fileno(), hurry_r),
                 text=True,
                 errors="replace",
             )
         except BaseException:
             ours.close()
+            os.close(self._hurry_w)
             raise
         finally:
             theirs.close()
+            os.close(hurry_r)
         self._sock = ours
         self._fork_lock = threading.Lock()  # one fork request in flight at a time
         self._replies: queue.Queue[dict[str, Any] | None] = queue.Queue()
@@ -107,6 +113,9 @@ class SpareTemplate:
     def hurry(self) -> None:
         """Puts every thread of the template back at normal CPU priority (a rank waits for its
         imports: at idle priority they could starve on a busy machine)."""
+        if self._hurry_w >= 0:  # first: see the template's side
+            with contextlib.suppress(OSError):
+                os.write(self._hurry_w, b"!")
         try:
             tids = [int(t) for t in os.listdir(f"/proc/{self.pid}/task")]
         except OSError:
@@ -161,6 +170,9 @@ class SpareTemplate:
         """Forks nothing more. The template exits once its last child (a running rank) ends."""
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_WR)
+        if self._hurry_w >= 0:
+            os.close(self._hurry_w)
+            self._hurry_w = -1
 
     def kill(self) -> None:
         """Ends the template itself (its children, running ranks included, are not touched)."""

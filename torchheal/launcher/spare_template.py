@@ -55,8 +55,9 @@ def _send(sock: socket.socket, message: dict[str, Any]) -> None:
 
 
 class _Template:
-    def __init__(self, sock: socket.socket, priority: Priority) -> None:
+    def __init__(self, sock: socket.socket, priority: Priority, hurry_fd: int | None) -> None:
         self.sock = sock
+        self.hurry_fd = hurry_fd
         self.priority = priority
         self.children: set[int] = set()
         self.open = True
@@ -132,6 +133,8 @@ class _Template:
 
     def _become_spare(self, fds: list[int], session: bool) -> None:
         """In the child: the template's state dropped, the spare's descriptors taken."""
+        if self.hurry_fd is not None:
+            os.close(self.hurry_fd)
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         self.sock.close()
@@ -170,6 +173,7 @@ def main(argv: list[str] | None = None) -> None:
     """Preload, say ready, then fork spares until the pool is gone and every child ended."""
     parser = argparse.ArgumentParser(prog="torchheal.launcher.spare_template")
     parser.add_argument("--control-fd", type=int, required=True)
+    parser.add_argument("--hurry-fd", type=int, default=None)
     parser.add_argument("--preload", action="append", default=[])
     args = parser.parse_args(argv)
     t0 = time.monotonic()
@@ -177,13 +181,19 @@ def main(argv: list[str] | None = None) -> None:
     sock = socket.socket(fileno=args.control_fd)
     priority = Priority()
     priority.idle_while_preloading()
+    if args.hurry_fd is not None:
+        # The launcher writes here before it raises our threads: a rank that came before we
+        # went idle must not leave us idle, starving on a busy machine while it waits.
+        readable, _, _ = select.select([args.hurry_fd], [], [], 0)
+        if readable:
+            priority.normal()
     try:
         missing = preload(args.preload)
         ready = {"ready": True, "missing": missing, "s": round(time.monotonic() - t0, 3)}
         unforkable = _unforkable()
         _send(sock, {**ready, "idle": priority.idle, "unforkable": unforkable})
         if unforkable is None:
-            _Template(sock, priority).run()
+            _Template(sock, priority, args.hurry_fd).run()
     except KeyboardInterrupt:
         if os.getpid() != template_pid:
             raise  # a rank forked from here: it dies by SIGINT, as the script would
