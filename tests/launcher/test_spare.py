@@ -155,20 +155,31 @@ def _wait_exit(pid: int) -> None:
         os.close(fd)
 
 
+def _one_ready_spare(pool: SparePool) -> int:
+    """Fills ``pool`` (of size 1) and waits for its spare; returns the spare's pid."""
+    pool.fill()
+    assert pool.wait_ready(TIMEOUT)
+    (pid,) = pool.pids
+    return pid
+
+
+def _kill_and_wait(*pids: int | None) -> None:
+    """SIGKILLs each of ``pids`` in turn, waiting for each to be gone."""
+    for pid in pids:
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        _wait_exit(pid)
+
+
 def test_a_spare_killed_before_it_was_taken_falls_back_to_a_cold_start(
     tmp_path: Path, fork: bool, caplog: pytest.LogCaptureFixture
 ) -> None:
     script = tmp_path / "report.py"
     script.write_text(REPORT)
     with _pool(tmp_path, fork) as pool:
-        pool.fill()
-        assert pool.wait_ready(TIMEOUT)
-        (pid,) = pool.pids
+        pid = _one_ready_spare(pool)
         # Forked: the template goes first, or it would fork another spare.
-        for victim in [pool.template_pid, pid] if fork else [pid]:
-            assert victim is not None
-            os.kill(victim, signal.SIGKILL)
-            _wait_exit(victim)
+        _kill_and_wait(*([pool.template_pid, pid] if fork else [pid]))
         with caplog.at_level(logging.WARNING, logger="torchheal.launcher.spare"):
             proc = pool.spawn([sys.executable, str(script), "0"], _env(GROUP="1"))
         out, _ = proc.communicate(timeout=TIMEOUT)
@@ -190,11 +201,8 @@ def test_a_forked_spare_killed_before_it_was_taken_is_replaced_by_another_fork(
     script = tmp_path / "report.py"
     script.write_text(REPORT)
     with _pool(tmp_path, True) as pool:
-        pool.fill()
-        assert pool.wait_ready(TIMEOUT)
-        (pid,) = pool.pids
-        os.kill(pid, signal.SIGKILL)
-        _wait_exit(pid)
+        pid = _one_ready_spare(pool)
+        _kill_and_wait(pid)
         proc = pool.spawn([sys.executable, str(script), "0"], _env(GROUP="1"))
         out, _ = proc.communicate(timeout=TIMEOUT)
         assert started_warm(proc) and proc.pid != pid

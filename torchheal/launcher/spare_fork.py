@@ -307,7 +307,9 @@ class ForkedSpare(subprocess.Popen):  # type: ignore[type-arg]
         return self.returncode
 
 
-def _child_end(target: int | IO[Any] | None, default_fd: int, ours: list[int], theirs: list[int]):
+def _child_end(
+    target: int | IO[Any] | None, default_fd: int, ours: list[int], theirs: list[int]
+) -> int | None:
     """Appends the child's descriptor for ``target`` to ``theirs``; returns our read end when
     ``target`` is ``PIPE`` (and records it in ``ours``), else None."""
     if target == subprocess.PIPE:
