@@ -38,6 +38,9 @@ def test_make_demo_survives_a_kill_and_ends_bit_identical() -> None:
     assert "*** killing group 1 with SIGKILL" in out, out[-3000:]
     assert "failures survived      1" in out, out[-3000:]
     assert "(healed live from a peer)" in out, out[-3000:]
+    # The demo keeps a warm spare: the restart skips the interpreter and torch start-up.
+    assert "group 1 started (pid " in out and ", from a warm spare)" in out, out[-3000:]
+    assert "restarted group (a warm spare) committed after" in out, out[-3000:]
     digests = dict(DIGEST_LINE.findall(out))
     assert sorted(digests) == ["0", "1", "2"], f"one digest per group expected:\n{out[-3000:]}"
     # The verdict, checked against what the workers reported.

@@ -135,3 +135,25 @@ def test_identical_weights_verdict_follows_the_digests() -> None:
     assert "group 0: sha256 aaaaaaaaaaaaaaaa" in text and "group 1: sha256 bbbbbbbbbbbbbbbb" in text
     # A group that never reported its weights cannot be called identical either.
     assert not summarize(_finished({0: "a" * 64}, groups=2)).identical
+
+
+def test_each_recovery_says_whether_its_restart_began_in_a_warm_spare() -> None:
+    from torchheal.launcher.events import Event
+    from torchheal.launcher.local import GroupProcess, RunResult
+
+    # Group 1 is killed twice: its first restart (t=3) started cold (the spare was not ready),
+    # its second (t=8) began in a warm spare. Only a start's own event marks its recovery warm.
+    victim = GroupProcess(1, starts=[0.0, 3.0, 8.0], kills=[2.0, 7.0])
+    events = [
+        Event("start", 1, 0.1, {"warm": False}),
+        Event("start", 1, 3.1, {"warm": False}),
+        Event("step", 1, 3.5, {"committed": True, "healed": True, "step": 9}),
+        Event("start", 1, 8.1, {"warm": True}),
+        Event("step", 1, 9.0, {"committed": True, "healed": True, "step": 20}),
+    ]
+    result = RunResult(events, {0: GroupProcess(0), 1: victim}, 0.0, 10.0, False)
+    summary = summarize(result)
+    assert [(r.warm, r.healed) for r in summary.recoveries] == [(False, True), (True, True)]
+    lines = [line for line in render(summary).splitlines() if "killed:" in line]
+    assert "; restarted group committed after 0.50s (healed live" in lines[0]
+    assert "restarted group (a warm spare) committed after 1.00s (healed live" in lines[1]

@@ -51,6 +51,13 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="simulated compute per step, seconds (default %(default)s)",
     )
     parser.add_argument(
+        "--warm-spares",
+        type=int,
+        default=d.warm_spares,
+        help="warm spare processes (torch already imported) kept for the restart; 0 restarts "
+        "the killed group cold, as torchrun would (default %(default)s)",
+    )
+    parser.add_argument(
         "--dashboard-port",
         type=int,
         default=None,
@@ -109,6 +116,7 @@ def run(args: argparse.Namespace) -> int:
             steps=args.steps,
             kill_at_step=args.kill_at_step,
             step_delay_s=args.step_delay,
+            warm_spares=args.warm_spares,
             dashboard_port=port,
             token=job_token(),
             metrics_port=args.metrics_port,

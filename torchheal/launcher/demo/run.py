@@ -27,6 +27,8 @@ class DemoConfig:
         kill_at_step: SIGKILL one group when the job reaches this step.
         step_delay_s: simulated compute per step.
         restart_delay_s: how long the killed group stays down.
+        warm_spares: warm spare processes kept for the restart (torch already imported, see
+            ``launcher/spare.py``); 0 restarts the killed group cold, as torchrun would.
         heartbeat_timeout_ms: lighthouse heartbeat expiry.
         join_timeout_ms: how long the lighthouse waits for stragglers.
         deadline_s: abort the run after this long.
@@ -44,6 +46,7 @@ class DemoConfig:
     kill_at_step: int = 100
     step_delay_s: float = 0.1
     restart_delay_s: float = 1.0
+    warm_spares: int = 1
     heartbeat_timeout_ms: int = 2000
     # Longer than a step: a straggler rule shorter than a step lets quorums flip-flop between
     # subsets of the groups, as in the reference (see docs/operations.md).
@@ -56,12 +59,15 @@ class DemoConfig:
     def validate(self) -> None:
         if self.replicas < 2:
             raise ValueError(f"the demo needs at least 2 replica groups, got {self.replicas}")
+        if self.warm_spares < 0:
+            raise ValueError(f"warm_spares must be >= 0, got {self.warm_spares}")
         if not 0 < self.kill_at_step < self.steps:
             raise ValueError(
                 f"kill_at_step must be between 1 and steps-1, got {self.kill_at_step} of {self.steps}"
             )
 
 
+WORKER = "torchheal.launcher.demo.worker"
 _EXPECTED_DDP_WARNING = "find_unused_parameters=True was specified in DDP constructor"
 
 
@@ -79,7 +85,8 @@ class _Printer:
     def event(self, e: Event) -> None:
         f = e.fields
         if e.kind == "start":
-            self._say(e.time, f"group {e.group} started (pid {f.get('pid')})")
+            how = ", from a warm spare" if f.get("warm") else ""
+            self._say(e.time, f"group {e.group} started (pid {f.get('pid')}{how})")
         elif e.kind == "quorum":
             self._say(
                 e.time,
@@ -153,7 +160,7 @@ def run_demo(
             out(f"trainer metrics: {urls}")
         launcher = Launcher(
             python_module_command(
-                "torchheal.launcher.demo.worker",
+                WORKER,
                 "--steps",
                 str(config.steps),
                 "--step-delay",
@@ -163,6 +170,8 @@ def run_demo(
             lighthouse_addr=lighthouse.address,
             kill_plan=KillPlan(at_step=config.kill_at_step, victims=(1,), max_kills=1),
             restart_delay_s=config.restart_delay_s,
+            warm_spares=config.warm_spares,
+            spare_preload=(WORKER,),
             deadline_s=config.deadline_s,
             on_event=printer.event,
             on_output=printer.output,

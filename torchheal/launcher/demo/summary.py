@@ -18,12 +18,14 @@ class Recovery:
         survivor_stall_s: from the kill to the first step a survivor committed in a new quorum.
         rejoin_s: from the group's restart to its first committed step (None if it never did).
         healed: whether the restarted group reported that it healed from a peer.
+        warm: whether the restarted group began in a warm spare (torch already imported).
     """
 
     group: int
     survivor_stall_s: float | None
     rejoin_s: float | None
     healed: bool
+    warm: bool = False
 
 
 @dataclass(frozen=True)
@@ -72,7 +74,10 @@ def summarize(result: RunResult) -> Summary:
     commits: dict[int, list[float]] = {}
     quorum_commits: dict[int, list[tuple[float, object]]] = {}
     heals: dict[int, list[float]] = {}
+    warm_starts: dict[int, list[float]] = {}
     for e in result.events:
+        if e.kind == "start" and e.fields.get("warm"):
+            warm_starts.setdefault(e.group, []).append(e.time)
         if e.kind == "step" and e.fields.get("committed"):
             commits.setdefault(e.group, []).append(e.time)
             quorum_commits.setdefault(e.group, []).append((e.time, e.fields.get("quorum_id")))
@@ -89,15 +94,18 @@ def summarize(result: RunResult) -> Summary:
             stall = _survivor_stall(kill_time, [quorum_commits.get(s, []) for s in never_killed])
             restarts = [t for t in proc.starts if t > kill_time]
             rejoin = None
-            healed = False
+            healed = warm = False
             if restarts:
                 restart = restarts[0]
+                again = [t for t in proc.kills if t > restart]  # this start's end, if killed
+                until = again[0] if again else float("inf")
                 own = [t for t in commits.get(g, []) if t > restart]
                 rejoin = own[0] - restart if own else None
                 healed = any(t > restart for t in heals.get(g, []))
+                warm = any(restart < t < until for t in warm_starts.get(g, []))
             if stall is not None:
                 lost += max(0.0, stall - typical)
-            recoveries.append(Recovery(g, stall, rejoin, healed))
+            recoveries.append(Recovery(g, stall, rejoin, healed, warm))
 
     digests = {e.group: str(e.fields.get("digest")) for e in result.events if e.kind == "done"}
     steps = max(
@@ -127,9 +135,10 @@ def render(summary: Summary) -> str:
     for r in summary.recoveries:
         stall = f"{r.survivor_stall_s:.2f}s" if r.survivor_stall_s is not None else "n/a"
         rejoin = f"{r.rejoin_s:.2f}s" if r.rejoin_s is not None else "n/a"
+        started = "restarted group (a warm spare)" if r.warm else "restarted group"
         lines.append(
             f"  group {r.group} killed: survivors committed again after {stall}; "
-            f"restarted group committed after {rejoin}{' (healed live from a peer)' if r.healed else ''}"
+            f"{started} committed after {rejoin}{' (healed live from a peer)' if r.healed else ''}"
         )
     lines += [
         f"typical step           {summary.typical_step_s * 1000:.0f} ms",

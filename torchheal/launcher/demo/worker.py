@@ -26,6 +26,7 @@ from torch import nn
 
 from torchheal._base.config import LauncherEnv, TorchrunEnv
 from torchheal.launcher.events import emit
+from torchheal.launcher.spare import WARM_ENV
 
 
 def build_model(seed: int) -> nn.Module:
@@ -121,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     ddp = DistributedDataParallel(manager, model)
     optimizer = Optimizer(manager, optimizer_inner)
     loss_fn = nn.CrossEntropyLoss()
-    emit("start", group, pid=os.getpid())
+    emit("start", group, pid=os.getpid(), warm=os.environ.get(WARM_ENV) == "1")
 
     last_quorum = None
     try:
