@@ -105,7 +105,7 @@ def test_ddp_component_runs_the_example_on_local_cwd(tmp_path: Path) -> None:
             *("--replicas", "2", "--workers_per_replica", "2"),
             *("--script", "examples/train_ddp.py", "--python", sys.executable),
             *("--lighthouse_port", str(lighthouse_port), "--dashboard_port", str(dashboard_port)),
-            *("--master_port", str(master_port), "--idle_exit_s", "10", "--min_replicas", "2"),
+            *("--master_port", str(master_port), "--idle_exit_s", "4", "--min_replicas", "2"),
             *("--join_timeout_ms", "3000", "--env", "STEPS=20,OMP_NUM_THREADS=1"),
         ],
         cwd=ROOT,
@@ -123,4 +123,4 @@ def test_ddp_component_runs_the_example_on_local_cwd(tmp_path: Path) -> None:
         assert len(ranks) == 2, f"group {group}: {len(ranks)} ranks reached step 20\n{log[-4000:]}"
     # Both groups trained together: a quorum of the two.
     assert re.search(r"new quorum \d+: replica rank \d of 2 \['train_ddp_0:", log), log[-4000:]
-    assert "no replica group heard from for 10.0s: the job is over, exiting" in log
+    assert "no replica group heard from for 4.0s: the job is over, exiting" in log
