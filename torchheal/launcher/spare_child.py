@@ -20,9 +20,9 @@ would mean ``exec``), such commands start cold.
 The preload runs at idle CPU priority (Linux ``SCHED_IDLE``) where the spare may take its normal
 priority back at the hand-over: a spare refilled while every group trains then takes only the
 CPU nobody else wants, instead of slowing the job for the seconds its imports take. Whether it
-may is probed first (switching to ``SCHED_IDLE`` and straight back): an unprivileged process
-with the default ``RLIMIT_NICE`` of 0 cannot leave ``SCHED_IDLE``, and there the preload runs at
-normal priority. As soon as a hand-over (or the pool's end) is readable on stdin every thread of
+may is probed first, on a throwaway thread (switching it to ``SCHED_IDLE`` and straight back):
+an unprivileged process with the default ``RLIMIT_NICE`` of 0 cannot leave ``SCHED_IDLE``, and
+there the preload runs at normal priority. As soon as a hand-over (or the pool's end) is readable on stdin every thread of
 the process is set back to ``SCHED_OTHER``, by a small thread that waits for just that: a spare
 taken before it finished preloading finishes at full priority, instead of starving at idle.
 """
@@ -60,6 +60,30 @@ def preload(modules: list[str]) -> list[str]:
     return missing
 
 
+def may_leave_idle() -> bool:
+    """Whether a thread of this process that goes ``SCHED_IDLE`` may take ``SCHED_OTHER`` back.
+
+    Linux lets a thread leave ``SCHED_IDLE`` only with ``CAP_SYS_NICE`` or an ``RLIMIT_NICE``
+    that allows its nice value: an unprivileged process with the default limit of 0 cannot.
+    Probed on a throwaway thread (the scheduling policy is per thread), so the caller's own
+    priority is never touched: a probe on the calling thread would leave it idle for good.
+    """
+    answer: list[bool] = []
+
+    def probe() -> None:
+        try:
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+            os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+            answer.append(True)
+        except OSError:
+            answer.append(False)
+
+    thread = threading.Thread(target=probe, name="spare-idle-probe")
+    thread.start()
+    thread.join()
+    return answer == [True]
+
+
 class Priority:
     """The preload's idle priority, and giving it back (see the module docstring)."""
 
@@ -79,15 +103,11 @@ class Priority:
     def idle_while_preloading(self) -> None:
         """Switches this thread to ``SCHED_IDLE`` if it may switch back later."""
         try:
-            if hasattr(os, "SCHED_IDLE"):  # Linux
-                os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-                # The probe: may an idle thread of ours take its normal priority back?
-                os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+            if hasattr(os, "SCHED_IDLE") and may_leave_idle():  # Linux
                 os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
                 self.idle = True
         except OSError:
-            with contextlib.suppress(OSError):
-                os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+            pass  # the preload runs at normal priority
         finally:
             self._decided.set()
 
