@@ -157,3 +157,15 @@ def test_each_recovery_says_whether_its_restart_began_in_a_warm_spare() -> None:
     lines = [line for line in render(summary).splitlines() if "killed:" in line]
     assert "; restarted group committed after 0.50s (healed live" in lines[0]
     assert "restarted group (a warm spare) committed after 1.00s (healed live" in lines[1]
+
+
+def test_demo_commentary_names_real_quorums_only() -> None:
+    from torchheal.launcher.demo.run import _Printer
+    from torchheal.launcher.events import Event
+
+    said: list[str] = []
+    printer = _Printer(said.append, t0=0.0)
+    printer.event(Event("quorum", 2, 1.0, {"quorum_id": 4, "participants": 3}))
+    # The last step of a group whose peers finished and left: its manager holds no quorum.
+    printer.event(Event("quorum", 2, 2.0, {"quorum_id": -1, "participants": 3}))
+    assert said == ["[  1.00s] group 2 joined quorum 4 with 3 participating group(s)"]

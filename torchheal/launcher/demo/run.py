@@ -71,6 +71,10 @@ WORKER = "torchheal.launcher.demo.worker"
 _EXPECTED_DDP_WARNING = "find_unused_parameters=True was specified in DDP constructor"
 
 
+def _is_quorum(quorum_id: object) -> bool:
+    return isinstance(quorum_id, int) and quorum_id >= 0
+
+
 class _Printer:
     """Turns events into the running commentary: quorum changes, heals, kills, progress."""
 
@@ -87,7 +91,8 @@ class _Printer:
         if e.kind == "start":
             how = ", from a warm spare" if f.get("warm") else ""
             self._say(e.time, f"group {e.group} started (pid {f.get('pid')}{how})")
-        elif e.kind == "quorum":
+        elif e.kind == "quorum" and _is_quorum(f.get("quorum_id")):
+            # (-1: none. A group whose peers finished and left has none, for its last step.)
             self._say(
                 e.time,
                 f"group {e.group} joined quorum {f.get('quorum_id')} with {f.get('participants')} participating group(s)",
