@@ -147,5 +147,7 @@ def test_every_other_reader_of_the_environment() -> None:
     assert LauncherEnv.from_env({}) == LauncherEnv()
     got = LauncherEnv.from_env({"REPLICA_GROUP_ID": "2", "NUM_REPLICA_GROUPS": "3"})
     assert (got.replica_group_id, got.num_replica_groups) == (2, 3)
+    assert not got.warm_spare
+    assert LauncherEnv.from_env({"TORCHHEAL_WARM_SPARE": "1"}).warm_spare
     with pytest.raises(ValueError, match="REPLICA_GROUP_ID"):
         LauncherEnv.from_env({"REPLICA_GROUP_ID": "x"})

@@ -324,6 +324,10 @@ def dashboard_port(environ: Mapping[str, str] | None = None) -> int | None:
     return port
 
 
+#: Set to "1" by ``torchheal launch`` in the environment of a rank that began as a warm spare.
+WARM_SPARE_ENV: str = "TORCHHEAL_WARM_SPARE"
+
+
 @dataclass(frozen=True)
 class LauncherEnv:
     """What a launcher (``torchheal launch``, torchx, Slurm) tells a replica group's processes.
@@ -332,15 +336,18 @@ class LauncherEnv:
         replica_group_id: this group's index (``REPLICA_GROUP_ID``, default 0).
         num_replica_groups: how many groups the job has (``NUM_REPLICA_GROUPS``), or None.
         log_level: the logging level name to use (``LOGLEVEL``, default ``WARNING``).
+        warm_spare: this process began as a warm spare of ``torchheal launch`` and was handed
+            its rank (``TORCHHEAL_WARM_SPARE=1``, set by the launcher).
     """
 
     replica_group_id: int = 0
     num_replica_groups: int | None = None
     log_level: str = "WARNING"
+    warm_spare: bool = False
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> LauncherEnv:
-        """Reads and validates the three variables.
+        """Reads and validates the variables.
 
         Args:
             environ: the environment to read; ``os.environ`` when None.
@@ -355,6 +362,7 @@ class LauncherEnv:
             replica_group_id=_parse_int("REPLICA_GROUP_ID", group, 0) if group else 0,
             num_replica_groups=_parse_int("NUM_REPLICA_GROUPS", groups, 1) if groups else None,
             log_level=env.get("LOGLEVEL", "").strip() or "WARNING",
+            warm_spare=env.get(WARM_SPARE_ENV, "") == "1",
         )
 
 

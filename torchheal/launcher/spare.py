@@ -50,6 +50,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import IO, Any
 
+from torchheal._base.config import WARM_SPARE_ENV
 from torchheal.launcher.spare_fork import ForkedSpare, SpareTemplate, supported
 
 __all__ = [
@@ -65,8 +66,9 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: Set to "1" in the environment of a rank that started from a warm spare.
-WARM_ENV = "TORCHHEAL_WARM_SPARE"
+#: Set to "1" in the environment of a rank that started from a warm spare (a rank reads it as
+#: ``LauncherEnv.warm_spare``).
+WARM_ENV = WARM_SPARE_ENV
 #: What a spare imports by default: torch, its distributed package, its compiler stack (the
 #: first optimizer a script builds imports it: ~1.5 s here), and torchheal's training modules.
 DEFAULT_PRELOAD = (

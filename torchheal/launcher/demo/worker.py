@@ -26,7 +26,6 @@ from torch import nn
 
 from torchheal._base.config import LauncherEnv, TorchrunEnv
 from torchheal.launcher.events import emit
-from torchheal.launcher.spare import WARM_ENV
 
 
 def build_model(seed: int) -> nn.Module:
@@ -122,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     ddp = DistributedDataParallel(manager, model)
     optimizer = Optimizer(manager, optimizer_inner)
     loss_fn = nn.CrossEntropyLoss()
-    emit("start", group, pid=os.getpid(), warm=os.environ.get(WARM_ENV) == "1")
+    emit("start", group, pid=os.getpid(), warm=launcher.warm_spare)
 
     last_quorum = None
     try:
