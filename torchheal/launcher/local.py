@@ -435,7 +435,9 @@ class Launcher:
                     if self._finished():  # the job ended while this group was down
                         del restart_at[group]
                         self._groups[group].stopped = True
-                    elif now >= when:
+                    elif now >= when and not self._spares.preparing():
+                        # (A spare on its way is waited for here, not in spawn: the loop goes
+                        # on, so a job that ends meanwhile restarts nobody.)
                         del restart_at[group]
                         self._start(self._groups[group])
                 if all(g.done or g.stopped or g.stepped for g in self._groups.values()):

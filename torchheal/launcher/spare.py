@@ -231,6 +231,7 @@ class SparePool:
             raise ValueError("forked spares need Linux (SOCK_SEQPACKET Unix sockets, SCM_RIGHTS)")
         self._fork = supported() if fork is None else fork
         self._template: SpareTemplate | None = None
+        self._hurried_at: float | None = None  # when a rank first waited for the template
         self.size = size
         self._env = dict(env)
         self._cwd = cwd
@@ -279,6 +280,7 @@ class SparePool:
             return 0
         if self._template is None:
             self._template = self._start_template()
+            self._hurried_at = None
             return 1
         started = 0
         while len(self._spares) < self.size and (spare := self._fork_spare()) is not None:
@@ -302,14 +304,36 @@ class SparePool:
         assert self._python is not None
         return SpareTemplate(self._python.interpreter, self._preload, env=self._env, cwd=self._cwd)
 
+    def preparing(self) -> bool:
+        """A rank is due and a spare is on its way: the template still imports.
+
+        Hurries the template (every thread back to normal priority) the first time. A caller
+        with other work (the launcher's loop) polls this and starts the rank once it is False:
+        :meth:`spawn` then forks it, or starts it cold when the template is gone or has been
+        hurried for ``HURRY_TIMEOUT_S``. :meth:`spawn` itself waits instead.
+        """
+        template = self._template
+        if not self.enabled or template is None or template.ready is not None:
+            return False
+        if not template.alive():
+            return False
+        return self._hurry_left(template) > 0
+
+    def _hurry_left(self, template: SpareTemplate) -> float:
+        """Seconds a rank may still wait for ``template`` (hurried on the first call)."""
+        now = time.monotonic()
+        if self._hurried_at is None:
+            self._hurried_at = now
+            template.hurry()
+        return HURRY_TIMEOUT_S - (now - self._hurried_at)
+
     def _fork_when_ready(self) -> SpareProcess | None:
         """A rank comes while the template still imports: it finishes them at normal priority,
         and the rank starts in a fork of it (sooner than a cold start, which imports it all)."""
         template = self._template
         if template is None or template.ready is not None or not template.alive():
             return None
-        template.hurry()
-        if not template.wait_ready(HURRY_TIMEOUT_S):
+        if not template.wait_ready(max(0.0, self._hurry_left(template))):
             self._drop_dead()
             return None
         self._drop_dead()
