@@ -40,7 +40,7 @@ class DemoConfig:
     """
 
     replicas: int = 3
-    # About half a minute: time to open the dashboard and watch the kill (~10 s in), the
+    # Under a minute on a 2-core machine: time to open the dashboard and watch the kill, the
     # survivors going on, and the heal on the charts.
     steps: int = 300
     kill_at_step: int = 100
