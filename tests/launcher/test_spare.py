@@ -17,6 +17,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -27,6 +28,7 @@ from torchheal.launcher.spare import (
     started_warm,
     startup_differences,
 )
+from torchheal.launcher.spare_child import may_leave_idle
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT = 60
@@ -399,12 +401,6 @@ def _policy(pid: int) -> int:
     return os.sched_getscheduler(pid)
 
 
-def _may_leave_idle() -> bool:
-    # What the spare probes: root (CI, this project's machines) may; an unprivileged user with
-    # the default RLIMIT_NICE may not, and there the spare preloads at normal priority.
-    return os.geteuid() == 0
-
-
 def test_a_spare_preloads_at_idle_priority_and_runs_the_rank_at_normal(
     tmp_path: Path, fork: bool
 ) -> None:
@@ -416,7 +412,7 @@ def test_a_spare_preloads_at_idle_priority_and_runs_the_rank_at_normal(
         pool.fill()
         assert pool.wait_ready(TIMEOUT)
         pid = pool.pids[0]
-        if _may_leave_idle():
+        if may_leave_idle():
             assert _policy(pid) == os.SCHED_IDLE  # waiting costs the job nothing
         proc = pool.spawn([sys.executable, "policies.py"], _env(), str(tmp_path))
         out, _ = proc.communicate(timeout=TIMEOUT)
@@ -435,7 +431,7 @@ def test_a_spare_taken_while_preloading_finishes_at_normal_priority(tmp_path: Pa
     with _pool(tmp_path, False, preload=["blocked"]) as pool:
         pool.fill()
         pid = pool.pids[0]
-        if _may_leave_idle():
+        if may_leave_idle():
             _wait_for(lambda: _policy(pid) == os.SCHED_IDLE, "the spare going idle")
         proc = pool.spawn([sys.executable, "policies.py"], _env(), str(tmp_path))
         try:
@@ -463,6 +459,29 @@ def _wait_for(predicate, what: str) -> None:
         select.select([], [], [], 0.01)
 
 
+def _spawn_held(
+    pool: SparePool,
+    argv: list[str],
+    env: dict[str, str],
+    workdir: Path,
+    meanwhile: Callable[[Callable[[], bool]], None],
+) -> subprocess.Popen[str]:
+    """``pool.spawn`` on a thread while the template is held in its imports by the fifo
+    ``workdir/release``; ``meanwhile`` runs before the release, with a function telling whether
+    the spawn still waits. Returns the rank."""
+    spawned: list[subprocess.Popen[str]] = []
+    spawner = threading.Thread(target=lambda: spawned.append(pool.spawn(argv, env, str(workdir))))
+    spawner.start()
+    try:
+        meanwhile(lambda: spawner.is_alive() and not spawned)
+    finally:
+        with open(workdir / "release", "w") as release:
+            release.write("go")
+        spawner.join(TIMEOUT)
+    (proc,) = spawned
+    return proc
+
+
 def test_a_rank_that_comes_while_the_template_imports_waits_for_it_at_normal_priority(
     tmp_path: Path,
 ) -> None:
@@ -470,28 +489,19 @@ def test_a_rank_that_comes_while_the_template_imports_waits_for_it_at_normal_pri
     os.mkfifo(fifo)
     (tmp_path / "blocked.py").write_text(f"open({str(fifo)!r}).read()\n")
     (tmp_path / "policies.py").write_text(POLICIES)
-    spawned: list[subprocess.Popen[str]] = []
     with _pool(tmp_path, True, preload=["blocked"]) as pool:
         pool.fill()
         pid = pool.template_pid
         assert pid is not None
-        if _may_leave_idle():
+        if may_leave_idle():
             _wait_for(lambda: _policy(pid) == os.SCHED_IDLE, "the template going idle")
-        spawner = threading.Thread(
-            target=lambda: spawned.append(
-                pool.spawn([sys.executable, "policies.py"], _env(), str(tmp_path))
-            )
-        )
-        spawner.start()
-        try:
+
+        def meanwhile(waiting: Callable[[], bool]) -> None:
             # The rank waits for the template, which finishes its imports at normal priority.
             _wait_for(lambda: _policy(pid) == os.SCHED_OTHER, "normal priority for the rank")
-            assert spawner.is_alive() and not spawned
-        finally:
-            with open(fifo, "w") as release:
-                release.write("go")
-            spawner.join(TIMEOUT)
-        (proc,) = spawned
+            assert waiting()
+
+        proc = _spawn_held(pool, [sys.executable, "policies.py"], _env(), tmp_path, meanwhile)
         out, _ = proc.communicate(timeout=TIMEOUT)
     assert started_warm(proc) and proc.returncode == 0, out
     assert json.loads(out.strip().splitlines()[-1]) == [os.SCHED_OTHER]
@@ -542,26 +552,19 @@ def test_a_rank_that_comes_before_the_template_went_idle_still_raises_it(tmp_pat
     (site / "sitecustomize.py").write_text(f"open({str(fifo)!r}).read()\n")
     (tmp_path / "report.py").write_text(REPORT)
     env = {**os.environ, "PYTHONPATH": str(site)}
-    spawned: list[subprocess.Popen[str]] = []
     with SparePool(
         [sys.executable, "x.py"], 1, env=env, cwd=str(tmp_path), preload=(), fork=True
     ) as pool:
         pool.fill()
         template = pool.template_pid
         assert template is not None
-        spawner = threading.Thread(
-            target=lambda: spawned.append(
-                pool.spawn([sys.executable, "report.py", "0"], env, str(tmp_path))
-            )
+        proc = _spawn_held(
+            pool,
+            [sys.executable, "report.py", "0"],
+            env,
+            tmp_path,
+            lambda waiting: _wait_for(lambda: not waiting() or _hurried(pool), "the rank's hurry"),
         )
-        spawner.start()
-        try:
-            _wait_for(lambda: not spawner.is_alive() or _hurried(pool), "the rank's hurry")
-        finally:
-            with open(fifo, "w") as release:
-                release.write("go")
-            spawner.join(TIMEOUT)
-        (proc,) = spawned
         out, _ = proc.communicate(timeout=TIMEOUT)
         policy = _policy(template)
     assert started_warm(proc) and proc.returncode == 0, out
