@@ -315,9 +315,7 @@ class SparePool:
         template = self._template
         if not self.enabled or template is None or template.ready is not None:
             return False
-        if not template.alive():
-            return False
-        return self._hurry_left(template) > 0
+        return template.alive() and self._hurry_left(template) > 0
 
     def _hurry_left(self, template: SpareTemplate) -> float:
         """Seconds a rank may still wait for ``template`` (hurried on the first call)."""

@@ -22,9 +22,10 @@ priority back at the hand-over: a spare refilled while every group trains then t
 CPU nobody else wants, instead of slowing the job for the seconds its imports take. Whether it
 may is probed first, on a throwaway thread (switching it to ``SCHED_IDLE`` and straight back):
 an unprivileged process with the default ``RLIMIT_NICE`` of 0 cannot leave ``SCHED_IDLE``, and
-there the preload runs at normal priority. As soon as a hand-over (or the pool's end) is readable on stdin every thread of
-the process is set back to ``SCHED_OTHER``, by a small thread that waits for just that: a spare
-taken before it finished preloading finishes at full priority, instead of starving at idle.
+there the preload runs at normal priority. As soon as a hand-over (or the pool's end) is
+readable on stdin every thread of the process is set back to ``SCHED_OTHER``, by a small thread
+that waits for just that: a spare taken before it finished preloading finishes at full
+priority, instead of starving at idle.
 """
 
 from __future__ import annotations
