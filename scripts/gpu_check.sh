@@ -3,7 +3,8 @@
 # the tests marked gpu, then the DDP and HSDP examples on CUDA with two replica groups sharing the
 # GPU, one of them SIGKILLed mid-run and restarted so it heals live from the other. pytest runs only
 # the files that hold gpu tests: the rest of the suite imports test-only packages (h2,
-# cryptography) a bare GPU image may not have.
+# cryptography) a bare GPU image may not have. Last, the DDP example under `torchheal launch`,
+# where the killed group restarts in a warm spare forked from a template that imported torch.
 #   bash scripts/gpu_check.sh [OUTDIR]
 set -uo pipefail
 OUT=${1:-/tmp/gpu_check}
@@ -12,7 +13,7 @@ PY=${PY:-python3}
 export PYTHONPATH=${PYTHONPATH:-$PWD} PYTHONUNBUFFERED=1 OMP_NUM_THREADS=2
 nvidia-smi -L
 $PY -c "import torch, grpc, google.protobuf as pb; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), 'nccl', torch.cuda.nccl.version() if torch.cuda.is_available() else None, 'grpc', grpc.__version__, 'protobuf', pb.__version__)"
-[ -n "${SKIP_PYTEST:-}" ] || { echo "== pytest -m gpu"; $PY -m pytest -m gpu $(grep -rlE "mark\.gpu|pytestmark.*gpu" tests/ | sort) -q -p no:cacheprovider -rs 2>&1 | tail -25; }
+[ -n "${SKIP_PYTEST:-}" ] || { echo "== pytest -m gpu"; $PY -m pytest -m gpu $(grep -rlE "mark\.gpu|pytestmark.*gpu" tests/ | sort) -q -p no:cacheprovider -rs --timeout 240 2>&1 | tee "$OUT/pytest-gpu.log" | tail -40; }
 
 kill_tree() {  # SIGKILL a process and all its descendants (torchrun starts workers in new sessions)
   local pid=$1 child
@@ -48,3 +49,10 @@ run_example() {  # name script steps
 }
 run_example ddp examples/train_ddp.py ${DDP_STEPS:-2000}
 run_example hsdp examples/train_hsdp.py ${HSDP_STEPS:-2500}
+
+echo "== ddp under torchheal launch: 2 groups on one GPU, one killed every 12 s, restarted warm"
+env REPLICA_PG=gloo STEPS=${LAUNCH_STEPS:-600} $PY -m torchheal.cli launch --replicas 2 --kill-every 12s \
+    --dashboard-port 0 --deadline 150s -- $PY examples/train_ddp.py > "$OUT/launch.log" 2>&1
+echo "launch exit $?"
+grep -E "started \(pid|killed|committed after|Traceback|Error" "$OUT/launch.log" | grep -v Warning | tail -12
+sed -n '/== torchheal launch summary ==/,$p' "$OUT/launch.log"

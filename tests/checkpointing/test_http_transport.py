@@ -12,6 +12,7 @@ import torch
 
 from tests.checkpointing.test_serialization import assert_same, sample_state
 from torchheal.checkpointing import CheckpointError, CheckpointTimeoutError, HTTPTransport
+from torchheal.checkpointing.live import LIVE_FROM_BYTES
 from torchheal.checkpointing.serialization import encode_bytes
 
 TIMEOUT = timedelta(seconds=10)
@@ -236,3 +237,24 @@ def test_unsendable_state_is_refused_and_stays_disallowed(
     with pytest.raises(CheckpointError, match="object"):
         src.send_checkpoint([1], 1, {"bad": object()}, TIMEOUT)
     assert src._lock.w_locked()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_chunks", [0, 3])
+def test_round_trip_of_gpu_state(make: Callable[..., HTTPTransport], num_chunks: int) -> None:
+    # A GPU job serves its live CUDA state; the healer gets the values on the CPU (as the
+    # reference), also when its own state, the in-place target, lives on the GPU.
+    src, dst = make(num_chunks, block_bytes=4096), make(num_chunks)
+    state = {
+        "w": torch.randn(20000, device="cuda"),
+        "big": torch.randn(LIVE_FROM_BYTES // 2, device="cuda"),  # CPU ones this big go live
+        "h": torch.randn(7, dtype=torch.bfloat16, device="cuda"),
+        "cpu": torch.arange(5),
+    }
+    src.send_checkpoint([1], 5, state, TIMEOUT)
+    own = {key: torch.zeros_like(value) for key, value in state.items()}
+    for into in (None, own):
+        out = dst.recv_checkpoint(0, src.metadata(), 5, TIMEOUT, into=into)
+        for key, value in state.items():
+            assert out[key].dtype == value.dtype and torch.equal(out[key].cpu(), value.cpu()), key
+        assert out["w"].device.type == "cpu"

@@ -141,3 +141,28 @@ def test_corruption_in_packed_or_large_message_detected(damage_tag: int, storage
     PGTransport(bad, TIMEOUT, "cpu").send_checkpoint([1], 1, state)
     with pytest.raises(CheckpointError, match=f"checksum mismatch in {storage}"):
         PGTransport(bad, TIMEOUT, "cpu").recv_checkpoint(0, "<n/a>", 1)
+
+
+@pytest.mark.gpu
+def test_gpu_state_travels_through_a_cpu_transport() -> None:
+    # The Manager hands the transport its live state: on a GPU job, CUDA tensors. Gloo carries
+    # them through CPU buffers; what arrives is the same values, on the CPU (as the reference).
+    pgs = gloo_groups(2)
+    state = {
+        "w": torch.randn(1000, 7, device="cuda"),
+        "h": torch.randn(5, dtype=torch.bfloat16, device="cuda"),
+        "cpu": torch.arange(6),
+        "step": 3,
+    }
+
+    def rank0() -> None:
+        PGTransport(pgs[0], TIMEOUT, "cpu", block_bytes=4096).send_checkpoint([1], 3, state)
+
+    def rank1() -> Any:
+        return PGTransport(pgs[1], TIMEOUT, "cpu").recv_checkpoint(0, "<n/a>", 3, TIMEOUT)
+
+    _, got = run_ranks([rank0, rank1])
+    assert got["step"] == 3
+    for key in ("w", "h", "cpu"):
+        assert got[key].device.type == "cpu" and got[key].dtype == state[key].dtype, key
+        assert torch.equal(got[key], state[key].cpu()), key

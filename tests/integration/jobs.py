@@ -32,6 +32,8 @@ class JobSpec:
     quorum_timeout_s: float = 60.0
     transport: str = "http"  # "http" or "pg"
     lighthouse_addr: str = ""
+    device: str = "cpu"  # where the model and batches live ("cuda": the GPU tests)
+    backend: str = "gloo"  # the replica groups' process group: "gloo" or "nccl"
 
 
 @dataclass(frozen=True)

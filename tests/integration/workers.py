@@ -46,7 +46,13 @@ def train_ddp(
     out_path: str,
 ) -> None:
     """One rank of one replica group: fault-tolerant DDP training to ``spec.steps``."""
-    from torchheal import DistributedDataParallel, Manager, Optimizer, ProcessGroupGloo
+    from torchheal import (
+        DistributedDataParallel,
+        Manager,
+        Optimizer,
+        ProcessGroupGloo,
+        ProcessGroupNCCL,
+    )
     from torchheal.checkpointing import HTTPTransport
     from torchheal.checkpointing.pg_transport import PGTransport
     from torchheal.manager import WorldSizeMode
@@ -56,7 +62,8 @@ def train_ddp(
         level=logging.INFO, format=f"g{plan.group}r{group_rank}i{incarnation} %(name)s %(message)s"
     )
     timeout = timedelta(seconds=spec.timeout_s)
-    model = make_model(0 if spec.same_seed else 1 + plan.group * 10 + incarnation)
+    device = torch.device(spec.device)
+    model = make_model(0 if spec.same_seed else 1 + plan.group * 10 + incarnation).to(device)
     inner = torch.optim.Adam(model.parameters(), lr=0.01)
 
     def state_dict() -> dict[str, Any]:
@@ -66,7 +73,8 @@ def train_ddp(
         model.load_state_dict(sd["model"])
         inner.load_state_dict(sd["optim"])
 
-    pg = FakeProcessGroupWrapper(ProcessGroupGloo(timeout=timeout))
+    backend = ProcessGroupNCCL if spec.backend == "nccl" else ProcessGroupGloo
+    pg = FakeProcessGroupWrapper(backend(timeout=timeout))
     if plan.corrupt_first_heal:
         transport = corrupting_http_transport(timeout)
     else:
@@ -109,7 +117,7 @@ def train_ddp(
         if plan.fail_allreduce_at_step == step:
             pg.report_future_error(RuntimeError("injected allreduce failure"))
         x, y = batch(plan.group, group_rank, step)
-        loss = nn.functional.mse_loss(ddp(x), y)
+        loss = nn.functional.mse_loss(ddp(x.to(device)), y.to(device))
         loss.backward()
         optimizer.step()
         if manager.current_step() > step:
@@ -118,7 +126,7 @@ def train_ddp(
             failed_steps.append(step)
     torch.save(
         {
-            "model": {k: v.clone() for k, v in model.state_dict().items()},
+            "model": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()},
             "step": manager.current_step(),
             "batches_committed": manager.batches_committed(),
             "commits": commits,

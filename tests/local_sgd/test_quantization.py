@@ -31,6 +31,7 @@ from torchheal.quantization import (
     fused_quantize_into_fp8,
     group_chunk_bytes,
     quantize_rows,
+    quantized_dtype_for,
     row_bytes,
 )
 
@@ -273,3 +274,37 @@ def test_reduce_scatter_quantized(pair: _Pair, op: str) -> None:
 def test_only_sum_and_avg(op: ReduceOp) -> None:
     with pytest.raises(NotImplementedError, match="SUM and AVG"):
         allreduce_quantized([torch.zeros(2)], op, None)  # type: ignore[arg-type]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_allreduce_quantized_on_gpu(pair: _Pair, dtype: torch.dtype) -> None:
+    # CUDA tensors over Gloo: the quantization runs on the GPU, in fp8 where the device has
+    # it natively (compute capability >= 9.0), and both ranks end with the same values.
+    device = torch.device("cuda")
+    fp8 = torch.cuda.get_device_capability(device) >= (9, 0)
+    assert quantized_dtype_for(device) == (torch.float8_e4m3fn if fp8 else torch.int8)
+
+    def work(rank: int, pg: Any) -> list[torch.Tensor]:
+        tensors = [_inputs(rank, s, dtype, 1000.0).to(device) for s in SHAPES]
+        allreduce_quantized(tensors, ReduceOp.SUM, pg).wait()
+        torch.cuda.synchronize(device)
+        return [t.cpu() for t in tensors]
+
+    results = pair.run(work)
+    assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
+    for i, shape in enumerate(SHAPES):
+        inputs = [_inputs(r, shape, dtype, 1000.0) for r in range(WORLD)]
+        exact = sum(x.float() for x in inputs)
+        got = results[0][i]
+        assert got.dtype == dtype and got.shape == shape
+        err = (_as_rows(got) - _as_rows(exact)).abs()
+        if fp8:  # 3 mantissa bits: half a step is 1/16 of the value, per quantization
+            first = sum(_as_rows(x).abs() for x in inputs) / 16
+            rows = _as_rows(exact).abs()
+            bound = first + (rows + first) / 16 + rows.amax(dim=1, keepdim=True) * 2**-8
+            bound = bound + (rows + 2 * first) * torch.finfo(dtype).eps + 1e-6
+        else:
+            bound = _allreduce_bound(inputs, exact.to(dtype), avg=False)
+        assert torch.all(err <= bound), f"{shape}: max err {err.max()}"
+        assert err.max() > 0
