@@ -5,6 +5,9 @@
 # the files that hold gpu tests: the rest of the suite imports test-only packages (h2,
 # cryptography) a bare GPU image may not have. Last, the DDP example under `torchheal launch`,
 # where the killed group restarts in a warm spare forked from a template that imported torch.
+# The step counts keep the survivor training well past the restarted group's cold start (about 12 s
+# on the lent H200, where the DDP example runs ~130 steps/s): with fewer, the survivor finished
+# first and the restarted group trained alone, healing nothing (seen with 800 and 1200 steps).
 #   bash scripts/gpu_check.sh [OUTDIR]
 set -uo pipefail
 OUT=${1:-/tmp/gpu_check}
@@ -47,11 +50,11 @@ run_example() {  # name script steps
     grep -E "^step|root step" "$f" | sed -n '1p;$p'
   done
 }
-run_example ddp examples/train_ddp.py ${DDP_STEPS:-2000}
-run_example hsdp examples/train_hsdp.py ${HSDP_STEPS:-2500}
+run_example ddp examples/train_ddp.py ${DDP_STEPS:-6000}
+run_example hsdp examples/train_hsdp.py ${HSDP_STEPS:-5000}
 
 echo "== ddp under torchheal launch: 2 groups on one GPU, one killed every 12 s, restarted warm"
-env REPLICA_PG=gloo STEPS=${LAUNCH_STEPS:-600} $PY -m torchheal.cli launch --replicas 2 --kill-every 12s \
+env REPLICA_PG=gloo STEPS=${LAUNCH_STEPS:-3000} $PY -m torchheal.cli launch --replicas 2 --kill-every 12s \
     --dashboard-port 0 --deadline 150s -- $PY examples/train_ddp.py > "$OUT/launch.log" 2>&1
 echo "launch exit $?"
 grep -E "started \(pid|killed|committed after|Traceback|Error" "$OUT/launch.log" | grep -v Warning | tail -12
