@@ -28,7 +28,7 @@ from torchheal.launcher.spare import (
     started_warm,
     startup_differences,
 )
-from torchheal.launcher.spare_child import may_leave_idle
+from torchheal.launcher.spare_priority import may_leave_idle
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT = 60

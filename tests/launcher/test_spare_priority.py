@@ -16,7 +16,7 @@ import threading
 
 import pytest
 
-from torchheal.launcher.spare_child import Priority, may_leave_idle
+from torchheal.launcher.spare_priority import Priority, may_leave_idle
 
 NOBODY = 65534
 

@@ -33,6 +33,7 @@ from torchheal.launcher.events import Event, parse
 from torchheal.launcher.group import GroupStart, OutputLine, common_env, describe_exit
 from torchheal.launcher.progress import FirstSteps, quorum_members
 from torchheal.launcher.spare import DEFAULT_PRELOAD, SparePool, started_warm
+from torchheal.launcher.spare_priority import can_preload_idle
 
 logger = logging.getLogger(__name__)
 
@@ -415,6 +416,11 @@ class Launcher:
         try:
             for g in self._groups.values():
                 self._start(g)
+            if can_preload_idle():
+                # The spares' imports run beside the groups' start-up on CPU they leave idle
+                # (most of a GPU node's cores), so a failure soon after the start finds them
+                # ready. A spare that cannot preload idle waits until the job trains (below).
+                self._spares.fill()
             while self._error is None and not all(
                 g.done or g.stopped for g in self._groups.values()
             ):

@@ -17,12 +17,8 @@ already reads.
 Only JSON crosses the pipe (nothing is unpickled); ``-c CODE`` is never handed over (running it
 would mean ``exec``), such commands start cold.
 
-The preload runs at idle CPU priority (Linux ``SCHED_IDLE``) where the spare may take its normal
-priority back at the hand-over: a spare refilled while every group trains then takes only the
-CPU nobody else wants, instead of slowing the job for the seconds its imports take. Whether it
-may is probed first, on a throwaway thread (switching it to ``SCHED_IDLE`` and straight back):
-an unprivileged process with the default ``RLIMIT_NICE`` of 0 cannot leave ``SCHED_IDLE``, and
-there the preload runs at normal priority. As soon as a hand-over (or the pool's end) is
+The preload runs at idle CPU priority where the spare may take its normal priority back
+(:mod:`torchheal.launcher.spare_priority`). As soon as a hand-over (or the pool's end) is
 readable on stdin every thread of the process is set back to ``SCHED_OTHER``, by a small thread
 that waits for just that: a spare taken before it finished preloading finishes at full
 priority, instead of starving at idle.
@@ -31,20 +27,18 @@ priority, instead of starving at idle.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib
 import json
 import os
 import runpy
-import select
 import sys
-import threading
 import time
 import traceback
 from types import TracebackType
 from typing import Any
 
 from torchheal.launcher.local import take_environment
+from torchheal.launcher.spare_priority import Priority
 
 #: Longest hand-over line read from stdin (an environment is a few KiB; this bounds a bad one).
 MAX_HANDOVER_BYTES = 16 * 1024 * 1024
@@ -59,83 +53,6 @@ def preload(modules: list[str]) -> list[str]:
         except Exception as e:  # a spare that cannot preload is still a spare
             missing.append(f"{name}: {type(e).__name__}: {e}")
     return missing
-
-
-def may_leave_idle() -> bool:
-    """Whether a thread of this process that goes ``SCHED_IDLE`` may take ``SCHED_OTHER`` back.
-
-    Linux lets a thread leave ``SCHED_IDLE`` only with ``CAP_SYS_NICE`` or an ``RLIMIT_NICE``
-    that allows its nice value: an unprivileged process with the default limit of 0 cannot.
-    Probed on a throwaway thread (the scheduling policy is per thread), so the caller's own
-    priority is never touched: a probe on the calling thread would leave it idle for good.
-    """
-    answer: list[bool] = []
-
-    def probe() -> None:
-        try:
-            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-            os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
-            answer.append(True)
-        except OSError:
-            answer.append(False)
-
-    thread = threading.Thread(target=probe, name="spare-idle-probe")
-    thread.start()
-    thread.join()
-    return answer == [True]
-
-
-class Priority:
-    """The preload's idle priority, and giving it back (see the module docstring)."""
-
-    def __init__(self) -> None:
-        self.idle = False
-        self._decided = threading.Event()
-
-    @classmethod
-    def inherited(cls, idle: bool) -> Priority:
-        """The priority of a process forked from a spare template whose preload went ``idle``
-        (a fork keeps the scheduling policy of the thread that forked)."""
-        priority = cls()
-        priority.idle = idle
-        priority._decided.set()
-        return priority
-
-    def idle_while_preloading(self) -> None:
-        """Switches this thread to ``SCHED_IDLE`` if it may switch back later."""
-        try:
-            if hasattr(os, "SCHED_IDLE") and may_leave_idle():  # Linux
-                os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-                self.idle = True
-        except OSError:
-            pass  # the preload runs at normal priority
-        finally:
-            self._decided.set()
-
-    def normal(self) -> None:
-        """Every thread of this process back to ``SCHED_OTHER``, if the preload went idle
-        (threads started during the preload inherited ``SCHED_IDLE``)."""
-        self._decided.wait()
-        if not self.idle:
-            return
-        try:
-            tids = [int(t) for t in os.listdir("/proc/self/task")]
-        except OSError:
-            tids = [0]
-        for tid in tids:
-            with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
-                os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
-
-    def normal_on_handover(self) -> None:
-        """Starts a thread (before the switch to idle, so at normal priority) that waits until
-        stdin is readable, a hand-over or the pool's end, then calls :meth:`normal`."""
-
-        def watch() -> None:
-            with contextlib.suppress(OSError, ValueError):
-                select.select([0], [], [])
-            self.normal()
-
-        threading.Thread(target=watch, name="spare-handover", daemon=True).start()
 
 
 def _read_line(fd: int) -> bytes:

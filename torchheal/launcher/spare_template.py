@@ -41,7 +41,8 @@ import threading
 import time
 from typing import Any
 
-from torchheal.launcher.spare_child import Priority, preload, serve
+from torchheal.launcher.spare_child import preload, serve
+from torchheal.launcher.spare_priority import Priority
 
 #: Longest request read from the control socket.
 MAX_REQUEST_BYTES = 65536
