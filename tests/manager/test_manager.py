@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 from datetime import timedelta
 
@@ -411,3 +412,31 @@ def test_a_bucket_that_times_out_is_not_a_collective_error() -> None:
         future, tensors = pg.issued[-1]
         future.set_result(tensors)  # late: nothing runs any more
         assert m._telemetry.stats.allreduce_errors == 0
+
+
+def test_a_collective_after_a_lost_peers_abort_is_skipped_without_a_traceback(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Every failure of a peer aborts the survivors' process group (fail fast); a collective
+    # issued after that abort cannot start. That is the expected path of every failure, so it
+    # is one warning naming the lost group, not a traceback in every survivor's log.
+    with lighthouse() as lh, replica(lh, "a") as r:
+        m = r.manager
+        m.start_quorum()
+        m.wait_quorum()
+        member, quorum_id = next(iter(m._connected.members)), m._connected.quorum_id
+        # What the manager server calls when the lighthouse says a member is gone.
+        m._connected.on_member_lost(member, quorum_id, "connection ended")
+        with caplog.at_level(logging.INFO, logger="torchheal.manager"):
+            work = m.allreduce(torch.ones(2))
+        assert isinstance(work, _DummyWork)
+        assert m.should_commit() is False
+        skipped = [rec for rec in caplog.records if "allreduce not started" in rec.getMessage()]
+        assert len(skipped) == 1 and skipped[0].levelno == logging.WARNING, caplog.text
+        assert f"{member} of quorum {quorum_id} is lost (connection ended)" in skipped[0].message
+        assert all(rec.exc_info is None for rec in caplog.records), caplog.text
+
+        # The next quorum's group is adopted: an unexpected failure keeps its traceback.
+        m.start_quorum()
+        m.wait_quorum()
+        assert m._connected.aborted_for is None

@@ -86,6 +86,9 @@ class ConnectedQuorum:
         self.quorum_id = -1
         #: The replica groups it connects.
         self.members: frozenset[str] = frozenset()
+        #: Why the process group was last aborted (the lost group and the reason), until the
+        #: next quorum's group is adopted: a collective that then fails to start is expected.
+        self.aborted_for: str | None = None
         self._lost: dict[int, set[str]] = {}
         self._build: _Build | None = None
 
@@ -140,6 +143,7 @@ class ConnectedQuorum:
             if not lost:
                 self.quorum_id = quorum_id
                 self.members = members
+                self.aborted_for = None
                 return
             self.quorum_id = -1
             self.members = frozenset()
@@ -188,6 +192,7 @@ class ConnectedQuorum:
             f"replica group {replica_id} of quorum {quorum_id} is lost ({reason}): aborting "
             "the cross-replica process group"
         )
+        self.aborted_for = f"replica group {replica_id} of quorum {quorum_id} is lost ({reason})"
         abort = getattr(self._process_group(), "abort", None)
         if abort is not None:
             try:

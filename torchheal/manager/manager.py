@@ -416,7 +416,14 @@ class Manager:
         try:
             work = start_allreduce(self._pg, tensor, reduce_op, should_quantize)
         except Exception as e:
-            self._logger.exception(f"allreduce failed to start, skipping the step: {e}")
+            lost = self._connected.aborted_for
+            if lost is not None:  # the fail-fast abort of a lost peer: expected, no traceback
+                self._logger.warning(
+                    f"allreduce not started, skipping the step: the process group was aborted "
+                    f"as {lost}"
+                )
+            else:
+                self._logger.exception(f"allreduce failed to start, skipping the step: {e}")
             self._telemetry.allreduce_failed()
             self.report_error(e)
             return _DummyWork(tensor)
