@@ -14,7 +14,9 @@ Scenarios (``--scenario``, repeatable; default: all torchheal ones, then the ref
 * ``kill``       per-step; group 1 is SIGKILLed (its whole torchrun job) at step K and restarted
                  once group 0 has trained 4 steps alone. Group 0 must go on alone, group 1 must
                  heal live from it (its first step jumps past K, with group 0's loss), both must
-                 finish with rc 0, and the losses must fall.
+                 finish with rc 0, and the losses must fall. Measured, not checked: the
+                 survivor's step time while the restarted group starts, warms up, heals and
+                 takes its first full step, against its normal step (issue 9, goal 4).
 
 ``--venv .venv-titan-ref`` runs the same with the real torchft: its ``kill`` is expected to
 crash the healthy group ("mixed torch.Tensor and DTensor"); that is reported, not failed.
@@ -38,16 +40,20 @@ import re
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 STEP_LINE = re.compile(r"step:\s+(\d+)\s+loss:\s+([-\d.naninf]+)\s+grad_norm:\s+([-\d.naninf]+)")
+# torchtitan's logger stamps each line: "[titan] 2026-11-26 06:11:30,697 - root - INFO - step: 1".
+STAMP = re.compile(r"\[titan\] (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) - ")
 CRASH_TEXT = "mixed torch.Tensor and DTensor"
 WARMUP_DONE = "warm-up step done (not committed)"
 # torchheal's commit decision (printed by cpu_train.py with FT_LOG_COMMITS=1).
@@ -81,6 +87,7 @@ class Run:
     log: Path
     proc: subprocess.Popen[bytes]
     steps: dict[int, tuple[float, float]] = field(default_factory=dict)  # step -> (loss, gnorm)
+    ended: dict[int, float] = field(default_factory=dict)  # step -> when its line was logged
     warmup_step: int | None = None  # the step number torchtitan logged for the warm-up
 
     def parse(self) -> None:
@@ -93,6 +100,11 @@ class Run:
             self.warmup_step = int(lines.pop(0).group(1))
         for m in lines:
             self.steps[int(m.group(1))] = (float(m.group(2)), float(m.group(3)))
+            line_start = text.rfind("\n", 0, m.start()) + 1
+            stamp = STAMP.match(text, line_start)
+            if stamp is not None:
+                when = datetime.strptime(stamp.group(1), "%Y-%m-%d %H:%M:%S,%f")
+                self.ended[int(m.group(1))] = when.timestamp()
 
     def text(self) -> str:
         return ANSI.sub("", self.log.read_text(errors="replace"))
@@ -287,6 +299,7 @@ def run_scenario(sc: Scenario, venv: Path, out: Path, assets: Path, deadline_s: 
     deadline = started + deadline_s
     result: dict = {"scenario": sc.name, "checks": {}, "notes": []}
     runs: list[Run] = []
+    restarted_at: float | None = None
     try:
         g0, g1 = job.group(sc, 0, 0), job.group(sc, 1, 0)
         runs += [g0, g1]
@@ -308,6 +321,7 @@ def run_scenario(sc: Scenario, venv: Path, out: Path, assets: Path, deadline_s: 
                 job=job,
             )
             result["notes"].append(f"restart group 1 when group 0 is at step {g0.last_step}")
+            restarted_at = time.time()
             g1b = job.group(sc, 1, 1)
             runs.append(g1b)
         wait_for(
@@ -388,8 +402,47 @@ def run_scenario(sc: Scenario, venv: Path, out: Path, assets: Path, deadline_s: 
                 len(pairs) == 2 and abs(pairs[1][0] - pairs[1][1]) < 1.0
             )
         checks["no crash"] = not any(r.proc.returncode not in (0, -9) for r in runs)
+        if restarted_at is not None:
+            result["survivor_during_rejoin"] = survivor_during_rejoin(
+                g0, runs[1], g1b, restarted_at
+            )
     result["passed"] = all(checks.values())
     return result
+
+
+def survivor_during_rejoin(survivor: Run, killed: Run, restarted: Run, restarted_at: float) -> dict:
+    """The survivor's step times while a group rejoins, against its normal step (goal 4).
+
+    A step's time is the gap between its logged line and the previous step's. Normal: the
+    survivor's steps 3 and later until the kill, both groups training. The rejoin: the survivor's
+    steps that ended after the restart, up to and including the first one that ended after the
+    restarted group's second step (its heal step, then its first full step in the quorum):
+    the restart's start-up, warm-up and heal all fall inside.
+    """
+    ended = survivor.ended
+    took = {s: ended[s] - ended[s - 1] for s in ended if s - 1 in ended}
+    normal = [t for s, t in took.items() if 3 <= s <= killed.last_step]
+    joined = sorted(restarted.ended.values())
+    if not normal or len(joined) < 2:
+        return {"measured": False}
+    window = []
+    for s in sorted(took):
+        if ended[s] > restarted_at:
+            window.append(s)
+            if ended[s] > joined[1]:
+                break
+    if not window:
+        return {"measured": False}
+    longest = max(window, key=lambda s: took[s])
+    median = statistics.median(normal)
+    return {
+        "measured": True,
+        "normal_step_s": round(median, 2),
+        "steps": [window[0], window[-1]],
+        "longest_step": longest,
+        "longest_step_s": round(took[longest], 2),
+        "ratio": round(took[longest] / median, 2),
+    }
 
 
 def _run_cell(run: dict) -> str:
@@ -411,9 +464,9 @@ def print_table(paths: list[Path]) -> None:
     """Prints every scenario of the given results.json files side by side (markdown)."""
     print(
         "| library | scenario | wall s | groups (incarnation: exit, steps logged, loss) "
-        "| grad_norm equal | checks |"
+        "| grad_norm equal | survivor's longest step during the rejoin vs normal | checks |"
     )
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|")
     for path in paths:
         if not path.exists():
             continue
@@ -422,9 +475,16 @@ def print_table(paths: list[Path]) -> None:
             failed = [k for k, ok in res["checks"].items() if not ok]
             checks = "all pass" if not failed else "FAIL: " + "; ".join(failed)
             gn = res.get("grad_norm_equal_steps", "-")
+            rejoin = res.get("survivor_during_rejoin", {})
+            survivor = "-"
+            if rejoin.get("measured"):
+                survivor = (
+                    f"{rejoin['longest_step_s']} s vs {rejoin['normal_step_s']} s "
+                    f"({rejoin['ratio']}x)"
+                )
             print(
                 f"| {res['library']} | {res['scenario']} | {res['wall_s']} | {runs} | {gn} "
-                f"| {checks} |"
+                f"| {survivor} | {checks} |"
             )
 
 
