@@ -117,6 +117,39 @@ def bucket_view(args: argparse.Namespace) -> dict[str, bool]:
     return {"gradient_as_bucket_view": True} if args.bucket_view else {}
 
 
+class UntilFull:
+    """When a worker may stop: at ``--steps``, or with ``--until-full N`` once its last
+    :data:`FULL_COMMITS` commits all had N participating groups, so a survivor keeps training
+    until its killed peer has healed back in (else a fast survivor ends before a cold restart
+    is up, and the restart trains alone from step 0: a start, not a heal). Past ``--steps``,
+    :data:`UNTIL_FULL_GRACE_S` at most: a peer that never comes back does not hold the run."""
+
+    def __init__(self, groups: int | None) -> None:
+        self._groups = groups
+        self._full = 0
+        self._past_steps_at: float | None = None
+
+    def committed(self, committed: bool, participants: int) -> None:
+        if committed:
+            self._full = self._full + 1 if participants >= (self._groups or 0) else 0
+
+    def done(self, step: int, steps: int) -> bool:
+        if step < steps:
+            return False
+        if self._groups is None or self._full >= FULL_COMMITS:
+            return True
+        now = time.monotonic()
+        if self._past_steps_at is None:
+            self._past_steps_at = now
+        return now - self._past_steps_at > UNTIL_FULL_GRACE_S
+
+
+#: ``--until-full``: commits in a row with every group that end the run past ``--steps``.
+FULL_COMMITS = 5
+#: ``--until-full``: how long past ``--steps`` a worker waits for every group at most.
+UNTIL_FULL_GRACE_S = 120.0
+
+
 def run_ft(args: argparse.Namespace, group: int) -> None:
     ft = importlib.import_module(args.impl)  # "torchheal" or "torchft": same public API
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
@@ -151,7 +184,8 @@ def run_ft(args: argparse.Namespace, group: int) -> None:
     optimizer = ft.Optimizer(manager, inner)
     emit("start", group, pid=os.getpid())
     cpu = CpuMeter(args)
-    while manager.current_step() < args.steps:
+    until = UntilFull(args.until_full)
+    while not until.done(manager.current_step(), args.steps):
         before = manager.current_step()
         cpu.step(before)
         t0 = time.perf_counter()
@@ -171,6 +205,7 @@ def run_ft(args: argparse.Namespace, group: int) -> None:
             optimizer.step()
             t4 = time.perf_counter()
         after = manager.current_step()
+        until.committed(after > before, manager.num_participants())
         phases = _phases(args, t0, t1, t2, t3, t4)
         emit(
             "step",
@@ -235,6 +270,14 @@ def main() -> None:
     p.add_argument("--phases", action="store_true", help="time each phase of every step")
     p.add_argument("--warmup", type=int, default=20, help="steps before CPU is counted")
     p.add_argument("--bucket-view", action="store_true", help="DDP(gradient_as_bucket_view=True)")
+    p.add_argument(
+        "--until-full",
+        type=int,
+        default=None,
+        metavar="N",
+        help="past --steps, go on until the last commits all had N participants (a killed "
+        "group has come back; see UntilFull)",
+    )
     args = p.parse_args()
     torch.set_num_threads(1)  # two groups share two cores
     group = int(os.environ.get("REPLICA_GROUP_ID", "0"))

@@ -67,6 +67,9 @@ def recovery_table(args: argparse.Namespace, impls: list[str], sizes: list[int])
                         str(size),
                         "--transport",
                         args.transport,
+                        # The survivor trains on until the restart has healed back in.
+                        "--until-full",
+                        "2",
                     ],
                     kill_plan=KillPlan(at_step=args.kill_at, victims=(1,), max_kills=1),
                 )
