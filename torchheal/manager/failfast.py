@@ -188,11 +188,8 @@ class ConnectedQuorum:
         # A peer that said goodbye finished its job: the abort is routine (INFO), as the
         # lighthouse logs it; a peer that vanished is a failure (WARNING).
         log = self._log.info if reason.startswith("left") else self._log.warning
-        log(
-            f"replica group {replica_id} of quorum {quorum_id} is lost ({reason}): aborting "
-            "the cross-replica process group"
-        )
         self.aborted_for = f"replica group {replica_id} of quorum {quorum_id} is lost ({reason})"
+        log(f"{self.aborted_for}: aborting the cross-replica process group")
         abort = getattr(self._process_group(), "abort", None)
         if abort is not None:
             try:
