@@ -7,7 +7,8 @@ of the machine's memory (a tensor copy into a
 reused destination and into a freshly allocated one, which is what a healer receives into;
 CRC-32 on one core), of the sender's staging (description + checksums; a CPU state is not
 copied) and of a receive, for HTTPTransport num_chunks 0 and 4 (sender already staged and
-serving: wire time) and PGTransport over gloo (end to end: the sender stages inside
+serving: wire time; into fresh buffers, and "into own": into the receiver's own tensors, as a
+restarted group heals) and PGTransport over gloo (end to end: the sender stages inside
 ``send_checkpoint``, so this includes its staging).
 
 By default (``--mode cross``) the sender runs in a spawned process, as in real healing where
@@ -141,6 +142,13 @@ def _spawn(kind: str, mb: int, chunks: int, port: int, repeat: int) -> tuple[Any
     return proc, parent
 
 
+def _receive_into(rcv: HTTPTransport, url: str, mb: int, repeat: int) -> list[float]:
+    """Seconds per receive into the receiver's own tensors (already touched), as a restarted
+    group heals (``into=``: no fresh pages, nothing to copy when loading)."""
+    own = make_state(mb)
+    return timed(lambda: rcv.recv_checkpoint(0, url, 1, TIMEOUT, into=own), repeat)
+
+
 def measure_cross(mb: int, repeat: int, only: set[str]) -> dict[str, Any]:
     """Receive rates with the sender in another process."""
     gb = max(1, mb // 25) * (25 << 20) / 1e9  # as make_state
@@ -156,6 +164,7 @@ def measure_cross(mb: int, repeat: int, only: set[str]) -> dict[str, Any]:
         row[f"http{chunks}"] = rate(
             gb, timed(lambda rcv=rcv, url=url: rcv.recv_checkpoint(0, url, 1, TIMEOUT), repeat)
         )
+        row[f"http{chunks}in"] = rate(gb, _receive_into(rcv, url, mb, repeat))
         rcv.shutdown()
         conn.send("stop")
         proc.join(60)
@@ -197,6 +206,7 @@ def measure_same(mb: int, repeat: int, only: set[str]) -> dict[str, Any]:
         row[f"http{chunks}"] = rate(
             gb, timed(lambda rcv=rcv, url=url: rcv.recv_checkpoint(0, url, 1, TIMEOUT), repeat)
         )
+        row[f"http{chunks}in"] = rate(gb, _receive_into(rcv, url, mb, repeat))
         src.shutdown()
         rcv.shutdown()
     if "pg" not in only:
@@ -266,7 +276,9 @@ COLUMNS = [
     ("crc32", "crc32 1 core"),
     ("stage", "sender stage"),
     ("http0", "HTTP chunks=0"),
+    ("http0in", "HTTP 0 into own"),
     ("http4", "HTTP chunks=4"),
+    ("http4in", "HTTP 4 into own"),
     ("pg", "PG gloo e2e"),
 ]
 
@@ -301,7 +313,9 @@ def main() -> None:
         ]
         print(" | ".join(cells))
     print("\nreceive rate / raw socket rate (best / median; goal >= 0.80)")
-    shown = [c for c in ("http0", "http4", "pg") if any(c in row for row in rows)]
+    shown = [
+        c for c in ("http0", "http0in", "http4", "http4in", "pg") if any(c in row for row in rows)
+    ]
     print(" | ".join(f"{h:>15}" for h in ["state", *shown]))
     for row in rows:
         cells = [f"{row['size']:>15}"]

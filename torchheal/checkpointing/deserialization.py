@@ -333,17 +333,26 @@ def verify_segment(view: memoryview, seg: Segment) -> None:
         CheckpointError: the bytes differ from what was sent.
     """
     if crc32(view[seg.start : seg.end]) != seg.crc:
-        raise CheckpointError(
-            f"checkpoint checksum mismatch in storage {seg.storage} bytes "
-            f"[{seg.start}, {seg.end}) (corrupted transfer)"
-        )
+        raise _mismatch(seg)
+
+
+def _mismatch(seg: Segment) -> CheckpointError:
+    return CheckpointError(
+        f"checkpoint checksum mismatch in storage {seg.storage} bytes [{seg.start}, {seg.end}) "
+        "(corrupted transfer)"
+    )
+
+
+#: Bytes read per call by :func:`read_segments`: small enough to be still in cache when their
+#: CRC-32 is computed right after.
+READ_SLICE_BYTES = 1 << 20
 
 
 def read_segments(
     readinto: Callable[[memoryview], int],
     buffers: Sequence[torch.Tensor],
     segments: Sequence[Segment],
-    verify: Callable[[memoryview, Segment], None] = verify_segment,
+    verify: Callable[[memoryview, Segment], None] | None = None,
 ) -> None:
     """Reads ``segments`` from a stream straight into ``buffers`` (CPU), verifying each.
 
@@ -351,8 +360,9 @@ def read_segments(
         readinto: a stream's ``readinto``; returning 0 means end of stream.
         buffers: the receive buffers from ``allocate_buffers``.
         segments: the segments expected, in stream order.
-        verify: called with (storage bytes, segment) once a segment has arrived; checks it
-            inline by default, or queues it (``BlockVerifier.submit``) to overlap the next read.
+        verify: called with (storage bytes, segment) once a segment has arrived. By default
+            each block's CRC-32 is computed as it arrives, slice by slice, while the bytes just
+            received are still in cache (no second pass over memory), and checked at its end.
 
     Raises:
         CheckpointError: truncated stream or checksum mismatch.
@@ -360,16 +370,21 @@ def read_segments(
     views = [byte_view(b) for b in buffers]
     for seg in segments:
         view = views[seg.storage]
-        pos = seg.start
+        pos, crc = seg.start, 0
         while pos < seg.end:
-            n = readinto(view[pos : seg.end])
+            n = readinto(view[pos : min(seg.end, pos + READ_SLICE_BYTES)])
             if not n:
                 raise CheckpointError(
                     f"truncated checkpoint stream: storage {seg.storage} ended at byte {pos} "
                     f"of block [{seg.start}, {seg.end})"
                 )
+            if verify is None:
+                crc = crc32(view[pos : pos + n], crc)
             pos += n
-        verify(view, seg)
+        if verify is not None:
+            verify(view, seg)
+        elif crc != seg.crc:
+            raise _mismatch(seg)
 
 
 def rebuild(

@@ -41,6 +41,7 @@ from urllib.parse import parse_qs, urlsplit
 
 from torchheal._base.config import SecurityEnv, checkpoint_token
 from torchheal._base.timeouts import to_seconds
+from torchheal.checkpointing._direct_send import SocketDirectSend
 from torchheal.checkpointing._http_fetch import Client, fetch
 from torchheal.checkpointing.live import LIVE_FROM_BYTES, LiveCheckpoint
 from torchheal.checkpointing.rwlock import RWLock
@@ -218,7 +219,12 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         for h in head:
             self.wfile.write(h)
-        live.write(self.wfile.write, segments)
+        if isinstance(self.connection, ssl.SSLSocket):
+            # TLS records are retried with the same bytes: through a private copy.
+            live.write(self.wfile.write, segments)
+        else:
+            with SocketDirectSend(self.connection, transport._timeout) as direct:
+                live.write(self.wfile.write, segments, direct)
         mark("serve.end", key=key)
 
 

@@ -11,22 +11,37 @@ from that copy. A heal that ends within the source's forward and backward pass c
 no copy at all; a slow one costs a copy of the rest only, and never makes the trainer wait for
 a socket.
 
+Two ways to send a live block:
+
+* **Straight from the state** (a plain TCP connection, :class:`DirectSend`): the kernel copies
+  the bytes out of the trainer's tensors into the socket, one non-blocking ``send`` at a time,
+  and the CRC-32 of what each ``send`` took is computed right after, while it is still in cache.
+  A live read lasts one such call (a copy of at most the socket's free buffer): waiting for the
+  healer to make room happens outside it, so the freeze never waits for a slow healer. This is
+  the fast path: no copy in user space, measured at about twice the bounce path's rate on
+  loopback (``bench/transport.py``).
+* **Through a bounce buffer** (any other ``write``: TLS, whose records must be retried with the
+  same bytes; plain byte sinks in tests): the block is copied into a private buffer, checked
+  against the CRC-32 taken at staging, and only then written.
+
 Safety, block by block:
 
-* A live block is copied into a private bounce buffer, checked against the CRC-32 taken at
-  staging, and only then sent. A block that changed since (a large buffer that the forward
-  pass updates in place) is never sent: the transfer ends with an error (the healer's heal
-  fails, nothing is loaded) and :attr:`LiveCheckpoint.unstable` tells the transport to stage
-  private copies of everything from then on.
+* A live block that changed since staging (a large buffer that the forward pass updates in
+  place) fails its check: the transfer ends with an error at that block, and
+  :attr:`LiveCheckpoint.unstable` tells the transport to stage private copies of everything from
+  then on. Through a bounce buffer it is never sent; straight from the state its bytes may have
+  left, and the healer's own check of every block (against the staging CRCs in the
+  description) refuses them: nothing unverified is ever loaded.
 * The copy taken by the freeze is checksummed as it is made; a mismatch marks the checkpoint
   unstable the same way (the healer's own check then refuses the block).
 * After the freeze, a block that was already delivered to every expected healer (and so was
-  not copied) is refused to any further reader: nothing is ever read from the live state once
-  the trainer may change it.
+  not copied) is refused to any further reader, and a block in the middle of a direct send
+  goes on from the freeze's copy: nothing is ever read from the live state once the trainer may
+  change it.
 
 Small storages and accelerator storages are staged as private copies by ``stage`` (``live_from``)
-and served as they are. Nothing here knows about HTTP: a request is a list of segments and a
-``write`` callable, so this is tested with plain byte sinks.
+and served as they are. Nothing here knows about HTTP: a request is a list of segments, a
+``write`` callable and maybe a :class:`DirectSend`, so this is tested with plain byte sinks.
 """
 
 from __future__ import annotations
@@ -34,6 +49,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import torch
 
@@ -41,13 +57,38 @@ from torchheal.checkpointing._format import Segment, byte_view, crc32
 from torchheal.checkpointing.serialization import StagedCheckpoint, StagingPool
 from torchheal.checkpointing.transport import CheckpointError
 
-__all__ = ["LIVE_FROM_BYTES", "LiveCheckpoint"]
+__all__ = ["LIVE_FROM_BYTES", "DirectSend", "LiveCheckpoint"]
 
 logger = logging.getLogger(__name__)
 
 #: Storages of at least this size are served live; smaller ones are copied at staging (their
 #: copy costs little, and small tensors are the ones a forward pass may update: norm statistics).
 LIVE_FROM_BYTES = 1 << 20
+
+
+class DirectSend(Protocol):
+    """A connection that takes bytes straight from memory without blocking (a TCP socket)."""
+
+    def ready(self) -> None:
+        """Waits until the connection takes bytes again.
+
+        Raises:
+            TimeoutError: the reader stopped reading (bounded by the transport's timeout).
+        """
+
+    def send(self, data: memoryview) -> int:
+        """Sends what the connection takes now, without waiting.
+
+        Returns:
+            How many bytes of ``data`` it took (0 when none fit).
+        """
+
+
+def _not_served(seg: Segment) -> CheckpointError:
+    return CheckpointError(
+        f"checkpoint block [{seg.start}, {seg.end}) of storage {seg.storage} is no longer "
+        "served (the state has changed)"
+    )
 
 
 class LiveCheckpoint:
@@ -96,31 +137,39 @@ class LiveCheckpoint:
         """The live state is no longer read (:meth:`freeze` has returned)."""
         return self._frozen
 
-    def write(self, write: Callable[[memoryview], object], segments: Sequence[Segment]) -> None:
+    def write(
+        self,
+        write: Callable[[memoryview], object],
+        segments: Sequence[Segment],
+        direct: DirectSend | None = None,
+    ) -> None:
         """Sends ``segments`` (of ``staged.segments``), in order, through ``write``.
 
         Args:
-            write: e.g. a socket's ``sendall``; called with one block at a time.
+            write: e.g. a socket's ``sendall``; called with one block at a time (private bytes,
+                and live ones through a bounce buffer when there is no ``direct``).
             segments: the blocks to send.
+            direct: the same connection's non-blocking sends: live blocks go straight from
+                the state.
 
         Raises:
             CheckpointError: a live block changed since staging, or a block is no longer
                 served (already delivered to every expected healer before the freeze).
+            TimeoutError: ``direct`` waited too long for the reader.
         """
         bounce: torch.Tensor | None = None
         for seg in segments:
             i = self._index[seg]
             if not self.staged.live[seg.storage]:
                 write(self._views[seg.storage][seg.start : seg.end])
+            elif direct is not None:
+                self._send_direct(i, seg, write, direct)
             else:
                 with self._cond:
                     if self._copied[i]:
                         source = None
                     elif self._frozen:
-                        raise CheckpointError(
-                            f"checkpoint block [{seg.start}, {seg.end}) of storage "
-                            f"{seg.storage} is no longer served (the state has changed)"
-                        )
+                        raise _not_served(seg)
                     else:
                         self._live_reads += 1
                         source = self.staged.buffers[seg.storage]
@@ -145,6 +194,41 @@ class LiveCheckpoint:
                 self._delivered[i] += 1
         if bounce is not None:
             self._pool.give_back([bounce])
+
+    def _send_direct(
+        self, i: int, seg: Segment, write: Callable[[memoryview], object], direct: DirectSend
+    ) -> None:
+        """Sends live block ``i`` straight from the state, the rest from the freeze's copy.
+
+        Each non-blocking ``send`` is one live read; the wait for room is outside it.
+        """
+        view = self._views[seg.storage]
+        pos, crc = seg.start, 0
+        while pos < seg.end:
+            direct.ready()
+            with self._cond:
+                copied = self._copied[i]
+                if not copied:
+                    if self._frozen:
+                        raise _not_served(seg)
+                    self._live_reads += 1
+            if copied:
+                # Frozen mid-block: the rest comes from the copy (checked as it was copied).
+                rest = self._copy_views[seg.storage][pos : seg.end]
+                write(rest)
+                crc = crc32(rest, crc)
+                pos = seg.end
+                break
+            try:
+                n = direct.send(view[pos : seg.end])
+                crc = crc32(view[pos : pos + n], crc)  # what the kernel just copied, in cache
+            finally:
+                with self._cond:
+                    self._live_reads -= 1
+                    self._cond.notify_all()
+            pos += n
+        if crc != seg.crc:
+            self._changed(seg)
 
     @property
     def staged_block_bytes(self) -> int:
