@@ -118,6 +118,8 @@ class LiveCheckpoint:
         self._cond = threading.Condition()
         self._delivered = [0] * len(staged.segments)
         self._copied = [False] * len(staged.segments)
+        self._block_bytes = max((s.end - s.start for s in staged.segments), default=0)
+        # The freeze's copies, by segment index: one block-sized pool buffer each.
         self._copies: dict[int, torch.Tensor] = {}
         self._copy_views: dict[int, memoryview] = {}
         self._live_reads = 0
@@ -175,10 +177,10 @@ class LiveCheckpoint:
                         source = self.staged.buffers[seg.storage]
                 if source is None:
                     # Copied by the freeze (and checked as it was copied).
-                    write(self._copy_views[seg.storage][seg.start : seg.end])
+                    write(self._copy_views[i])
                 else:
                     if bounce is None:
-                        bounce = self._pool.take(self.staged_block_bytes)
+                        bounce = self._pool.take(self._block_bytes)
                     n = seg.end - seg.start
                     try:
                         bounce[:n].copy_(source[seg.start : seg.end])
@@ -214,7 +216,7 @@ class LiveCheckpoint:
                     self._live_reads += 1
             if copied:
                 # Frozen mid-block: the rest comes from the copy (checked as it was copied).
-                rest = self._copy_views[seg.storage][pos : seg.end]
+                rest = self._copy_views[i][pos - seg.start :]
                 write(rest)
                 crc = crc32(rest, crc)
                 pos = seg.end
@@ -229,11 +231,6 @@ class LiveCheckpoint:
             pos += n
         if crc != seg.crc:
             self._changed(seg)
-
-    @property
-    def staged_block_bytes(self) -> int:
-        """The largest segment (the bounce buffer's size)."""
-        return max((s.end - s.start for s in self.staged.segments), default=0)
 
     def _changed(self, seg: Segment) -> None:
         self._mark_unstable(seg)
@@ -272,17 +269,18 @@ class LiveCheckpoint:
             with self._cond:
                 if self._delivered[i] >= self._readers:
                     continue
-            copy = self._copies.get(seg.storage)
-            if copy is None:
-                copy = self._pool.take(self.staged.buffers[seg.storage].numel())
-                self._copy_views[seg.storage] = byte_view(copy)
-                with self._cond:
-                    self._copies[seg.storage] = copy
-            copy[seg.start : seg.end].copy_(self.staged.buffers[seg.storage][seg.start : seg.end])
-            if crc32(self._copy_views[seg.storage][seg.start : seg.end]) != seg.crc:
+            n = seg.end - seg.start
+            # A block-sized buffer per block still to send, not one per storage: a buffer the
+            # size of a large storage, faulted in for a few of its blocks, cost the trainer
+            # 0.76 s at 1 GB.
+            copy = self._pool.take(self._block_bytes)
+            copy[:n].copy_(self.staged.buffers[seg.storage][seg.start : seg.end])
+            view = byte_view(copy)[:n]
+            if crc32(view) != seg.crc:
                 self._mark_unstable(seg)
-            self.copied_bytes += seg.end - seg.start
+            self.copied_bytes += n
             with self._cond:
+                self._copies[i], self._copy_views[i] = copy, view
                 self._copied[i] = True
         with self._cond:
             self._frozen = True
