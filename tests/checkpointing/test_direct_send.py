@@ -202,3 +202,37 @@ def test_http_source_freezes_while_a_healer_has_stopped_reading() -> None:
         assert_same(decode_bytes(body), sent)
     finally:
         src.shutdown()
+
+
+def test_http_two_healers_at_once_through_the_freeze() -> None:
+    """Two healers download the same live state at once (sends straight from it interleave
+    with each other and with the freeze); both get the state as staged."""
+    src = HTTPTransport(TIMEOUT, 0, hostname="localhost", block_bytes=1 << 20)
+    healers = [HTTPTransport(TIMEOUT, 0, hostname="localhost") for _ in range(2)]
+    try:
+        state = {"w": torch.randn((24 << 20) // 4), "b": torch.randn((8 << 20) // 4)}
+        sent = _clone(state)
+        src.send_checkpoint([1, 2], 3, state, TIMEOUT)
+        assert src._staged is not None and src._staged.live == (True, True)
+        got: list[dict[str, object]] = [{}, {}]
+        threads = [
+            threading.Thread(
+                target=lambda i=i: got[i].update(
+                    healers[i].recv_checkpoint(0, src.metadata(), 3, TIMEOUT)
+                )
+            )
+            for i in range(2)
+        ]
+        for t in threads:
+            t.start()
+        src.disallow_checkpoint()
+        for t in state.values():
+            t.fill_(-1.0)
+        for t in threads:
+            t.join(30)
+        assert_same(got[0], sent)
+        assert_same(got[1], sent)
+    finally:
+        src.shutdown()
+        for h in healers:
+            h.shutdown()
