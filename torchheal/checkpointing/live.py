@@ -46,9 +46,10 @@ and served as they are. Nothing here knows about HTTP: a request is a list of se
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol
 
 import torch
@@ -82,13 +83,6 @@ class DirectSend(Protocol):
         Returns:
             How many bytes of ``data`` it took (0 when none fit).
         """
-
-
-def _not_served(seg: Segment) -> CheckpointError:
-    return CheckpointError(
-        f"checkpoint block [{seg.start}, {seg.end}) of storage {seg.storage} is no longer "
-        "served (the state has changed)"
-    )
 
 
 class LiveCheckpoint:
@@ -167,28 +161,17 @@ class LiveCheckpoint:
             elif direct is not None:
                 self._send_direct(i, seg, write, direct)
             else:
-                with self._cond:
-                    if self._copied[i]:
-                        source = None
-                    elif self._frozen:
-                        raise _not_served(seg)
-                    else:
-                        self._live_reads += 1
-                        source = self.staged.buffers[seg.storage]
-                if source is None:
+                n = seg.end - seg.start
+                with self._reading(i, seg) as live:
+                    if live:
+                        if bounce is None:
+                            bounce = self._pool.take(self._block_bytes)
+                        bounce[:n].copy_(self.staged.buffers[seg.storage][seg.start : seg.end])
+                        data = byte_view(bounce)[:n]
+                if not live:
                     # Copied by the freeze (and checked as it was copied).
                     write(self._copy_views[i])
                 else:
-                    if bounce is None:
-                        bounce = self._pool.take(self._block_bytes)
-                    n = seg.end - seg.start
-                    try:
-                        bounce[:n].copy_(source[seg.start : seg.end])
-                    finally:
-                        with self._cond:
-                            self._live_reads -= 1
-                            self._cond.notify_all()
-                    data = byte_view(bounce)[:n]
                     if crc32(data) != seg.crc:
                         self._changed(seg)
                     write(data)
@@ -208,29 +191,50 @@ class LiveCheckpoint:
         pos, crc = seg.start, 0
         while pos < seg.end:
             direct.ready()
-            with self._cond:
-                copied = self._copied[i]
-                if not copied:
-                    if self._frozen:
-                        raise _not_served(seg)
-                    self._live_reads += 1
-            if copied:
+            with self._reading(i, seg) as live:
+                if live:
+                    n = direct.send(view[pos : seg.end])
+                    crc = crc32(view[pos : pos + n], crc)  # what the kernel just copied, in cache
+            if not live:
                 # Frozen mid-block: the rest comes from the copy (checked as it was copied).
                 rest = self._copy_views[i][pos - seg.start :]
                 write(rest)
                 crc = crc32(rest, crc)
-                pos = seg.end
                 break
-            try:
-                n = direct.send(view[pos : seg.end])
-                crc = crc32(view[pos : pos + n], crc)  # what the kernel just copied, in cache
-            finally:
-                with self._cond:
-                    self._live_reads -= 1
-                    self._cond.notify_all()
             pos += n
         if crc != seg.crc:
             self._changed(seg)
+
+    @contextlib.contextmanager
+    def _reading(self, i: int, seg: Segment) -> Iterator[bool]:
+        """One read of live block ``i``, which the freeze waits for.
+
+        Yields:
+            True while the live state may be read; False (nothing held) when the freeze has
+            copied the block: read the copy.
+
+        Raises:
+            CheckpointError: the block is no longer served (delivered to every expected healer
+                before the freeze, so not copied).
+        """
+        with self._cond:
+            if self._copied[i]:
+                live = False
+            elif self._frozen:
+                raise CheckpointError(
+                    f"checkpoint block [{seg.start}, {seg.end}) of storage {seg.storage} is no "
+                    "longer served (the state has changed)"
+                )
+            else:
+                self._live_reads += 1
+                live = True
+        try:
+            yield live
+        finally:
+            if live:
+                with self._cond:
+                    self._live_reads -= 1
+                    self._cond.notify_all()
 
     def _changed(self, seg: Segment) -> None:
         self._mark_unstable(seg)
