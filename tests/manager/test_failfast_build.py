@@ -47,11 +47,14 @@ def test_notice_before_the_build_fails_it_before_it_starts() -> None:
     with pytest.raises(MemberLostError, match="peer of quorum 7 was lost before"):
         with job.connected.building(7, ["me", "peer"], _store.port):
             pytest.fail("the build ran although a member was already lost")
+    # The step failed for a lost group, as if its group had been aborted (a salvage may follow).
+    assert "peer of quorum 7 was lost before" in (job.connected.wait_aborted(0.0) or "")
     # Another quorum (the next one, without or even with the same group) builds normally.
     with job.connected.building(8, ["me"], _store.port):
         job.pg.configure(f"{addr}/q8", "me", 0, 1)
     job.connected.adopt(8, ["me"])
     assert job.connected.quorum_id == 8
+    assert job.connected.wait_aborted(0.0) is None
     assert job.aborts == 0
 
 
@@ -112,6 +115,30 @@ def test_notice_for_the_connected_quorum_aborts_it() -> None:
     assert (job.connected.quorum_id, job.aborts) == (2, 0)
     job.connected.on_member_lost("me", 2, "connection ended")
     assert (job.connected.quorum_id, job.aborts) == (-1, 1)
+
+
+def test_a_failed_step_waits_for_the_notice_that_explains_it() -> None:
+    """A collective fails on a dead peer's connection first; the lighthouse's word follows."""
+    store, addr = new_store()
+    job = Job()
+    with job.connected.building(3, ["me"], store.port):
+        job.pg.configure(f"{addr}/q3", "me", 0, 1)
+    job.connected.adopt(3, ["me"])
+    assert job.connected.wait_aborted(0.0) is None
+
+    class NoticeDuringTheWait(threading.Event):
+        """The lighthouse's notice is sent only once the step has begun to wait for it."""
+
+        def wait(self, timeout: float | None = None) -> bool:
+            threading.Thread(
+                target=job.connected.on_member_lost, args=("me", 3, "connection ended")
+            ).start()
+            return super().wait(timeout)
+
+    job.connected._aborted_event = NoticeDuringTheWait()
+    assert "me of quorum 3 is lost (connection ended)" in (
+        job.connected.wait_aborted(BOUND_S) or ""
+    )
 
 
 @pytest.mark.parametrize(

@@ -86,11 +86,22 @@ class ConnectedQuorum:
         self.quorum_id = -1
         #: The replica groups it connects.
         self.members: frozenset[str] = frozenset()
-        #: Why the process group was last aborted (the lost group and the reason), until the
-        #: next quorum's group is adopted: a collective that then fails to start is expected.
+        #: Why the process group was last aborted, or its build abandoned (the lost group and
+        #: the reason), until the next quorum's group is adopted: a collective that then fails
+        #: to start is expected.
         self.aborted_for: str | None = None
+        self._aborted_event = threading.Event()  # set with aborted_for
         self._lost: dict[int, set[str]] = {}
         self._build: _Build | None = None
+
+    def wait_aborted(self, timeout_s: float) -> str | None:
+        """Waits up to ``timeout_s`` for the group to be aborted for a lost member.
+
+        Returns:
+            :attr:`aborted_for` then (None: no abort came).
+        """
+        self._aborted_event.wait(timeout_s)
+        return self.aborted_for
 
     @contextmanager
     def building(
@@ -112,7 +123,7 @@ class ConnectedQuorum:
             if not lost:
                 self._build = build
         if lost:
-            raise MemberLostError(
+            raise self._abandoned(
                 f"replica group {sorted(lost)[0]} of quorum {quorum_id} was lost before its "
                 "process group was built"
             )
@@ -120,7 +131,7 @@ class ConnectedQuorum:
             yield
         except Exception as e:
             if build.lost is not None:
-                raise MemberLostError(
+                raise self._abandoned(
                     f"replica group {build.lost} of quorum {quorum_id} was lost while its "
                     f"process group was being built (the build was abandoned: {e})"
                 ) from e
@@ -129,6 +140,13 @@ class ConnectedQuorum:
             with self._lock:
                 self._build = None
             build.ended.set()
+
+    def _abandoned(self, why: str) -> MemberLostError:
+        # No group to abort, but the same word from the lighthouse: the step failed for a loss.
+        with self._lock:
+            self.aborted_for = why
+            self._aborted_event.set()
+        return MemberLostError(why)
 
     def adopt(self, quorum_id: int, replica_ids: Iterable[str]) -> None:
         """The process group was rebuilt for ``quorum_id`` with these groups.
@@ -144,6 +162,7 @@ class ConnectedQuorum:
                 self.quorum_id = quorum_id
                 self.members = members
                 self.aborted_for = None
+                self._aborted_event.clear()
                 return
             self.quorum_id = -1
             self.members = frozenset()
@@ -189,6 +208,7 @@ class ConnectedQuorum:
         # lighthouse logs it; a peer that vanished is a failure (WARNING).
         log = self._log.info if reason.startswith("left") else self._log.warning
         self.aborted_for = f"replica group {replica_id} of quorum {quorum_id} is lost ({reason})"
+        self._aborted_event.set()
         log(f"{self.aborted_for}: aborting the cross-replica process group")
         abort = getattr(self._process_group(), "abort", None)
         if abort is not None:
