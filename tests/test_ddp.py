@@ -123,3 +123,10 @@ def test_gradients_are_bucket_views_unless_asked_otherwise() -> None:
             grads[views] = [p.grad.clone() for p in module.parameters()]
     for with_views, without in zip(grads[True], grads[False], strict=True):
         assert torch.equal(with_views, without)
+
+
+def test_a_salvaging_manager_refuses_gradients_copied_out_of_the_buckets() -> None:
+    with lighthouse(min_replicas=1) as lh, replica(lh, "a", salvage_step=True) as a:
+        with pytest.raises(ValueError, match="gradient_as_bucket_view=False"):
+            DistributedDataParallel(a.manager, _model(), gradient_as_bucket_view=False)
+        DistributedDataParallel(a.manager, _model())  # the default (views) is fine

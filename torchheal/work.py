@@ -261,7 +261,9 @@ class _ManagedWork(dist.Work):
             return True
         except Exception as e:
             logger.exception("managed work failed; the step will not commit: %s", e)
-            self._manager.report_error(e)
+            # The Manager tells the step's own collective failures from the loop's reports.
+            report = getattr(self._manager, "_fail_step", None) or self._manager.report_error
+            report(e)
             return False
 
     def block_current_stream(self) -> None:

@@ -2,7 +2,8 @@
 
     python -m tests.failfast.worker --group G --incarnation I --groups N --lighthouse URL \
         --target-file F --out OUT [--impl torchheal|torchft] \
-        [--hold-after N] [--die-after N] [--die-at-join] [--timeout S] [--host ADDR]
+        [--hold-after N] [--die-after N] [--die-before-reducing N] [--die-at-join] \
+        [--timeout S] [--host ADDR] [--salvage]
 
 It trains the small MLP of ``tests/integration/workers.py`` under fault-tolerant DDP at
 ``min_replica_size=1``, on the batches of that module (a function of group and step), with SGD
@@ -22,6 +23,8 @@ before a SIGKILL are still read):
   it there, while the other groups wait in the collective for its data.
 * ``dying``: (``--die-after N``) in the step after its N-th full commit, the group started the
   allreduce and SIGKILLs itself now, from inside backward.
+* ``dying``: (``--die-before-reducing N``) the same, but before its allreduce starts: none of
+  its data reaches the others, so their collective of that step cannot complete.
 * ``dying``: (``--die-at-join``, torchheal only) the group's first quorum with every group of
   the job in it was just answered; the group SIGKILLs itself now, before it builds the process
   group for that quorum, while the other groups build theirs and wait for its address.
@@ -125,8 +128,12 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=10.0, help="collectives and should_commit")
     p.add_argument("--hold-after", type=int, default=-1, help="full commits, then hold once")
     p.add_argument("--die-after", type=int, default=-1, help="full commits, then die")
+    p.add_argument(
+        "--die-before-reducing", type=int, default=-1, help="full commits, then die unreduced"
+    )
     p.add_argument("--die-at-join", action="store_true", help="die before the first full build")
     p.add_argument("--host", default="127.0.0.1", help="address of this group's store")
+    p.add_argument("--salvage", action="store_true", help="Manager(salvage_step=True)")
     args = p.parse_args()
     first = args.incarnation == 0
 
@@ -136,6 +143,7 @@ def main() -> None:
     inner = make_optimizer(model)
     timeout = timedelta(seconds=args.timeout)
     store = dist.TCPStore(args.host, 0, is_master=True, wait_for_workers=False)
+    extra = {"salvage_step": True} if args.salvage else {}
     manager = ft.Manager(
         pg=ft.ProcessGroupGloo(timeout=timeout),
         load_state_dict=lambda sd: (
@@ -153,6 +161,7 @@ def main() -> None:
         store_port=store.port,
         lighthouse_addr=args.lighthouse,
         replica_id=f"g{args.group}",
+        **extra,
     )
     emit("ready", group=args.group, inc=args.incarnation, pid=os.getpid())
     if first and args.die_at_join:
@@ -167,7 +176,12 @@ def main() -> None:
         # DDP's comm hook calls manager.allreduce: this instance attribute sees every bucket.
         nonlocal held
         record = None
-        if not manager.errored() and "reduce" not in attempt:
+        # A salvaged step redoes its allreduces in a new quorum: its first one is recorded
+        # again (the new quorum and divisor are the ones the commit used).
+        replay = getattr(manager, "_replaying", False) and not attempt.get("replayed")
+        if replay:
+            attempt["replayed"] = True
+        if not manager.errored() and ("reduce" not in attempt or replay):
             manager.wait_quorum()
             record = {
                 "step": manager.current_step(),
@@ -175,6 +189,7 @@ def main() -> None:
                 "participating": bool(manager.is_participating()),
                 "divisor": manager.num_participants(),
                 "batch_step": attempt["batch_step"],
+                "salvaged": replay,
             }
             attempt["reduce"] = record
             emit("reduce", group=args.group, inc=args.incarnation, **record)
@@ -182,6 +197,9 @@ def main() -> None:
                 held = True
                 emit("reducing", group=args.group, **record)
                 sys.stdin.readline()  # the test freezes us here, then lets us go on
+        if first and record is not None and 0 <= args.die_before_reducing <= full_commits:
+            emit("dying", group=args.group, **record)
+            os.kill(os.getpid(), signal.SIGKILL)
         work = reduce(tensor, *a, **k)
         if first and record is not None and 0 <= args.die_after <= full_commits:
             emit("dying", group=args.group, **record)

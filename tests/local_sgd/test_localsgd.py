@@ -6,8 +6,9 @@ import pytest
 import torch
 from torch import nn
 
+from tests.cluster import lighthouse, replica
 from tests.local_sgd.fake_manager import FakeManager
-from torchheal.local_sgd import LocalSGD, extract_local_tensor
+from torchheal.local_sgd import DiLoCo, LocalSGD, extract_local_tensor
 
 
 def _model() -> nn.Module:
@@ -107,3 +108,18 @@ def test_extract_local_tensor() -> None:
     torch.testing.assert_close(out, torch.arange(4.0))
     out.add_(1)
     torch.testing.assert_close(p.detach(), torch.arange(4.0))
+
+
+def test_a_salvaging_manager_is_refused() -> None:
+    """LocalSGD and DiLoCo read their reduced tensors before voting: no salvaged redo."""
+    model = nn.Linear(3, 2)
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    outer = torch.optim.SGD(model.parameters(), lr=0.7)
+    with (
+        lighthouse(min_replicas=1) as lh,
+        replica(lh, "a", salvage_step=True, use_async_quorum=False) as a,
+    ):
+        with pytest.raises(ValueError, match="salvage_step=False"):
+            LocalSGD(a.manager, model, inner, sync_every=2)
+        with pytest.raises(ValueError, match="salvage_step=False"):
+            DiLoCo(a.manager, [model], inner, outer, sync_every=2)

@@ -132,6 +132,7 @@ def test_every_other_reader_of_the_environment() -> None:
         LauncherEnv,
         checkpoint_token,
         nccl_debug_pipe_prefix,
+        salvage_step,
         use_bucketization,
         watchdog_timeout_s,
     )
@@ -142,6 +143,10 @@ def test_every_other_reader_of_the_environment() -> None:
         watchdog_timeout_s({"TORCHHEAL_WATCHDOG_TIMEOUT_SEC": "-1"})
     assert use_bucketization({"TORCHFT_USE_BUCKETIZATION": "True"})
     assert not use_bucketization({"TORCHHEAL_USE_BUCKETIZATION": "1"})  # only "True", as ref
+    assert not salvage_step({})
+    assert salvage_step({"TORCHHEAL_SALVAGE_STEP": "1"})
+    with pytest.raises(ValueError, match="TORCHHEAL_SALVAGE_STEP must be 0 or 1"):
+        salvage_step({"TORCHHEAL_SALVAGE_STEP": "yes"})
     assert checkpoint_token({"TORCHHEAL_CHECKPOINT_TOKEN": ""}) is None
     assert nccl_debug_pipe_prefix({"TORCH_NCCL_DEBUG_INFO_PIPE_FILE": "/tmp/fr"}) == "/tmp/fr"
     assert LauncherEnv.from_env({}) == LauncherEnv()

@@ -229,6 +229,28 @@ def watchdog_timeout_s(environ: Mapping[str, str] | None = None) -> float:
     return seconds
 
 
+#: ``1``: the Manager salvages the step in flight when a replica group is lost in it.
+SALVAGE_STEP_ENV: str = "TORCHHEAL_SALVAGE_STEP"
+
+
+def salvage_step(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether a Manager built with ``salvage_step=None`` salvages the step in flight.
+
+    ``TORCHHEAL_SALVAGE_STEP``: ``1`` turns it on, ``0`` or unset leaves it off (the
+    reference has no such setting).
+
+    Args:
+        environ: the environment to read; ``os.environ`` when None.
+
+    Raises:
+        ValueError: the variable is set to anything else.
+    """
+    value = _environ(environ).get(SALVAGE_STEP_ENV, "0").strip()
+    if value not in ("0", "1"):
+        raise ValueError(f"{SALVAGE_STEP_ENV} must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
 def use_bucketization(environ: Mapping[str, str] | None = None) -> bool:
     """Whether DiLoCo allreduces pseudo-gradients in flat buckets by default.
 

@@ -38,6 +38,7 @@ from torchheal.local_sgd.localsgd import (
     extract_local_tensor,
     is_dtensor,
     local_view,
+    refuse_salvage,
 )
 
 __all__ = ["DiLoCo"]
@@ -274,6 +275,7 @@ class DiLoCo(OptimizerStepHooks):
         fragment_update_alpha: float = 0.0,
     ) -> None:
         n = len(model_fragments)
+        refuse_salvage(manager, "DiLoCo")
         if isinstance(outer_optimizer, list) and len(outer_optimizer) != n:
             raise ValueError(
                 f"got {len(outer_optimizer)} outer optimizers for {n} model fragments; "

@@ -46,6 +46,24 @@ class SyncManager(Protocol):
     def disallow_state_dict_read(self) -> None: ...
 
 
+def refuse_salvage(manager: Any, who: str) -> None:
+    """Raises when ``manager`` salvages steps: the reduced values are read before the vote.
+
+    Args:
+        manager: the Manager.
+        who: the class that refuses (for the message).
+
+    Raises:
+        ValueError: the Manager was built with ``salvage_step=True``.
+    """
+    if getattr(manager, "_salvage", False) is True:
+        raise ValueError(
+            f"{who} reads its reduced tensors before should_commit, which a salvaged step "
+            "would redo afterwards: build the Manager with salvage_step=False (unset "
+            "TORCHHEAL_SALVAGE_STEP)"
+        )
+
+
 def is_dtensor(t: torch.Tensor) -> bool:
     """Whether ``t`` is a DTensor (False when torch has no DTensor support)."""
     return DTensor is not None and isinstance(t, DTensor)
@@ -143,6 +161,7 @@ class LocalSGD(OptimizerStepHooks):
     ) -> None:
         if sync_every < 1:
             raise ValueError(f"sync_every must be >= 1, got {sync_every}")
+        refuse_salvage(manager, type(self).__name__)
         self._manager = manager
         self._model = model
         self._optimizer = optimizer

@@ -21,6 +21,7 @@ Where each job lives:
 * ``failfast.py`` - aborting the process group when the lighthouse says a member is lost.
 * ``allreduce.py`` - the collective on the wire and the average after it.
 * ``step.py`` - the step's error and the collectives the vote must wait for.
+* ``salvage.py`` - redoing a step's allreduces when a group dies in it (``salvage_step``).
 * ``views.py`` - the reference's test-visible attributes as views of the parts.
 * ``telemetry.py`` - the metrics and structured records the Manager reports.
 * ``log.py`` - the per-rank log prefix.

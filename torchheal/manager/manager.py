@@ -17,6 +17,10 @@ aborts its cross-replica process group at once
 (:class:`~torchheal.manager.failfast.ConnectedQuorum`), so a collective blocked on a dead group
 fails now instead of at its timeout.
 
+Salvaging (``salvage_step=True``, :mod:`torchheal.manager.salvage`): a step failed by such an
+abort is redone in ``should_commit``, in a new quorum without the lost group, instead of being
+skipped.
+
 Errors: a quorum RPC error (timeout, lighthouse unreachable, not in the quorum) and a
 ``should_commit`` RPC error are raised; any other failure in a step (process-group
 reconfiguration, checkpoint transfer, a collective) is reported and makes the step not commit.
@@ -34,6 +38,7 @@ from typing import Any, TypeVar
 import torch
 from torch.distributed import ReduceOp
 
+from torchheal._base import config
 from torchheal.checkpointing import CheckpointTransport, HTTPTransport
 from torchheal.coordination.plan import Participation, WorldSizeMode
 from torchheal.coordination.vote import local_vote, retry_limit_error
@@ -44,6 +49,12 @@ from torchheal.manager.failfast import ConnectedQuorum
 from torchheal.manager.heal import HealStep
 from torchheal.manager.quorum_thread import QuorumThread
 from torchheal.manager.quorum_worker import QuorumOutcome, StepRequest
+from torchheal.manager.salvage import (
+    LOSS_NOTICE_GRACE_S,
+    NOT_A_LOSS,
+    KeptInputs,
+    salvage_refusal,
+)
 from torchheal.manager.settings import ManagerSettings
 from torchheal.manager.state import StateRegistry
 from torchheal.manager.step import ExceptionWithTraceback, StepLedger
@@ -91,6 +102,10 @@ class Manager:
         init_sync: synchronise weights from a primary at step 0 (False if seeded identically).
         max_retries: consecutive failed commits tolerated before ``should_commit`` raises.
         quorum_retries: lighthouse quorum retries in the ManagerServer.
+        salvage_step: when a replica group is lost during a step, redo the step's allreduces
+            in a new quorum instead of skipping the step (:mod:`torchheal.manager.salvage`:
+            what it costs and what it asks of the training loop). Replica groups of one rank
+            only. ``TORCHHEAL_SALVAGE_STEP=1`` when None; off by default, as the reference.
     """
 
     def __init__(
@@ -117,6 +132,7 @@ class Manager:
         init_sync: bool = True,
         max_retries: int | None = None,
         quorum_retries: int = 0,
+        salvage_step: bool | None = None,
     ) -> None:
         settings = ManagerSettings.resolve(
             timeout=timeout,
@@ -152,6 +168,10 @@ class Manager:
         self._init_sync = init_sync
         self._max_retries = max_retries
         self._commit_failures = 0
+        self._salvage = config.salvage_step() if salvage_step is None else salvage_step
+        self._kept = KeptInputs()
+        self._salvaged = False  # this step was redone in a new quorum
+        self._replaying = False
 
         if checkpoint_transport is None:
             checkpoint_transport = HTTPTransport(timeout=self._timeout, num_chunks=0)
@@ -199,6 +219,11 @@ class Manager:
         self._participation: Participation | None = None
         self._worker.guard_builds(self._connected.building)
         self._endpoints.watch_lost(self._group_rank, self._connected.on_member_lost)
+        if self._salvage and self._group_world_size != 1:
+            self._logger.warning(
+                f"salvage_step is for replica groups of one rank; this one has "
+                f"{self._group_world_size}: a step a group dies in is skipped, as without it"
+            )
 
     # -- test-visible attributes of the reference (§2.2), kept as views of the parts ----------
 
@@ -297,14 +322,27 @@ class Manager:
         self._quorums.raise_unobserved()
         self._heal.drain()  # the last step's transfer, if its should_commit never came
         self._ledger.begin()
+        self._kept.begin()
+        self._salvaged = False
         if self._heal.begin():
             self._start_warmup()
             return
+        self._quorums.submit(self._step_request(allow_heal, shrink_only, timeout))
+        if not self._use_async_quorum:
+            self.wait_quorum()
+            if self._healing:
+                # Load before the forward pass; this replica then contributes like the others.
+                self._apply_pending_state_dict()
+                self._healing = False
 
-        # Capture what a healing peer would receive on this (the training) thread; a torn
-        # replica (a heal into its own tensors failed part way) has nothing it may send.
+    def _step_request(
+        self, allow_heal: bool, shrink_only: bool, timeout: timedelta | None
+    ) -> StepRequest:
+        """This step's quorum request (captures the state a healing peer would receive)."""
+        # Captured on this (the training) thread; a torn replica (a heal into its own tensors
+        # failed part way) has nothing it may send.
         captured = self._capture_state_dict() if allow_heal and not self._heal.torn else None
-        request = StepRequest(
+        return StepRequest(
             step=self._step,
             commit_failures=self._commit_failures,
             current_quorum_id=self._quorum_id,
@@ -318,13 +356,6 @@ class Manager:
             # Nothing worth keeping (never committed): a heal receives into its own tensors.
             heal_in_place=self._step == 0 and self._batches_committed == 0,
         )
-        self._quorums.submit(request)
-        if not self._use_async_quorum:
-            self.wait_quorum()
-            if self._healing:
-                # Load before the forward pass; this replica then contributes like the others.
-                self._apply_pending_state_dict()
-                self._healing = False
 
     def _start_warmup(self) -> None:
         """This group (re)started into a running job: its first step runs alone (see
@@ -370,7 +401,7 @@ class Manager:
         if outcome.reconfigured:
             self._connected.adopt(outcome.quorum.quorum_id, outcome.quorum.replica_ids)
         for error in outcome.errors:
-            self.report_error(error)
+            self._fail_step(error)
         self._heal.take_outcome(outcome)
 
     def _apply_pending_state_dict(self) -> None:
@@ -402,8 +433,12 @@ class Manager:
             ValueError: AVG on a non-floating point tensor.
             TimeoutError, RuntimeError: the quorum of this step failed.
         """
-        if self.errored() or self._heal.warming_up:
+        if self._heal.warming_up:
             return _DummyWork(tensor)  # the warm-up step's collectives are local no-ops
+        if self._salvage and not self._replaying:
+            self._kept.keep(tensor, reduce_op, should_quantize)  # before it is reduced
+        if self.errored():
+            return _DummyWork(tensor)
         self.wait_quorum()
         num_participants = self.num_participants()
         is_avg = reduce_op == ReduceOp.AVG
@@ -425,7 +460,7 @@ class Manager:
             else:
                 self._logger.exception(f"allreduce failed to start, skipping the step: {e}")
             self._telemetry.allreduce_failed()
-            self.report_error(e)
+            self._fail_step(e)
             return _DummyWork(tensor)
 
         # Counts this allreduce's failure once, whether wait() or its future reports it.
@@ -441,8 +476,13 @@ class Manager:
         Args:
             e: what failed.
         """
+        self._fail_step(e, foreign=True)
+
+    def _fail_step(self, e: Exception, foreign: bool = False) -> None:
+        # ``foreign``: reported by the training loop, not by the step's collectives or quorum
+        # (a new quorum would not cure it: such a step is never salvaged).
         self._logger.warning(f"step failed: {type(e).__name__}: {e}")
-        self._ledger.report(e)
+        self._ledger.report(e, foreign=foreign)
         self._telemetry.error()
 
     def errored(self) -> ExceptionWithTraceback | None:
@@ -463,7 +503,8 @@ class Manager:
             timeout: defaults to the manager's ``timeout``.
         """
 
-        return self._wrap_future_then(fut, _value, default, timeout)
+        # The loop's own future: a salvage would not redo it, so its failure stands.
+        return self._wrap_future_then(fut, _value, default, timeout, foreign=True)
 
     def _wrap_future_then(
         self,
@@ -471,6 +512,7 @@ class Manager:
         then: Callable[[torch.futures.Future[Any]], T],
         default: T,
         timeout: timedelta | None = None,
+        foreign: bool = False,
     ) -> torch.futures.Future[T]:
         # ``wrap_future(fut.then(then), default)`` in one callback on ``fut``: this runs for
         # every gradient bucket, on the thread completing its collective (torchheal.work).
@@ -479,7 +521,7 @@ class Manager:
                 return then(f)
             except Exception as e:
                 self._logger.exception(f"future failed, skipping the step: {e}")
-                self.report_error(e)
+                self._fail_step(e, foreign=foreign)
                 return default
 
         wrapped = timed_then(fut, timeout or self._timeout, callback)
@@ -503,6 +545,7 @@ class Manager:
         self._ledger.settle()
         if self._heal.end_warmup():
             return False  # the warm-up step is not voted on
+        self._salvage_if_lost()
         self._heal.settle()
         self._heal.synchronize()
         if torch.cuda.is_available():
@@ -510,7 +553,7 @@ class Manager:
 
         pg_error = self._pg.errored()
         if pg_error is not None:
-            self.report_error(pg_error)
+            self._fail_step(pg_error)
         if self._healing:
             self._apply_pending_state_dict()
         self._heal.check_torn()
@@ -552,6 +595,58 @@ class Manager:
                 self._logger.warning(message)
                 raise RuntimeError(message)
         return decision
+
+    def _salvage_if_lost(self) -> None:
+        """Redoes this step's allreduces in a new quorum when a replica group was lost in it.
+
+        See :mod:`torchheal.manager.salvage`. On the training thread, in ``should_commit``,
+        once every collective of the step has ended.
+        """
+        kept = self._kept.take()
+        facts = dict(
+            enabled=self._salvage,
+            errored=self._errored is not None or self._pg.errored() is not None,
+            foreign=self._ledger.foreign_error,
+            kept=len(kept),
+            group_world_size=self._group_world_size,
+            healing=self._healing,
+            contributed=self.is_participating(),
+            already_salvaged=self._salvaged,
+        )
+        refusal = salvage_refusal(aborted_for=self._connected.aborted_for, **facts)
+        if refusal == NOT_A_LOSS:
+            # A collective fails on the dead group's connections before the notice arrives.
+            lost = self._connected.wait_aborted(LOSS_NOTICE_GRACE_S)
+            refusal = salvage_refusal(aborted_for=lost, **facts)
+        if refusal is not None:
+            if self._salvage and self._errored is not None:
+                self._logger.info(f"step {self._step} not salvaged: {refusal}")
+            return
+        lost = self._connected.aborted_for
+        self._logger.warning(
+            f"salvaging step {self._step}: {lost}; redoing its {len(kept)} allreduces in a new "
+            "quorum"
+        )
+        self._salvaged = True
+        self._ledger.drain()  # nothing of the failed attempt may still write into the tensors
+        self._heal.drain()  # a transfer of the failed attempt's quorum: dropped
+        self._ledger.begin()
+        self._quorums.submit(self._step_request(True, True, None))
+        try:
+            self.wait_quorum()
+        except Exception as e:
+            self._fail_step(e)
+            return
+        self._replaying = True
+        try:
+            for k in kept:
+                k.tensor.copy_(k.kept)
+                self.allreduce(k.tensor, k.should_quantize, k.reduce_op)
+        finally:
+            self._replaying = False
+        self._ledger.settle()
+        if self._errored is None:
+            self._telemetry.salvaged()
 
     # -- manager state and queries --------------------------------------------------------
 

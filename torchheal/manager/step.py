@@ -58,6 +58,9 @@ class StepLedger:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._error: ExceptionWithTraceback | None = None
+        #: Whether a failure of this step came from outside the step's collectives and
+        #: quorum (the training loop's own ``report_error``): a new quorum would not cure it.
+        self.foreign_error = False
         self._works: list[_Work] = []
         self._futures: list[_Future] = []
 
@@ -74,20 +77,24 @@ class StepLedger:
         """Opens a new step: no error, nothing outstanding."""
         with self._lock:
             self._error = None
+            self.foreign_error = False
             self._works = []
             self._futures = []
 
-    def report(self, e: Exception) -> ExceptionWithTraceback:
+    def report(self, e: Exception, foreign: bool = False) -> ExceptionWithTraceback:
         """Records that the step failed.
 
         Args:
             e: what failed.
+            foreign: it came from outside the step's collectives and quorum.
 
         Returns:
             the recorded error, with its stack trace.
         """
         wrapped = ExceptionWithTraceback(e)
         self._error = wrapped
+        if foreign:
+            self.foreign_error = True
         return wrapped
 
     def track_work(self, work: _Work) -> None:
@@ -112,18 +119,36 @@ class StepLedger:
         """Waits for this step's unwaited collectives, then its wrapped futures.
 
         A work's ``wait`` and a wrapped future report their own failures here, so once the
-        step has an error the rest is not waited for: the vote is "no" already. Both lists
-        are emptied either way.
+        step has an error the rest is not waited for: the vote is "no" already (what is left
+        stays for :meth:`drain`).
+        """
+        while self._error is None:
+            with self._lock:
+                if self._works:
+                    work: _Work | None = self._works.pop(0)
+                    fut: _Future | None = None
+                elif self._futures:
+                    work, fut = None, self._futures.pop(0)
+                else:
+                    return
+            if work is not None and not work._waited:
+                work.wait()
+            elif fut is not None:
+                fut.wait()
+
+    def drain(self) -> None:
+        """Waits for every collective and wrapped future of the step that nobody waited for.
+
+        For a step that is redone: nothing of the failed attempt may still write into its
+        tensors. (A work handed on as a future, as DDP's comm hook does, was waited by its
+        holder before the vote.) Their failures are reported as usual; the caller opens the
+        step again.
         """
         with self._lock:
             works, self._works = self._works, []
             futures, self._futures = self._futures, []
         for work in works:
-            if self._error is not None:
-                return
             if not work._waited:
                 work.wait()
         for fut in futures:
-            if self._error is not None:
-                return
             fut.wait()

@@ -182,6 +182,10 @@ class Telemetry:
                 },
             )
 
+    def salvaged(self) -> None:
+        """A step was redone in a new quorum after a replica group was lost in it."""
+        self.stats.steps_salvaged += 1
+
     # -- quorum thread ---------------------------------------------------------------------
 
     def quorum(

@@ -51,6 +51,9 @@ class TrainerStats:
         self.steps_committed = 0
         #: Steps it voted on and did not commit.
         self.steps_failed = 0
+        #: Steps whose allreduces were redone (without error) in a new quorum after a group
+        #: was lost in them.
+        self.steps_salvaged = 0
         #: The step the replica group is at (its committed steps, heals included).
         self.step = 0
         #: Quorums this rank took part in, and their duration on the quorum thread (the quorum
@@ -112,6 +115,12 @@ _FAMILIES: tuple[_Family, ...] = (
         "steps_failed",
         "Steps the replica group voted on and did not commit.",
         "steps_failed",
+    ),
+    _Family(
+        "counter",
+        "steps_salvaged",
+        "Steps redone in a new quorum after a replica group was lost during them.",
+        "steps_salvaged",
     ),
     _Family("counter", "quorums", "Quorums this rank took part in.", "quorums"),
     _Family(

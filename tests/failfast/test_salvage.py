@@ -1,0 +1,89 @@
+"""Salvaging the step in flight: a group dies in the middle of a step, the survivors commit it.
+
+Real processes (``tests.failfast.worker`` with ``--salvage``: ``Manager(salvage_step=True)``)
+against a real lighthouse at the reference's defaults. A group SIGKILLs itself inside its DDP
+comm hook before its allreduce starts, so none of its data reaches the survivors: their
+collective of that step cannot complete, and without salvage they would skip the step. With
+it, each survivor redoes the step's allreduces in a new quorum without the dead group, and
+commits the very step it was computing, averaged over the survivors. Then the dead group
+restarts, heals, and every group ends bit-identical and on the replayed history (``replay.py``,
+which takes each committed step's quorum and divisor from the workers' records: the salvaged
+attempt is recorded with its own).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.cluster import lighthouse, url
+from tests.failfast.job import Job
+from tests.failfast.test_kill import (
+    START_BOUND_S,
+    SURVIVORS_BOUND_S,
+    heal_and_finish,
+    survivors_go_on,
+)
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+
+def test_survivors_commit_the_step_a_group_died_in(tmp_path: Path) -> None:
+    """Three groups; g2 dies unreduced in a step; g0 and g1 commit that step, salvaged.
+
+    Both survivors' commit of the step is a redo in one new quorum, divided by 2, from the step
+    they were computing (not a later one), and neither failed a step in between.
+    """
+    groups, victim = 3, 2
+    with lighthouse(
+        min_replicas=1, join_timeout_ms=100, quorum_tick_ms=100, heartbeat_timeout_ms=5_000
+    ) as lh:
+        job = Job(tmp_path, url(lh), groups)
+        try:
+            job.start(0, "--salvage")
+            job.start(1, "--salvage")
+            job.start(victim, "--salvage", "--die-before-reducing", "3")
+            job.expect_death(victim)
+            dying = job.wait_for(
+                f"g{victim} to kill itself inside its comm hook, unreduced",
+                lambda events: next((e for e in events if e["kind"] == "dying"), None),
+                START_BOUND_S,
+            )
+            job.current(victim).popen.wait(timeout=30)
+            survivors = [g for g in range(groups) if g != victim]
+
+            def step_in_flight(events: list[dict], g: int) -> dict | None:
+                return next(
+                    (
+                        e
+                        for e in events
+                        if e["kind"] == "step"
+                        and e["group"] == g
+                        and e["before"] == dying["step"]
+                        and e["time"] > dying["time"]
+                    ),
+                    None,
+                )
+
+            ended = job.wait_for(
+                "the survivors to end the step g2 died in",
+                lambda events: (
+                    [step_in_flight(events, g) for g in survivors]
+                    if all(step_in_flight(events, g) for g in survivors)
+                    else None
+                ),
+                SURVIVORS_BOUND_S,
+            )
+            for g, e in zip(survivors, ended, strict=True):
+                record = e["reduce"]
+                assert e["committed"], f"g{g} skipped the step g{victim} died in: {e}"
+                assert record["salvaged"], f"g{g}'s commit of that step was not a redo: {e}"
+                assert record["divisor"] == groups - 1, e
+                assert record["batch_step"] == dying["step"], e
+            assert len({e["reduce"]["quorum_id"] for e in ended}) == 1, ended
+            assert ended[0]["reduce"]["quorum_id"] != dying["quorum_id"], ended
+            survivors_go_on(job, victim, since=dying["time"])
+            heal_and_finish(job, victim, exact=False)
+        finally:
+            job.close()
