@@ -41,6 +41,7 @@ Goals (issue 9): job steps >= 0.99, commits >= 0.97, no survivor gap over 0.5 s.
     python -m bench.goodput                      # ~5 min on 2 cores with the reference
     python -m bench.goodput --impls torchheal --healthy 30 --failing 40 --timeline
     python -m bench.goodput --restart both       # warm and cold restarts, one run each
+    python -m bench.goodput --impls torchheal,torchheal+salvage   # the step in flight salvaged
 
 On a 2-core machine three CPU-bound groups saturate the CPU, so a dead group makes the others
 faster and the ratios say more about the CPU than about fault tolerance; ``--compute-s`` adds a
@@ -100,10 +101,10 @@ def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
     from torch import nn
 
-    ft = importlib.import_module(args.impl)
+    ft = importlib.import_module(library(args.impl))
     # The library's own (lazy) imports belong to start-up too.
     _ = (ft.Manager, ft.ProcessGroupGloo, ft.DistributedDataParallel, ft.Optimizer)
-    importlib.import_module(f"{args.impl}.checkpointing")
+    importlib.import_module(f"{library(args.impl)}.checkpointing")
     _emit("imported")
     torch.set_num_threads(1)  # three groups share the cores
     torch.manual_seed(0)
@@ -175,6 +176,15 @@ def worker(args: argparse.Namespace) -> None:
 # Driver: processes
 
 
+#: ``--impls`` name of torchheal with ``Manager(salvage_step=True)`` (torchheal's lighthouse).
+SALVAGE = "torchheal+salvage"
+
+
+def library(impl: str) -> str:
+    """The library an ``--impls`` name runs ("torchheal+salvage" is torchheal)."""
+    return impl.split("+", 1)[0]
+
+
 @contextlib.contextmanager
 def lighthouse_process(impl: str, log: Path) -> Iterator[str]:
     """A lighthouse of ``impl`` in its own process (its CLI), at the reference's defaults.
@@ -191,7 +201,10 @@ def lighthouse_process(impl: str, log: Path) -> Iterator[str]:
     with (
         open(log, "w") as out,
         lighthouse_process_of(
-            lighthouse_command(impl, port), port, out, {**os.environ, "RUST_LOG": "info"}
+            lighthouse_command(library(impl), port),
+            port,
+            out,
+            {**os.environ, "RUST_LOG": "info"},
         ) as addr,
     ):
         yield addr
@@ -215,8 +228,8 @@ def preload(impl: str) -> list[str]:
         "torch",
         "torch.distributed",
         "torch._dynamo",  # the first optimizer built imports it (~1.5 s here)
-        *(f"{impl}{m}" for m in ("", ".manager", ".process_group", ".ddp", ".optim")),
-        f"{impl}.checkpointing",
+        *(f"{library(impl)}{m}" for m in ("", ".manager", ".process_group", ".ddp", ".optim")),
+        f"{library(impl)}.checkpointing",
     ]
 
 
@@ -253,6 +266,8 @@ class Job:
         self.committed: set[tuple[int, int]] = set()  # (group, incarnation) that committed
         self.arrivals: queue.Queue[dict[str, Any]] = queue.Queue()
         self.env = {**os.environ, "LOGLEVEL": "WARNING", "RUST_LOG": "warn", "OMP_NUM_THREADS": "1"}
+        # The worker's Manager reads it (salvage_step=None); any other run has it off.
+        self.env["TORCHHEAL_SALVAGE_STEP"] = "1" if impl == SALVAGE else "0"
         self.pool = SparePool(
             self.command(0),
             1 if restart == "warm" else 0,
@@ -780,7 +795,8 @@ def main() -> None:
     p.add_argument(
         "--impls",
         default=None,
-        help="comma-separated (default: torchheal, and torchft if installed)",
+        help="comma-separated: torchheal, torchheal+salvage (Manager(salvage_step=True)), "
+        "torchft (default: torchheal, and torchft if installed)",
     )
     p.add_argument("--groups", type=int, default=3)
     p.add_argument(

@@ -5,7 +5,10 @@ Each configuration runs as separate processes; steps/s is measured on every grou
 warm-up and averaged. Goal: torchheal within 5% of plain DDP and at least the reference.
 
     python -m bench.step_overhead [--steps 120] [--warmup 20] [--rounds 2] [--phases]
-                                  [--malloc glibc|steady]
+                                  [--malloc glibc|steady] [--salvage]
+
+``--salvage`` adds torchheal with ``Manager(salvage_step=True)``: what keeping a copy of every
+allreduce's input costs a step (the price of committing the step a group dies in).
 
 On CPU the step's gradients (18 MB here) are freed by ``zero_grad`` and allocated again by the
 next backward. glibc's malloc gives the top of its heap back to the system when more than its
@@ -85,6 +88,10 @@ def main_thread_faults_per_step(result: RunResult, steps: int) -> list[float]:
     ]
 
 
+#: torchheal with ``Manager(salvage_step=True)`` (``TORCHHEAL_SALVAGE_STEP=1``).
+SALVAGE = "torchheal+salvage"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=120)
@@ -107,13 +114,23 @@ def main() -> None:
         help="every configuration's DDP with gradient_as_bucket_view=True",
     )
     parser.add_argument(
-        "--only", nargs="+", choices=["plain", "torchheal", "torchft"], help="configurations"
+        "--salvage",
+        action="store_true",
+        help="also torchheal with Manager(salvage_step=True): the cost of keeping each "
+        "allreduce's input",
+    )
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        choices=["plain", "torchheal", SALVAGE, "torchft"],
+        help="configurations",
     )
     args = parser.parse_args()
     worker_args = ["--steps", str(args.steps), "--warmup", str(args.warmup)]
     worker_args += ["--phases"] if args.phases else []
     worker_args += ["--bucket-view"] if args.bucket_view else []
-    impls = ["plain", "torchheal"] + (["torchft"] if reference_available() else [])
+    impls = ["plain", "torchheal"] + ([SALVAGE] if args.salvage or args.only else [])
+    impls += ["torchft"] if reference_available() else []
     if args.only:
         impls = [i for i in impls if i in args.only]
     results: dict[str, list[float]] = {i: [] for i in impls}
@@ -135,8 +152,11 @@ def main() -> None:
                 result = run_workers("plain", 2, "http://unused:1", worker_args, env=env)
                 del store
             else:
-                with lighthouse(impl) as addr:
-                    result = run_workers(impl, 2, addr, worker_args, env=malloc_env)
+                library = impl.split("+")[0]
+                salvage = {"TORCHHEAL_SALVAGE_STEP": "1" if impl == SALVAGE else "0"}
+                with lighthouse(library) as addr:
+                    env = {**malloc_env, **salvage}
+                    result = run_workers(library, 2, addr, worker_args, env=env)
             assert not result.timed_out, f"{impl} run timed out"
             results[impl].append(steps_per_second(result, args.warmup))
             phases[impl].append(phase_medians(result, args.warmup))
@@ -153,6 +173,7 @@ def main() -> None:
     names = {
         "plain": "plain torch DDP",
         "torchheal": "torchheal FT DDP",
+        SALVAGE: "torchheal + salvage_step",
         "torchft": "torchft (reference) FT DDP",
     }
     for impl in impls:
