@@ -70,7 +70,10 @@ class DistributedDataParallel(parallel.DistributedDataParallel):
                 raise ValueError(f"torchheal DistributedDataParallel sets {fixed} itself")
         kwargs.setdefault("init_sync", False)
         kwargs.setdefault("gradient_as_bucket_view", True)
-        if getattr(manager, "_salvage", False) is True and not kwargs["gradient_as_bucket_view"]:
+        if (
+            getattr(manager, "salvage_step", False) is True
+            and not kwargs["gradient_as_bucket_view"]
+        ):
             raise ValueError(
                 "gradient_as_bucket_view=False copies each reduced bucket into the gradients "
                 "before should_commit, which a salvaged step would redo afterwards: keep the "

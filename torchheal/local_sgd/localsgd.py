@@ -56,7 +56,7 @@ def refuse_salvage(manager: Any, who: str) -> None:
     Raises:
         ValueError: the Manager was built with ``salvage_step=True``.
     """
-    if getattr(manager, "_salvage", False) is True:
+    if getattr(manager, "salvage_step", False) is True:
         raise ValueError(
             f"{who} reads its reduced tensors before should_commit, which a salvaged step "
             "would redo afterwards: build the Manager with salvage_step=False (unset "

@@ -251,6 +251,11 @@ class Manager:
     def _participating_replica_world_size(self, count: int) -> None:
         self._participation = Participation(self._participating_replica_rank, count)
 
+    @property
+    def salvage_step(self) -> bool:
+        """Whether a step a replica group dies in is redone without it (``salvage_step``)."""
+        return self._salvage
+
     # -- user state ----------------------------------------------------------------------
 
     def register_state_dict_fn(
