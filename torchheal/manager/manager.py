@@ -607,6 +607,8 @@ class Manager:
         See :mod:`torchheal.manager.salvage`. On the training thread, in ``should_commit``,
         once every collective of the step has ended.
         """
+        if not self._salvage:
+            return  # the default: nothing kept, nothing asked
         kept = self._kept.take()
         facts = dict(
             enabled=self._salvage,
@@ -624,7 +626,7 @@ class Manager:
             lost = self._connected.wait_aborted(LOSS_NOTICE_GRACE_S)
             refusal = salvage_refusal(aborted_for=lost, **facts)
         if refusal is not None:
-            if self._salvage and self._errored is not None:
+            if self._errored is not None:
                 self._logger.info(f"step {self._step} not salvaged: {refusal}")
             return
         lost = self._connected.aborted_for
