@@ -22,6 +22,10 @@ pytestmark = pytest.mark.slow
 KILL_AT = 30
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _free_consecutive_ports(count: int) -> int:
     """A base port such that base .. base + count - 1 are free now (asked from the OS)."""
     while True:
@@ -80,6 +84,9 @@ def test_demo_prints_its_dashboard_first_and_keeps_it_open_until_ctrl_c() -> Non
         stderr=subprocess.STDOUT,
         text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        # Ctrl-C as a terminal sends it: a suite started in the background (``cmd &``) has
+        # SIGINT ignored, the demo would inherit that and never see the signal below.
+        preexec_fn=_default_sigint,
     )
     lines: list[str] = []
     during: dict[int, dict[str, float]] = {}
