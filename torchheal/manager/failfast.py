@@ -52,13 +52,24 @@ class _Build:
         self.before = PairSockets.before()
         self.ended = threading.Event()
         self.lost: str | None = None
+        # A cut and the build's end exclude each other: once the build has ended, no cut is
+        # under way that could catch the next build's fresh connection to the same store.
+        self._cutting = threading.Lock()
 
     def cancel(self) -> None:
         """Cuts the build's store connection now and whenever it appears, until it ends."""
         while True:
-            PairSockets.to_port(self.before, self.store_port).cut()
+            with self._cutting:
+                if self.ended.is_set():
+                    return
+                PairSockets.to_port(self.before, self.store_port).cut()
             if self.ended.wait(_CANCEL_POLL_S):
                 return
+
+    def end(self) -> None:
+        """The build is over (waits for a cut under way)."""
+        with self._cutting:
+            self.ended.set()
 
 
 class ConnectedQuorum:
@@ -139,7 +150,7 @@ class ConnectedQuorum:
         finally:
             with self._lock:
                 self._build = None
-            build.ended.set()
+            build.end()
 
     def _abandoned(self, why: str) -> MemberLostError:
         # No group to abort, but the same word from the lighthouse: the step failed for a loss.
