@@ -260,10 +260,14 @@ class _ManagedWork(dist.Work):
             self._tail._future.wait()
             return True
         except Exception as e:
-            logger.exception("managed work failed; the step will not commit: %s", e)
-            # The Manager tells the step's own collective failures from the loop's reports.
-            report = getattr(self._manager, "_fail_step", None) or self._manager.report_error
-            report(e)
+            # The Manager tells the step's own collective failures from the loop's reports,
+            # and logs only the step's first failure.
+            fail = getattr(self._manager, "_fail_step", None)
+            if fail is not None:
+                fail(e, how="collective failed, the step will not commit")
+            else:
+                logger.warning("collective failed; the step will not commit: %s", e)
+                self._manager.report_error(e)
             return False
 
     def block_current_stream(self) -> None:

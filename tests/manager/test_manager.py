@@ -440,3 +440,29 @@ def test_a_collective_after_a_lost_peers_abort_is_skipped_without_a_traceback(
         m.start_quorum()
         m.wait_quorum()
         assert m._connected.aborted_for is None
+
+
+def test_a_step_whose_every_collective_fails_logs_one_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # A lost peer fails every bucket's allreduce of the step: one line says the step failed,
+    # the other failures go to debug (a survivor's log had four lines and two tracebacks per
+    # kill on the GPU check's DDP run).
+    pg = FakeProcessGroupWrapper(ProcessGroupGloo(timeout=TIMEOUT))
+    with lighthouse() as lh, replica(lh, "a", pg=pg) as r:
+        m = r.manager
+        m.start_quorum()
+        m.wait_quorum()
+        futures = []
+        for i in range(3):
+            pg.report_future_error(RuntimeError(f"peer reset, bucket {i}"))
+            futures.append(m.allreduce(torch.ones(2)).get_future())
+        with caplog.at_level(logging.DEBUG, logger="torchheal.manager"):
+            for fut in futures:
+                fut.wait()
+            assert m.should_commit() is False
+        failed = [rec for rec in caplog.records if "peer reset" in rec.getMessage()]
+        assert len(failed) == 3, caplog.text
+        assert [rec.levelno for rec in failed] == [logging.WARNING] + [logging.DEBUG] * 2
+        assert all(rec.exc_info is None for rec in failed), caplog.text
+        assert "peer reset, bucket 2" in str(m.errored())  # the latest error, as the reference

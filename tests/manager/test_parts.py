@@ -67,13 +67,16 @@ def test_ledger_begin_clears_the_error_and_the_lists() -> None:
 
 
 def test_reported_error_keeps_where_it_happened() -> None:
+    ledger = StepLedger()
     try:
         raise KeyError("missing")
     except KeyError as e:
-        wrapped = StepLedger().report(e)
-    assert "raise KeyError" in wrapped.stack_trace
-    unraised = StepLedger().report(RuntimeError("never raised"))
-    assert "test_reported_error_keeps_where_it_happened" in unraised.stack_trace
+        assert ledger.report(e) is True  # the step's first error
+    assert ledger.error is not None and "raise KeyError" in ledger.error.stack_trace
+    assert ledger.report(RuntimeError("never raised")) is False  # it had failed already
+    assert "test_reported_error_keeps_where_it_happened" in ledger.error.stack_trace
+    ledger.begin()
+    assert ledger.report(ValueError("next step")) is True
 
 
 # --- StateRegistry ---------------------------------------------------------------------------

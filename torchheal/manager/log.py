@@ -41,9 +41,13 @@ class ManagerLogger:
         """Logs at INFO."""
         logger.info("%s %s", self.prefix(), msg)
 
-    def warning(self, msg: str) -> None:
-        """Logs at WARNING."""
-        logger.warning("%s %s", self.prefix(), msg)
+    def warning(self, msg: str, exc_info: BaseException | None = None) -> None:
+        """Logs at WARNING, with ``exc_info``'s traceback where given."""
+        logger.warning("%s %s", self.prefix(), msg, exc_info=exc_info)
+
+    def debug(self, msg: str) -> None:
+        """Logs at DEBUG; nothing is formatted when DEBUG is off."""
+        self.log(logging.DEBUG, msg)
 
     def exception(self, msg: str) -> None:
         """Logs at ERROR with the exception being handled."""

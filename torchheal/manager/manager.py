@@ -457,15 +457,12 @@ class Manager:
             work = start_allreduce(self._pg, tensor, reduce_op, should_quantize)
         except Exception as e:
             lost = self._connected.aborted_for
-            if lost is not None:  # the fail-fast abort of a lost peer: expected, no traceback
-                self._logger.warning(
-                    f"allreduce not started, skipping the step: the process group was aborted "
-                    f"as {lost}"
-                )
-            else:
-                self._logger.exception(f"allreduce failed to start, skipping the step: {e}")
             self._telemetry.allreduce_failed()
-            self._fail_step(e)
+            if lost is not None:  # the fail-fast abort of a lost peer: expected, no traceback
+                how = f"allreduce not started (the process group was aborted as {lost})"
+                self._fail_step(e, how=how)
+            else:
+                self._fail_step(e, how="allreduce failed to start", trace=True)
             return _DummyWork(tensor)
 
         # Counts this allreduce's failure once, whether wait() or its future reports it.
@@ -483,12 +480,19 @@ class Manager:
         """
         self._fail_step(e, foreign=True)
 
-    def _fail_step(self, e: Exception, foreign: bool = False) -> None:
+    def _fail_step(
+        self, e: Exception, foreign: bool = False, how: str = "step failed", trace: bool = False
+    ) -> None:
         # ``foreign``: reported by the training loop, not by the step's collectives or quorum
-        # (a new quorum would not cure it: such a step is never salvaged).
-        self._logger.warning(f"step failed: {type(e).__name__}: {e}")
-        self._ledger.report(e, foreign=foreign)
+        # (a new quorum would not cure it: such a step is never salvaged). One failure fails
+        # every collective of the step after it (a lost peer: each bucket's allreduce), so only
+        # the step's first error is logged where users look; the rest go to debug.
+        first = self._ledger.report(e, foreign=foreign)
         self._telemetry.error()
+        if first:
+            self._logger.warning(f"{how}: {type(e).__name__}: {e}", exc_info=e if trace else None)
+        else:
+            self._logger.debug(f"{how} (the step had failed already): {type(e).__name__}: {e}")
 
     def errored(self) -> ExceptionWithTraceback | None:
         """Returns the error reported in this step, or None."""
@@ -525,8 +529,8 @@ class Manager:
             try:
                 return then(f)
             except Exception as e:
-                self._logger.exception(f"future failed, skipping the step: {e}")
-                self._fail_step(e, foreign=foreign)
+                # The loop's own futures may fail for a bug: their first failure keeps its trace.
+                self._fail_step(e, foreign, "future failed, skipping the step", trace=foreign)
                 return default
 
         wrapped = timed_then(fut, timeout or self._timeout, callback)

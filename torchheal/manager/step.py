@@ -81,21 +81,24 @@ class StepLedger:
             self._works = []
             self._futures = []
 
-    def report(self, e: Exception, foreign: bool = False) -> ExceptionWithTraceback:
-        """Records that the step failed.
+    def report(self, e: Exception, foreign: bool = False) -> bool:
+        """Records that the step failed (the latest error is the one kept, as the reference's).
 
         Args:
             e: what failed.
             foreign: it came from outside the step's collectives and quorum.
 
         Returns:
-            the recorded error, with its stack trace.
+            whether this is the step's first error: one failure usually fails every bucket's
+            collective, and only the first is worth a log line.
         """
         wrapped = ExceptionWithTraceback(e)
-        self._error = wrapped
-        if foreign:
-            self.foreign_error = True
-        return wrapped
+        with self._lock:
+            first = self._error is None
+            self._error = wrapped
+            if foreign:
+                self.foreign_error = True
+        return first
 
     def track_work(self, work: _Work) -> None:
         """Remembers a collective issued in this step.
