@@ -34,9 +34,10 @@ from torchheal import (
 )
 
 logging.basicConfig(level=logging.INFO)
-# The reference's structured records (one per quorum and per commit, empty message, the data in
-# their fields) are for log pipelines (TORCHFT_USE_OTEL exports them); keep them off the console.
-for _name in ("torchft_quorums", "torchft_commits"):
+# The reference's structured records (one per quorum, commit and abort, empty message, the data
+# in their fields) are for log pipelines (TORCHFT_USE_OTEL exports them); keep them off the
+# console, where the Manager's own line already says what happened.
+for _name in ("torchft_quorums", "torchft_commits", "torchft_errors"):
     logging.getLogger(_name).propagate = False
 
 STEPS = int(os.environ.get("STEPS", "1000"))

@@ -37,9 +37,10 @@ from torchheal.device_mesh import ft_init_device_mesh
 from torchheal.process_group import ProcessGroupGloo, ProcessGroupNCCL
 
 logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-# The reference's structured records (one per quorum and per commit, empty message, the data in
-# their fields) are for log pipelines (TORCHFT_USE_OTEL exports them); keep them off the console.
-for _name in ("torchft_quorums", "torchft_commits"):
+# The reference's structured records (one per quorum, commit and abort, empty message, the data
+# in their fields) are for log pipelines (TORCHFT_USE_OTEL exports them); keep them off the
+# console, where the Manager's own line already says what happened.
+for _name in ("torchft_quorums", "torchft_commits", "torchft_errors"):
     logging.getLogger(_name).propagate = False
 
 
