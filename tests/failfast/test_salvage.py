@@ -13,6 +13,7 @@ attempt is recorded with its own).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -84,6 +85,63 @@ def test_survivors_commit_the_step_a_group_died_in(tmp_path: Path) -> None:
             assert len({e["reduce"]["quorum_id"] for e in ended}) == 1, ended
             assert ended[0]["reduce"]["quorum_id"] != dying["quorum_id"], ended
             survivors_go_on(job, victim, since=dying["time"])
+            heal_and_finish(job, victim, exact=False)
+        finally:
+            job.close()
+
+
+def test_a_survivor_that_committed_the_step_and_one_that_salvages_it_end_alike(
+    tmp_path: Path,
+) -> None:
+    """Three groups; the step g2 dies after went through for g0 but failed for g1.
+
+    g0's collective completed with every group's data, so g0 commits the step as usual (divided
+    by 3). g1's completed too but reported a failure (a reset just after the last byte), and g1
+    learns of g2's loss before its vote: it salvages. Its redo's quorum holds g0, already a step
+    ahead, so g1 does not redo the step divided by 2 (which would leave it apart from g0): it
+    heals from g0 and commits the step g0 is at. Every group ends bit-identical and on the
+    replayed history.
+    """
+    groups, victim, salvager = 3, 2, 1
+    with lighthouse(
+        min_replicas=1, join_timeout_ms=100, quorum_tick_ms=100, heartbeat_timeout_ms=5_000
+    ) as lh:
+        job = Job(tmp_path, url(lh), groups)
+        try:
+            job.start(0, "--salvage")
+            job.start(salvager, "--salvage", "--fail-reduce", "3", "--hold-reduced", "3")
+            job.start(victim, "--salvage", "--hold-reduced", "3")
+
+            def held(events: list[dict]) -> dict[int, dict] | None:
+                reduced = {e["group"]: e for e in events if e["kind"] == "reduced"}
+                return reduced if len(reduced) == 2 else None
+
+            reduced = job.wait_for("g1 and g2 to hold, their step reduced", held, START_BOUND_S)
+            step = reduced[victim]["step"]
+            assert reduced[salvager]["step"] == step, reduced
+            assert reduced[salvager]["errored"] and not reduced[victim]["errored"], reduced
+
+            def ended(g: int) -> Callable[[list[dict]], dict | None]:
+                return lambda events: next(
+                    (
+                        e
+                        for e in events
+                        if e["kind"] == "step" and e["group"] == g and e["before"] == step
+                    ),
+                    None,
+                )
+
+            g0 = job.wait_for("g0 to end the step", ended(0), SURVIVORS_BOUND_S)
+            assert g0["committed"] and g0["reduce"]["divisor"] == groups, g0
+            assert not g0["reduce"]["salvaged"], g0
+            killed = job.kill(victim)
+            job.release(salvager)
+            g1 = job.wait_for("g1 to end the step", ended(salvager), SURVIVORS_BOUND_S)
+            assert g1["committed"], f"g1 skipped the step: {g1}"
+            assert g1["reduce"]["salvaged"], f"g1's commit of that step was not a redo: {g1}"
+            assert not g1["reduce"]["participating"], f"g1 redid the step instead of healing: {g1}"
+            assert g1["after"] == g0["after"] + 1, (g0, g1)  # it took g0's step, then committed
+            survivors_go_on(job, victim, since=killed)
             heal_and_finish(job, victim, exact=False)
         finally:
             job.close()

@@ -3,7 +3,7 @@
     python -m tests.failfast.worker --group G --incarnation I --groups N --lighthouse URL \
         --target-file F --out OUT [--impl torchheal|torchft] \
         [--hold-after N] [--die-after N] [--die-before-reducing N] [--die-at-join] \
-        [--timeout S] [--host ADDR] [--salvage]
+        [--fail-reduce N] [--hold-reduced N] [--timeout S] [--host ADDR] [--salvage]
 
 It trains the small MLP of ``tests/integration/workers.py`` under fault-tolerant DDP at
 ``min_replica_size=1``, on the batches of that module (a function of group and step), with SGD
@@ -28,6 +28,11 @@ before a SIGKILL are still read):
 * ``dying``: (``--die-at-join``, torchheal only) the group's first quorum with every group of
   the job in it was just answered; the group SIGKILLs itself now, before it builds the process
   group for that quorum, while the other groups build theirs and wait for its address.
+* ``reduced``: (``--hold-reduced N``) in the step after its N-th full commit, the group's
+  allreduce completed (with every group's data) and the group holds in its comm hook, before
+  its vote, until a line arrives on its stdin. With ``--fail-reduce N`` (torchheal only) that
+  allreduce completes but reports a failure (``FakeProcessGroupWrapper``), as a collective does
+  whose peer reset the connection just after the last byte.
 * ``step``: one iteration ended: ``before``/``after`` step, ``committed``, and the ``reduce``
   record of the attempt (None when the step failed before reducing).
 * ``done``: the group stopped (see below); its final weights are in ``--out``.
@@ -132,6 +137,8 @@ def main() -> None:
         "--die-before-reducing", type=int, default=-1, help="full commits, then die unreduced"
     )
     p.add_argument("--die-at-join", action="store_true", help="die before the first full build")
+    p.add_argument("--fail-reduce", type=int, default=-1, help="full commits, then fail a reduce")
+    p.add_argument("--hold-reduced", type=int, default=-1, help="full commits, then hold reduced")
     p.add_argument("--host", default="127.0.0.1", help="address of this group's store")
     p.add_argument("--salvage", action="store_true", help="Manager(salvage_step=True)")
     args = p.parse_args()
@@ -144,8 +151,13 @@ def main() -> None:
     timeout = timedelta(seconds=args.timeout)
     store = dist.TCPStore(args.host, 0, is_master=True, wait_for_workers=False)
     extra = {"salvage_step": True} if args.salvage else {}
+    pg = ft.ProcessGroupGloo(timeout=timeout)
+    if args.fail_reduce >= 0:
+        from torchheal.process_group.wrappers import FakeProcessGroupWrapper
+
+        pg = FakeProcessGroupWrapper(pg)
     manager = ft.Manager(
-        pg=ft.ProcessGroupGloo(timeout=timeout),
+        pg=pg,
         load_state_dict=lambda sd: (
             model.load_state_dict(sd["model"]),
             inner.load_state_dict(sd["optim"]),
@@ -169,12 +181,12 @@ def main() -> None:
 
     attempt: dict[str, Any] = {}
     full_commits = 0
-    held = False
+    held = failed = False
     reduce = manager.allreduce
 
     def allreduce(tensor: torch.Tensor, *a: Any, **k: Any) -> Any:
         # DDP's comm hook calls manager.allreduce: this instance attribute sees every bucket.
-        nonlocal held
+        nonlocal held, failed
         record = None
         # A salvaged step redoes its allreduces in a new quorum: its first one is recorded
         # again (the new quorum and divisor are the ones the commit used).
@@ -200,7 +212,15 @@ def main() -> None:
         if first and record is not None and 0 <= args.die_before_reducing <= full_commits:
             emit("dying", group=args.group, **record)
             os.kill(os.getpid(), signal.SIGKILL)
+        if first and record is not None and 0 <= args.fail_reduce <= full_commits and not failed:
+            failed = True
+            pg.report_future_error(RuntimeError("injected: the peer reset after the last byte"))
         work = reduce(tensor, *a, **k)
+        if first and record is not None and 0 <= args.hold_reduced <= full_commits and not held:
+            held = True
+            work.wait()  # with every group's data; an injected failure is reported here
+            emit("reduced", group=args.group, errored=manager.errored() is not None, **record)
+            sys.stdin.readline()  # the test kills a group meanwhile, then lets us go on
         if first and record is not None and 0 <= args.die_after <= full_commits:
             emit("dying", group=args.group, **record)
             os.kill(os.getpid(), signal.SIGKILL)
