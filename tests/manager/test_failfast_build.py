@@ -39,6 +39,13 @@ class Job:
     def _aborted(self) -> None:
         self.aborts += 1
 
+    def connect(self, quorum_id: int, members: list[str]) -> None:
+        """Builds the group of ``quorum_id`` (this rank alone in Gloo) and adopts it."""
+        store, addr = new_store()
+        with self.connected.building(quorum_id, members, store.port):
+            self.pg.configure(f"{addr}/q{quorum_id}", "me", 0, 1)
+        self.connected.adopt(quorum_id, members)
+
 
 def test_notice_before_the_build_fails_it_before_it_starts() -> None:
     _store, addr = new_store()
@@ -106,11 +113,8 @@ def test_notice_the_build_outran_aborts_the_group_at_adoption() -> None:
 
 
 def test_notice_for_the_connected_quorum_aborts_it() -> None:
-    store, addr = new_store()
     job = Job()
-    with job.connected.building(2, ["me"], store.port):
-        job.pg.configure(f"{addr}/q2", "me", 0, 1)
-    job.connected.adopt(2, ["me"])
+    job.connect(2, ["me"])
     job.connected.on_member_lost("me", 1, "an older quorum: ignored")
     assert (job.connected.quorum_id, job.aborts) == (2, 0)
     job.connected.on_member_lost("me", 2, "connection ended")
@@ -119,11 +123,8 @@ def test_notice_for_the_connected_quorum_aborts_it() -> None:
 
 def test_a_failed_step_waits_for_the_notice_that_explains_it() -> None:
     """A collective fails on a dead peer's connection first; the lighthouse's word follows."""
-    store, addr = new_store()
     job = Job()
-    with job.connected.building(3, ["me"], store.port):
-        job.pg.configure(f"{addr}/q3", "me", 0, 1)
-    job.connected.adopt(3, ["me"])
+    job.connect(3, ["me"])
     assert job.connected.wait_aborted(0.0) is None
 
     class NoticeDuringTheWait(threading.Event):
@@ -148,11 +149,8 @@ def test_a_peer_that_said_goodbye_is_no_warning(
     reason: str, level: int, caplog: pytest.LogCaptureFixture
 ) -> None:
     # Every group logs the others' normal ends when a job finishes: that is no failure.
-    store, addr = new_store()
     job = Job()
-    with job.connected.building(2, ["me", "peer"], store.port):
-        job.pg.configure(f"{addr}/q2", "me", 0, 1)
-    job.connected.adopt(2, ["me", "peer"])
+    job.connect(2, ["me", "peer"])
     with caplog.at_level(logging.INFO, logger="torchheal.manager"):
         job.connected.on_member_lost("peer", 2, reason)
     assert job.aborts == 1  # aborted either way
