@@ -459,8 +459,8 @@ class Manager:
             lost = self._connected.aborted_for
             self._telemetry.allreduce_failed()
             if lost is not None:  # the fail-fast abort of a lost peer: expected, no traceback
-                how = f"allreduce not started (the process group was aborted as {lost})"
-                self._fail_step(e, how=how)
+                how = f"allreduce not started: the process group was aborted as {lost}"
+                self._fail_step(e, how=how, cause=False)
             else:
                 self._fail_step(e, how="allreduce failed to start", trace=True)
             return _DummyWork(tensor)
@@ -481,16 +481,23 @@ class Manager:
         self._fail_step(e, foreign=True)
 
     def _fail_step(
-        self, e: Exception, foreign: bool = False, how: str = "step failed", trace: bool = False
+        self,
+        e: Exception,
+        foreign: bool = False,
+        how: str = "step failed",
+        trace: bool = False,
+        cause: bool = True,
     ) -> None:
         # ``foreign``: reported by the training loop, not by the step's collectives or quorum
         # (a new quorum would not cure it: such a step is never salvaged). One failure fails
         # every collective of the step after it (a lost peer: each bucket's allreduce), so only
-        # the step's first error is logged where users look; the rest go to debug.
+        # the step's first error is logged where users look; the rest go to debug. ``cause``
+        # False: ``how`` says it all (the error itself only repeats it in the backend's words).
         first = self._ledger.report(e, foreign=foreign)
         self._telemetry.error()
         if first:
-            self._logger.warning(f"{how}: {type(e).__name__}: {e}", exc_info=e if trace else None)
+            line = f"{how}: {type(e).__name__}: {e}" if cause else how
+            self._logger.warning(line, exc_info=e if trace else None)
         else:
             self._logger.debug(f"{how} (the step had failed already): {type(e).__name__}: {e}")
 
