@@ -56,6 +56,7 @@ class Job:
         groups: the job's group count (the workers' notion of a full commit).
         impl: "torchheal" or "torchft" (the reference's Manager).
         timeout_s: the workers' collective and commit timeout.
+        device: where every worker trains ("cpu" or "cuda").
     """
 
     def __init__(
@@ -66,12 +67,14 @@ class Job:
         *,
         impl: str = "torchheal",
         timeout_s: float = 10.0,
+        device: str = "cpu",
     ) -> None:
         self.tmp = tmp
         self.lighthouse = lighthouse
         self.groups = groups
         self.impl = impl
         self.timeout_s = timeout_s
+        self.device = device
         self.target_file = tmp / "target"
         self.procs: dict[int, list[Proc]] = {}
         self.events: list[Event] = []
@@ -104,6 +107,7 @@ class Job:
             str(out),
             "--timeout",
             str(self.timeout_s),
+            *(["--device", self.device] if self.device != "cpu" else []),
             *flags,
         ]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "RUST_LOG": "warn"}

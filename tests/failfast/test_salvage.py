@@ -36,11 +36,16 @@ def test_survivors_commit_the_step_a_group_died_in(tmp_path: Path) -> None:
     Both survivors' commit of the step is a redo in one new quorum, divided by 2, from the step
     they were computing (not a later one), and neither failed a step in between.
     """
+    salvage_a_lost_group(tmp_path, "cpu")
+
+
+def salvage_a_lost_group(tmp_path: Path, device: str) -> None:
+    """The job of the test above, training on ``device`` (``test_salvage_gpu``: "cuda")."""
     groups, victim = 3, 2
     with lighthouse(
         min_replicas=1, join_timeout_ms=100, quorum_tick_ms=100, heartbeat_timeout_ms=5_000
     ) as lh:
-        job = Job(tmp_path, url(lh), groups)
+        job = Job(tmp_path, url(lh), groups, device=device)
         try:
             job.start(0, "--salvage")
             job.start(1, "--salvage")

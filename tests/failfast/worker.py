@@ -3,7 +3,8 @@
     python -m tests.failfast.worker --group G --incarnation I --groups N --lighthouse URL \
         --target-file F --out OUT [--impl torchheal|torchft] \
         [--hold-after N] [--die-after N] [--die-before-reducing N] [--die-at-join] \
-        [--fail-reduce N] [--hold-reduced N] [--timeout S] [--host ADDR] [--salvage]
+        [--fail-reduce N] [--hold-reduced N] [--timeout S] [--host ADDR] [--salvage] \
+        [--device cpu|cuda]
 
 It trains the small MLP of ``tests/integration/workers.py`` under fault-tolerant DDP at
 ``min_replica_size=1``, on the batches of that module (a function of group and step), with SGD
@@ -141,12 +142,14 @@ def main() -> None:
     p.add_argument("--hold-reduced", type=int, default=-1, help="full commits, then hold reduced")
     p.add_argument("--host", default="127.0.0.1", help="address of this group's store")
     p.add_argument("--salvage", action="store_true", help="Manager(salvage_step=True)")
+    p.add_argument("--device", default="cpu", help="where the model trains (Gloo either way)")
     args = p.parse_args()
     first = args.incarnation == 0
 
     torch.set_num_threads(1)
     ft = importlib.import_module(args.impl)
-    model = make_model(seed_of(args.group, args.incarnation))
+    device = torch.device(args.device)
+    model = make_model(seed_of(args.group, args.incarnation)).to(device)
     inner = make_optimizer(model)
     timeout = timedelta(seconds=args.timeout)
     store = dist.TCPStore(args.host, 0, is_master=True, wait_for_workers=False)
@@ -247,7 +250,7 @@ def main() -> None:
         # A healing group's step may still move (the quorum runs in the background), but it
         # sends zeros; a contributing group is at the step it computes.
         attempt["batch_step"] = manager.current_step()
-        x, y = batch(args.group, 0, attempt["batch_step"])
+        x, y = (t.to(device) for t in batch(args.group, 0, attempt["batch_step"]))
         nn.functional.mse_loss(ddp(x), y).backward()
         optimizer.step()
         after = manager.current_step()
@@ -266,7 +269,7 @@ def main() -> None:
             from tests.failfast.trace import append_record  # (it imports this module)
 
             append_record(trace, fields, model, inner)
-    torch.save({k: v.clone() for k, v in model.state_dict().items()}, args.out)
+    torch.save({k: v.cpu().clone() for k, v in model.state_dict().items()}, args.out)
     emit("done", group=args.group, inc=args.incarnation, step=manager.current_step())
     manager.shutdown()
 
