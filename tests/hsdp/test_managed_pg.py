@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch.distributed.distributed_c10d import AllreduceOptions, BroadcastOptions, ReduceOp
 
+from tests.cluster import lighthouse, replica
 from torchheal.process_group import ManagedProcessGroup
 from torchheal.process_group.dummy import ProcessGroupDummy
 from torchheal.process_group.work import _DummyWork
@@ -72,3 +73,10 @@ def test_other_collectives_use_managers_pg() -> None:
     assert manager.calls == []
     with pytest.raises(RuntimeError, match="reconfigured by its manager"):
         pg.configure("localhost:1/x", "0", 0, 1)
+
+
+def test_a_salvaging_manager_is_refused() -> None:
+    # FSDP takes the reduced gradients before the vote; a salvaged redo would come too late.
+    with lighthouse(min_replicas=1) as lh, replica(lh, "a", salvage_step=True) as a:
+        with pytest.raises(ValueError, match="ManagedProcessGroup reads its reduced tensors"):
+            ManagedProcessGroup(a.manager)

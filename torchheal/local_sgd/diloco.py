@@ -27,6 +27,7 @@ from torch import nn
 from torch.distributed import Work
 
 from torchheal._base import config
+from torchheal._base.salvage_guard import refuse_salvage
 from torchheal.local_sgd.bucketing import (
     DEFAULT_BUCKET_CAP_BYTES,
     PendingBucket,
@@ -38,7 +39,6 @@ from torchheal.local_sgd.localsgd import (
     extract_local_tensor,
     is_dtensor,
     local_view,
-    refuse_salvage,
 )
 
 __all__ = ["DiLoCo"]

@@ -19,6 +19,8 @@ from torch import nn
 from torch.distributed import Work
 from torch.utils.hooks import RemovableHandle
 
+from torchheal._base.salvage_guard import refuse_salvage
+
 __all__ = ["LocalSGD", "OptimizerStepHooks", "SyncManager", "extract_local_tensor"]
 
 try:  # DTensor is only needed for sharded models; plain tensors never touch it.
@@ -44,24 +46,6 @@ class SyncManager(Protocol):
     def register_state_dict_fn(self, key: str, load_state_dict: Any, state_dict: Any) -> None: ...
     def allow_state_dict_read(self) -> None: ...
     def disallow_state_dict_read(self) -> None: ...
-
-
-def refuse_salvage(manager: Any, who: str) -> None:
-    """Raises when ``manager`` salvages steps: the reduced values are read before the vote.
-
-    Args:
-        manager: the Manager.
-        who: the class that refuses (for the message).
-
-    Raises:
-        ValueError: the Manager was built with ``salvage_step=True``.
-    """
-    if getattr(manager, "salvage_step", False) is True:
-        raise ValueError(
-            f"{who} reads its reduced tensors before should_commit, which a salvaged step "
-            "would redo afterwards: build the Manager with salvage_step=False (unset "
-            "TORCHHEAL_SALVAGE_STEP)"
-        )
 
 
 def is_dtensor(t: torch.Tensor) -> bool:

@@ -21,6 +21,7 @@ from torch.distributed.distributed_c10d import (
     ReduceOp,
 )
 
+from torchheal._base.salvage_guard import refuse_salvage
 from torchheal.process_group.base import ProcessGroup
 
 
@@ -61,10 +62,15 @@ class ManagedProcessGroup(ProcessGroup):
     Args:
         manager: the replica group's ``torchheal.Manager`` (anything with ``allreduce``,
             ``num_participants`` and ``_pg``).
+
+    Raises:
+        ValueError: the manager salvages steps (``salvage_step=True``): the collectives' callers
+            (FSDP's gradient reduction) take the reduced values before the vote.
     """
 
     def __init__(self, manager: _ManagerLike) -> None:
         super().__init__()
+        refuse_salvage(manager, type(self).__name__)
         self._manager = manager
 
     @property
