@@ -41,6 +41,35 @@ def test_rounds_reset_between_steps() -> None:
     assert votes.cast(0, 2, True) == Decision(2, True, frozenset())
 
 
+def test_a_round_whose_every_no_is_salvageable_is_redone_by_every_rank() -> None:
+    votes = CommitVote(world_size=3)
+    votes.cast(0, 4, True)
+    votes.cast(2, 4, False, salvageable=True)
+    decision = votes.cast(1, 4, True)
+    assert decision == Decision(4, False, frozenset({2}), redo=True)
+    # The redo is voted on in a new round of the same step (the last one did not commit).
+    for rank in (0, 1):
+        votes.cast(rank, 4, True)
+    assert votes.cast(2, 4, True) == Decision(4, True, frozenset())
+
+
+@pytest.mark.parametrize(
+    "votes_cast",
+    [
+        # One "no" no redo would cure vetoes the redo, in either order, even from the same rank.
+        [(0, False, True), (1, False, False)],
+        [(1, False, False), (0, False, True)],
+        [(0, False, True), (0, False, False), (1, True, False)],
+        # Nothing failed: nothing to redo ("salvageable" means nothing beside a "yes").
+        [(0, True, True), (1, True, False)],
+    ],
+)
+def test_no_redo_unless_every_no_is_salvageable(votes_cast: list[tuple[int, bool, bool]]) -> None:
+    votes = CommitVote(world_size=2)
+    decisions = [votes.cast(rank, 7, vote, salvageable) for rank, vote, salvageable in votes_cast]
+    assert decisions[-1] is not None and decisions[-1].redo is False, decisions
+
+
 def test_vote_for_other_step_is_stale() -> None:
     votes = CommitVote(world_size=2)
     votes.cast(0, 7, True)

@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 
 import pytest
+from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
 from torchheal._wire import methods
 from torchheal._wire import torchft_pb2 as pb
@@ -90,8 +91,8 @@ EXPECTED_FIELDS = {
     },
     "CheckpointMetadataRequest": {"rank": 1},
     "CheckpointMetadataResponse": {"checkpoint_metadata": 1},
-    "ShouldCommitRequest": {"should_commit": 1, "group_rank": 2, "step": 3},
-    "ShouldCommitResponse": {"should_commit": 1},
+    "ShouldCommitRequest": {"should_commit": 1, "group_rank": 2, "step": 3, "salvageable": 1001},
+    "ShouldCommitResponse": {"should_commit": 1, "redo": 1001},
     "KillRequest": {"msg": 1},
     "KillResponse": {},
     "RaftMessageRequest": {"message": 1},
@@ -99,6 +100,33 @@ EXPECTED_FIELDS = {
     "InfoRequest": {"requester": 1},
     "InfoResponse": {"peers": 1},
 }
+
+
+#: torchheal's own fields in the reference's messages (salvage_step's group vote). The reference
+#: never sets them and skips them as unknown; numbered far above its own, so a field it adds
+#: later cannot take the same number.
+TORCHHEAL_ONLY = {"ShouldCommitRequest": {"salvageable"}, "ShouldCommitResponse": {"redo"}}
+
+
+def test_torchheal_only_fields_stay_clear_of_the_reference_numbers():
+    for message, names in TORCHHEAL_ONLY.items():
+        for name in names:
+            assert EXPECTED_FIELDS[message][name] > 1000, (message, name)
+
+
+def test_a_reference_reader_skips_the_torchheal_only_fields():
+    # The reference's ShouldCommitResponse has field 1 only: a decoder built from that message
+    # alone must read the bytes torchheal sends, the extension skipped as an unknown field.
+    sent = pb.ShouldCommitResponse(should_commit=True, redo=True).SerializeToString()
+    proto = descriptor_pb2.FileDescriptorProto(name="ref_vote.proto", package="ref")
+    msg = proto.message_type.add(name="ShouldCommitResponse")
+    msg.field.add(name="should_commit", number=1, type=8, label=1)  # bool, optional
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(proto)
+    reference = message_factory.GetMessageClass(
+        pool.FindMessageTypeByName("ref.ShouldCommitResponse")
+    )
+    assert reference.FromString(sent).should_commit is True
 
 
 @pytest.mark.parametrize("message", sorted(EXPECTED_FIELDS))

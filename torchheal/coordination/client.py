@@ -385,10 +385,22 @@ class ManagerClient:
             TimeoutError: not all ranks voted within ``timeout``.
             RuntimeError: the vote was rejected (e.g. a vote for another step) or another error.
         """
+        return self._vote(group_rank, step, should_commit, False, timeout)[0]
+
+    def _vote(
+        self, group_rank: int, step: int, should_commit: bool, salvageable: bool, timeout: timedelta
+    ) -> tuple[bool, bool]:
+        """:meth:`should_commit` with torchheal's salvage: returns ``(commit, redo)``.
+
+        ``salvageable`` (with a "no"): a redo of the step would cure this rank's failure;
+        ``redo``: every rank of the group redoes the step and votes again. A reference server
+        ignores the one and never sets the other.
+        """
         request = pb.ShouldCommitRequest(
-            should_commit=should_commit, group_rank=group_rank, step=step
+            should_commit=should_commit, group_rank=group_rank, step=step, salvageable=salvageable
         )
-        return self._commit_call(request, timeout).should_commit
+        response = self._commit_call(request, timeout)
+        return response.should_commit, response.redo
 
     def _kill(self, msg: str, timeout: timedelta = timedelta(seconds=10)) -> None:
         """Ask the manager server's process to exit (used by dashboards and launchers).

@@ -313,11 +313,21 @@ class ManagerServer:
         """The ``ShouldCommit`` vote of a rank living in this process, without gRPC.
 
         Same arguments, result and errors as ``ManagerClient.should_commit``.
+        """
+        return self.vote_in_process(group_rank, step, should_commit, False, timeout)[0]
+
+    def vote_in_process(
+        self, group_rank: int, step: int, should_commit: bool, salvageable: bool, timeout: timedelta
+    ) -> tuple[bool, bool]:
+        """:meth:`should_commit_in_process` with the salvage: returns ``(commit, redo)``.
+
+        Same arguments, result and errors as ``ManagerClient._vote``.
 
         Args:
             group_rank: the caller's index in its replica group.
             step: the step voted on.
             should_commit: the caller's vote.
+            salvageable: with a "no": a redo of the step would cure the caller's failure.
             timeout: deadline of the call (waits for all ranks to vote).
 
         Raises:
@@ -333,11 +343,12 @@ class ManagerServer:
                 what, grpc.StatusCode.UNAVAILABLE, f"{self._server_name} is shut down"
             )
         try:
-            round_ = self._vote.cast(group_rank, step, should_commit)
+            round_ = self._vote.cast(group_rank, step, should_commit, salvageable)
         except ValueError as e:
             raise status_error(what, grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         try:
-            return round_.result(timeout_s).commit
+            decision = round_.result(timeout_s)
+            return decision.commit, decision.redo
         except concurrent.futures.TimeoutError:
             raise TimeoutError(
                 f'{what} failed: status: Cancelled, message: "Timeout expired" '
@@ -479,7 +490,9 @@ class ManagerServer:
     ) -> pb.ShouldCommitResponse:
         try:
             # Also rejects a group rank outside the group, and a stale vote (StaleVoteError).
-            round_ = self._vote.cast(request.group_rank, request.step, request.should_commit)
+            round_ = self._vote.cast(
+                request.group_rank, request.step, request.should_commit, request.salvageable
+            )
         except ValueError as e:
             raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         # shield: a rank that gives up keeps its vote in the round, as before its deadline.
@@ -487,7 +500,7 @@ class ManagerServer:
             decision = await asyncio.shield(asyncio.wrap_future(round_))
         except _ServerGone as e:
             raise StatusError(grpc.StatusCode.UNAVAILABLE, str(e)) from None
-        return pb.ShouldCommitResponse(should_commit=decision.commit)
+        return pb.ShouldCommitResponse(should_commit=decision.commit, redo=decision.redo)
 
     async def _checkpoint_metadata_rpc(
         self, request: pb.CheckpointMetadataRequest, context: grpc.aio.ServicerContext

@@ -55,16 +55,19 @@ class GroupVote:
         with self._lock:
             return self._vote.last_decision
 
-    def cast(self, rank: int, step: int, vote: bool) -> concurrent.futures.Future[Decision]:
+    def cast(
+        self, rank: int, step: int, vote: bool, salvageable: bool = False
+    ) -> concurrent.futures.Future[Decision]:
         """Cast ``rank``'s vote on ``step``; the returned future holds the round's decision.
 
-        The future is already done when this vote completed the round.
+        The future is already done when this vote completed the round. ``salvageable``: see
+        :meth:`CommitVote.cast`.
 
         Raises:
             ValueError: an impossible rank or step, or a stale vote (``StaleVoteError``).
         """
         with self._lock:
-            decision = self._vote.cast(rank, step, vote)
+            decision = self._vote.cast(rank, step, vote, salvageable)
             round_ = self._round
             if round_ is None:
                 round_ = self._round = concurrent.futures.Future()
@@ -74,10 +77,11 @@ class GroupVote:
             # Per step, so DEBUG; a failed vote is worth a user's attention.
             if not decision.commit:
                 logger.info(
-                    "%s step %d: should_commit=False (failed ranks: %s)",
+                    "%s step %d: should_commit=False (failed ranks: %s)%s",
                     self._prefix,
                     decision.step,
                     sorted(decision.failed_ranks),
+                    "; every rank redoes it" if decision.redo else "",
                 )
             elif logger.isEnabledFor(logging.DEBUG):
                 logger.debug("%s step %d: should_commit=True", self._prefix, decision.step)

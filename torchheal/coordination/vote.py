@@ -71,11 +71,15 @@ class Decision:
         step: the step that was voted on.
         commit: True iff every rank voted to commit.
         failed_ranks: the group ranks that voted not to commit.
+        redo: (torchheal only) the step did not commit, but every rank that voted no said a
+            redo in a new quorum would cure it: every rank of the group redoes the step and
+            votes again (``salvage_step``).
     """
 
     step: int
     commit: bool
     failed_ranks: frozenset[int]
+    redo: bool = False
 
 
 class CommitVote:
@@ -92,7 +96,10 @@ class CommitVote:
       moved on). A retry of a step whose round did not commit is a new round.
     * A rank voting again in the same round is idempotent: it is counted once, and a "no" from it
       sticks (once a rank reports a failure, a later "yes" cannot erase it), as the reference's
-      set-based barrier does.
+      set-based barrier does. So does a "no" that no redo would cure.
+    * A "no" may say that a redo of the step would cure it (``salvageable``). When every "no" of
+      a round says so, the decision is a redo: no commit, and the group's ranks redo the step
+      together and vote on it again, in a new round (the step did not commit).
 
     Args:
         world_size: number of ranks in the replica group (>= 1).
@@ -108,6 +115,7 @@ class CommitVote:
         self._step: int | None = None
         self._voted: set[int] = set()
         self._failed: set[int] = set()
+        self._incurable: set[int] = set()
         self._last: Decision | None = None
 
     @property
@@ -130,13 +138,17 @@ class CommitVote:
         """The most recent decision, or None before the first."""
         return self._last
 
-    def cast(self, group_rank: int, step: int, vote: bool) -> Decision | None:
+    def cast(
+        self, group_rank: int, step: int, vote: bool, salvageable: bool = False
+    ) -> Decision | None:
         """Record one rank's vote.
 
         Args:
             group_rank: the voting rank, in ``[0, world_size)``.
             step: the step the rank voted on.
             vote: True to commit, False if anything failed on this rank.
+            salvageable: with a False ``vote``: a redo of the step in a new quorum would cure
+                this rank's failure (ignored with a True one).
 
         Returns:
             The :class:`Decision` if this vote completed the round, else None.
@@ -169,11 +181,16 @@ class CommitVote:
         self._voted.add(group_rank)
         if not vote:
             self._failed.add(group_rank)
+            if not salvageable:
+                self._incurable.add(group_rank)
         if len(self._voted) < self._world_size:
             return None
 
         decision = Decision(
-            step=step, commit=not self._failed, failed_ranks=frozenset(self._failed)
+            step=step,
+            commit=not self._failed,
+            failed_ranks=frozenset(self._failed),
+            redo=bool(self._failed) and not self._incurable,
         )
         self._last = decision
         self._clear_round()
@@ -201,3 +218,4 @@ class CommitVote:
         self._step = None
         self._voted.clear()
         self._failed.clear()
+        self._incurable.clear()

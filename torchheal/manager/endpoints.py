@@ -87,22 +87,28 @@ class GroupEndpoints:
             return None
         return self.server.start_quorum_in_process(ask)
 
-    def should_commit(
-        self, group_rank: int, step: int, should_commit: bool, timeout: timedelta
-    ) -> bool:
-        """This rank's commit vote; returns the group's decision.
+    def vote(
+        self,
+        group_rank: int,
+        step: int,
+        should_commit: bool,
+        timeout: timedelta,
+        salvageable: bool = False,
+    ) -> tuple[bool, bool]:
+        """This rank's commit vote; returns the group's decision as ``(commit, redo)``.
 
         Args:
             group_rank: this rank's index in the group.
             step: the step voted on.
             should_commit: this rank's vote.
             timeout: deadline of the vote.
+            salvageable: with a "no": a redo of the step would cure this rank's failure.
         """
         if self.server is not None:
-            call = self.server.should_commit_in_process
+            call = self.server.vote_in_process
         else:
-            call = self.client.should_commit
-        return call(group_rank=group_rank, step=step, should_commit=should_commit, timeout=timeout)
+            call = self.client._vote
+        return call(group_rank, step, should_commit, salvageable, timeout)
 
     def watch_lost(self, group_rank: int, listener: Callable[[str, int, str], None]) -> None:
         """Calls ``listener(replica_id, quorum_id, reason)`` for every lost-member notice.

@@ -52,6 +52,7 @@ from torchheal.manager.quorum_worker import QuorumOutcome, StepRequest
 from torchheal.manager.salvage import (
     LOSS_NOTICE_GRACE_S,
     NOT_A_LOSS,
+    KeptAllreduce,
     KeptInputs,
     salvage_refusal,
 )
@@ -561,28 +562,33 @@ class Manager:
         self._ledger.settle()
         if self._heal.end_warmup():
             return False  # the warm-up step is not voted on
-        self._salvage_if_lost()
-        self._heal.settle()
-        self._heal.synchronize()
-        if torch.cuda.is_available():
-            torch.cuda.current_stream().synchronize()
+        if self._group_world_size == 1:
+            self._salvage_if_lost()  # a group of one rank decides alone
+        while True:
+            self._heal.settle()
+            self._heal.synchronize()
+            if torch.cuda.is_available():
+                torch.cuda.current_stream().synchronize()
 
-        pg_error = self._pg.errored()
-        if pg_error is not None:
-            self._fail_step(pg_error)
-        if self._healing:
-            self._apply_pending_state_dict()
-        self._heal.check_torn()
+            pg_error = self._pg.errored()
+            if pg_error is not None:
+                self._fail_step(pg_error)
+            if self._healing:
+                self._apply_pending_state_dict()
+            self._heal.check_torn()
 
-        num_participants = self.num_participants()
-        errored = self._errored is not None
-        local = local_vote(num_participants, self._min_replica_size, errored)
-        decision = self._endpoints.should_commit(
-            group_rank=self._group_rank,
-            step=self._step,
-            should_commit=local,
-            timeout=timeout or self._timeout,
-        )
+            num_participants = self.num_participants()
+            errored = self._errored is not None
+            local = local_vote(num_participants, self._min_replica_size, errored)
+            # Several ranks: a "no" that a redo would cure says so, and the group redoes the
+            # step only when every rank's "no" does.
+            salvageable = not local and self._group_world_size > 1 and self._salvageable()
+            decision, redo = self._endpoints.vote(
+                self._group_rank, self._step, local, timeout or self._timeout, salvageable
+            )
+            if not redo or self._salvaged:
+                break
+            self._redo_step(self._kept.take())
         # Every step, so a commit logs at DEBUG (formatted only when enabled); a skipped step at
         # INFO.
         self._logger.log(
@@ -616,17 +622,20 @@ class Manager:
         """Redoes this step's allreduces in a new quorum when a replica group was lost in it.
 
         See :mod:`torchheal.manager.salvage`. On the training thread, in ``should_commit``,
-        once every collective of the step has ended.
+        once every collective of the step has ended (a group of one rank).
         """
+        if self._salvage and self._salvageable():
+            self._redo_step(self._kept.take())
+
+    def _salvageable(self) -> bool:
+        """Whether a redo in a new quorum would cure this step (``salvage_refusal``)."""
         if not self._salvage:
-            return  # the default: nothing kept, nothing asked
-        kept = self._kept.take()
+            return False  # the default: nothing kept, nothing asked
         facts = dict(
             enabled=self._salvage,
             errored=self._errored is not None or self._pg.errored() is not None,
             foreign=self._ledger.foreign_error,
-            kept=len(kept),
-            group_world_size=self._group_world_size,
+            kept=len(self._kept.records),
             healing=self._healing,
             contributed=self.is_participating(),
             already_salvaged=self._salvaged,
@@ -636,13 +645,20 @@ class Manager:
             # A collective fails on the dead group's connections before the notice arrives.
             lost = self._connected.wait_aborted(LOSS_NOTICE_GRACE_S)
             refusal = salvage_refusal(aborted_for=lost, **facts)
-        if refusal is not None:
-            if self._errored is not None:
-                self._logger.info(f"step {self._step} not salvaged: {refusal}")
+        if refusal is not None and self._errored is not None:
+            self._logger.info(f"step {self._step} not salvaged: {refusal}")
+        return refusal is None
+
+    def _redo_step(self, kept: list[KeptAllreduce]) -> None:
+        """Redoes the step's allreduces from their kept inputs, in a new quorum of the step."""
+        if not self._salvage:
+            # Another rank of the group salvages and this one kept nothing to redo from: its
+            # gradients would disagree with theirs. The step fails instead.
+            self._fail_step(RuntimeError("the group's ranks disagree on salvage_step"))
             return
-        lost = self._connected.aborted_for
+        why = self._connected.aborted_for or "another rank of the group lost a replica group"
         self._logger.warning(
-            f"salvaging step {self._step}: {lost}; redoing its {len(kept)} allreduces in a new "
+            f"salvaging step {self._step}: {why}; redoing its {len(kept)} allreduces in a new "
             "quorum"
         )
         self._salvaged = True

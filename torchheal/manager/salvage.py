@@ -24,9 +24,12 @@ quorum makes it heal from that survivor: its collectives run again as a healer's
 loads the healthy survivor's state and commits the step the others are at. Either way every
 survivor ends the step with the same state.
 
-Salvage is for replica groups of one rank: the group's vote would otherwise need every rank to
-salvage or none, which the reference's vote cannot say. :func:`salvage_refusal` is the rule,
-kept free of I/O. Only the lighthouse's word that a group is lost (the process group's fail-fast
+In a replica group of several ranks, every rank redoes the step or none does: a rank whose
+step failed salvageably votes "no, but a redo would cure it" (a torchheal-only field of the
+group's vote), and when every "no" of the round says so, the manager server answers "redo" to
+all the group's ranks, which redo the step together (those whose own step went well too, from
+their kept inputs) and vote again. A group of one rank decides alone, before voting.
+:func:`salvage_refusal` is the rule, kept free of I/O. Only the lighthouse's word that a group is lost (the process group's fail-fast
 abort) starts a salvage, never a collective's error alone: a new quorum cures a lost group, not
 a flaky link.
 """
@@ -107,7 +110,6 @@ def salvage_refusal(
     foreign: bool,
     aborted_for: str | None,
     kept: int,
-    group_world_size: int,
     healing: bool,
     contributed: bool,
     already_salvaged: bool,
@@ -121,7 +123,6 @@ def salvage_refusal(
         aborted_for: why the process group was aborted (None: it was not, so the failure is
             something else, which a new quorum would not cure).
         kept: allreduces kept this step.
-        group_world_size: ranks in this replica group.
         healing: this replica healed in this step (its inputs were zeros).
         contributed: this replica's data counted in this step.
         already_salvaged: this step was salvaged once already.
@@ -132,8 +133,6 @@ def salvage_refusal(
         return "the training loop reported an error"
     if already_salvaged:
         return "the step was salvaged once already"
-    if group_world_size != 1:
-        return "the replica group has more than one rank"
     if healing or not contributed:
         return "this replica did not contribute to the step"
     if kept == 0:
