@@ -105,8 +105,9 @@ class Manager:
         quorum_retries: lighthouse quorum retries in the ManagerServer.
         salvage_step: when a replica group is lost during a step, redo the step's allreduces
             in a new quorum instead of skipping the step (:mod:`torchheal.manager.salvage`:
-            what it costs and what it asks of the training loop). Replica groups of one rank
-            only. ``TORCHHEAL_SALVAGE_STEP=1`` when None; off by default, as the reference.
+            what it costs and what it asks of the training loop). Every rank of a group must
+            pass the same. ``TORCHHEAL_SALVAGE_STEP=1`` when None; off by default, as the
+            reference.
     """
 
     def __init__(
@@ -220,11 +221,6 @@ class Manager:
         self._participation: Participation | None = None
         self._worker.guard_builds(self._connected.building)
         self._endpoints.watch_lost(self._group_rank, self._connected.on_member_lost)
-        if self._salvage and self._group_world_size != 1:
-            self._logger.warning(
-                f"salvage_step is for replica groups of one rank; this one has "
-                f"{self._group_world_size}: a step a group dies in is skipped, as without it"
-            )
 
     # -- test-visible attributes of the reference (§2.2), kept as views of the parts ----------
 
