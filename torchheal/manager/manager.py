@@ -558,8 +558,6 @@ class Manager:
         self._ledger.settle()
         if self._heal.end_warmup():
             return False  # the warm-up step is not voted on
-        if self._group_world_size == 1:
-            self._salvage_if_lost()  # a group of one rank decides alone
         while True:
             self._heal.settle()
             self._heal.synchronize()
@@ -576,9 +574,9 @@ class Manager:
             num_participants = self.num_participants()
             errored = self._errored is not None
             local = local_vote(num_participants, self._min_replica_size, errored)
-            # Several ranks: a "no" that a redo would cure says so, and the group redoes the
-            # step only when every rank's "no" does.
-            salvageable = not local and self._group_world_size > 1 and self._salvageable()
+            # A "no" that a redo would cure says so, and the group redoes the step only when
+            # every rank's "no" does (a group of one rank: when its own does).
+            salvageable = not local and self._salvageable()
             decision, redo = self._endpoints.vote(
                 self._group_rank, self._step, local, timeout or self._timeout, salvageable
             )
@@ -614,17 +612,12 @@ class Manager:
                 raise RuntimeError(message)
         return decision
 
-    def _salvage_if_lost(self) -> None:
-        """Redoes this step's allreduces in a new quorum when a replica group was lost in it.
+    def _salvageable(self) -> bool:
+        """Whether a redo in a new quorum would cure this step (``salvage_refusal``).
 
         See :mod:`torchheal.manager.salvage`. On the training thread, in ``should_commit``,
-        once every collective of the step has ended (a group of one rank).
+        once every collective of the step has ended.
         """
-        if self._salvage and self._salvageable():
-            self._redo_step(self._kept.take())
-
-    def _salvageable(self) -> bool:
-        """Whether a redo in a new quorum would cure this step (``salvage_refusal``)."""
         if not self._salvage:
             return False  # the default: nothing kept, nothing asked
         facts = dict(

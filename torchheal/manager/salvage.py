@@ -28,10 +28,10 @@ In a replica group of several ranks, every rank redoes the step or none does: a 
 step failed salvageably votes "no, but a redo would cure it" (a torchheal-only field of the
 group's vote), and when every "no" of the round says so, the manager server answers "redo" to
 all the group's ranks, which redo the step together (those whose own step went well too, from
-their kept inputs) and vote again. A group of one rank decides alone, before voting.
-:func:`salvage_refusal` is the rule, kept free of I/O. Only the lighthouse's word that a group is lost (the process group's fail-fast
-abort) starts a salvage, never a collective's error alone: a new quorum cures a lost group, not
-a flaky link.
+their kept inputs) and vote again. A group of one rank goes the same way (its own vote
+decides). :func:`salvage_refusal` is the rule, kept free of I/O. Only the lighthouse's word
+that a group is lost (the process group's fail-fast abort) starts a salvage, never a
+collective's error alone: a new quorum cures a lost group, not a flaky link.
 """
 
 from __future__ import annotations
