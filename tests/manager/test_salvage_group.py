@@ -70,8 +70,8 @@ def on_threads(calls: list[Callable[[], Any]]) -> list[Any]:
         return [f.result(timeout=BOUND_S) for f in futures]
 
 
-def value(group: int, rank: int, step: int) -> torch.Tensor:
-    return torch.full((4,), float(100 * step + 10 * group + rank))
+def value(group: int, rank: int, step: int, device: str = "cpu") -> torch.Tensor:
+    return torch.full((4,), float(100 * step + 10 * group + rank), device=device)
 
 
 def reduce(m: Manager, t: torch.Tensor) -> torch.Tensor:
@@ -80,22 +80,27 @@ def reduce(m: Manager, t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def run_step_1(lh: LighthouseServer, a: list[Manager], b: list[Manager], fail: Callable) -> list:
+def run_step_1(
+    lh: LighthouseServer, a: list[Manager], b: list[Manager], fail: Callable, device: str = "cpu"
+) -> list:
     """Step 0 with both groups; in step 1, b leaves once reduced and ``fail`` hits a's rank 0."""
     groups = {0: a, 1: b}
     on_threads(
         [
-            lambda g=g, r=r: (reduce(groups[g][r], value(g, r, 0)), groups[g][r].should_commit())
+            lambda g=g, r=r: (
+                reduce(groups[g][r], value(g, r, 0, device)),
+                groups[g][r].should_commit(),
+            )
             for g in (0, 1)
             for r in (0, 1)
         ]
     )
     assert [m.current_step() for m in a + b] == [1] * 4
     a[0]._pg.report_future_error(RuntimeError("injected: the peer reset after the last byte"))
-    tensors = [value(0, r, 1) for r in (0, 1)]
+    tensors = [value(0, r, 1, device) for r in (0, 1)]
     on_threads(
         [lambda r=r: reduce(a[r], tensors[r]) for r in (0, 1)]
-        + [lambda r=r: reduce(b[r], value(1, r, 1)) for r in (0, 1)]
+        + [lambda r=r: reduce(b[r], value(1, r, 1, device)) for r in (0, 1)]
     )
     fail(a[0])
     for m in b:
@@ -105,14 +110,17 @@ def run_step_1(lh: LighthouseServer, a: list[Manager], b: list[Manager], fail: C
     return tensors
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_every_rank_of_the_group_redoes_the_step_one_rank_failed(
-    caplog: pytest.LogCaptureFixture,
+    caplog: pytest.LogCaptureFixture, device: str
 ) -> None:
+    """On CUDA too: the kept inputs are device copies, replayed into the CUDA tensors (Gloo
+    reduces CUDA tensors between the groups, which share one GPU)."""
     with lighthouse(min_replicas=1, join_timeout_ms=100, heartbeat_timeout_ms=5_000) as lh:
         with ExitStack() as stack:
             a = stack.enter_context(two_ranks(lh, "a"))
             b = stack.enter_context(two_ranks(lh, "b"))
-            tensors = run_step_1(lh, a, b, fail=lambda m: None)
+            tensors = run_step_1(lh, a, b, fail=lambda m: None, device=device)
             assert a[0].errored() is not None and a[1].errored() is None
             with caplog.at_level(logging.INFO):
                 committed = on_threads([m.should_commit for m in a])
@@ -120,7 +128,7 @@ def test_every_rank_of_the_group_redoes_the_step_one_rank_failed(
             assert [m.current_step() for m in a] == [2, 2]
             # Redone without b: each rank's sum holds group a's own input alone.
             for r in (0, 1):
-                torch.testing.assert_close(tensors[r], value(0, r, 1), rtol=0, atol=0)
+                torch.testing.assert_close(tensors[r], value(0, r, 1, device), rtol=0, atol=0)
             salvaged = [rec for rec in caplog.records if "salvaging step 1" in rec.getMessage()]
             assert len(salvaged) == 2, caplog.text
             assert any("every rank redoes it" in rec.getMessage() for rec in caplog.records)
