@@ -8,6 +8,14 @@ comm hook) and hold a restart back until the survivors have shown they go on wit
 Every wait polls a condition with a deadline; only processes this job started are ever signalled,
 by their own pid. A worker that exits in a way the test did not cause fails the wait at once, with
 the tail of its log.
+
+Groups of several ranks (``ranks``): each incarnation of a group is one process per rank, meeting
+in a store this job hosts for that incarnation. Rank r of every group reduces with rank r of the
+others, and a heal sends rank r's state to rank r, so rank r of the job is a history of its own:
+at the first quorum the reference's rule takes each rank's state from a different group (the
+"primary" is picked by rank), so the ranks of one group start, and stay, apart. The events of
+rank 0 are ``events`` (what the helpers of one-rank jobs read), the others' ``rank_events``;
+:meth:`Job.finish` keeps every rank's final weights (``final``).
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from tests.failfast.worker import PREFIX
 
@@ -35,7 +44,7 @@ Event = dict[str, Any]
 
 @dataclass
 class Proc:
-    """One incarnation of one group."""
+    """One incarnation of one group (its rank 0; ``others``: its other ranks' processes)."""
 
     group: int
     incarnation: int
@@ -43,8 +52,14 @@ class Proc:
     log: Path
     out: Path
     started: float
+    rank: int = 0
     killed: bool = False  # the test SIGKILLed it (or it was told to kill itself)
     reader: threading.Thread | None = field(default=None, repr=False)
+    others: list[Proc] = field(default_factory=list)
+
+    def ranks(self) -> list[Proc]:
+        """Every rank's process of this incarnation, rank 0 first."""
+        return [self, *self.others]
 
 
 class Job:
@@ -57,6 +72,7 @@ class Job:
         impl: "torchheal" or "torchft" (the reference's Manager).
         timeout_s: the workers' collective and commit timeout.
         device: where every worker trains ("cpu" or "cuda").
+        ranks: processes (ranks) per group.
     """
 
     def __init__(
@@ -68,6 +84,7 @@ class Job:
         impl: str = "torchheal",
         timeout_s: float = 10.0,
         device: str = "cpu",
+        ranks: int = 1,
     ) -> None:
         self.tmp = tmp
         self.lighthouse = lighthouse
@@ -75,18 +92,48 @@ class Job:
         self.impl = impl
         self.timeout_s = timeout_s
         self.device = device
+        self.ranks = ranks
         self.target_file = tmp / "target"
         self.procs: dict[int, list[Proc]] = {}
-        self.events: list[Event] = []
+        self.events: list[Event] = []  # rank 0's: the job's history
+        self.rank_events: list[Event] = []  # the other ranks' (each has a "rank")
+        self._stores: list[dist.TCPStore] = []  # groups of several ranks meet in these
+        self.final: dict[tuple[int, int], dict[str, torch.Tensor]] = {}  # (group, rank) ->
         self._cond = threading.Condition()
 
     # -- processes ------------------------------------------------------------------------
 
-    def start(self, group: int, *flags: str) -> Proc:
-        """Starts the next incarnation of ``group`` (``flags``: more worker options)."""
+    def start(
+        self, group: int, *flags: str, per_rank: dict[int, tuple[str, ...]] | None = None
+    ) -> Proc:
+        """Starts the next incarnation of ``group``, every rank of it.
+
+        Args:
+            flags: more worker options, for every rank.
+            per_rank: worker options for one rank alone (an injected failure of one rank).
+        """
         incarnation = len(self.procs.get(group, []))
-        log = self.tmp / f"g{group}i{incarnation}.log"
-        out = self.tmp / f"g{group}i{incarnation}.pt"
+        per_rank = per_rank or {}
+        if self.ranks == 1:
+            proc = self._spawn(group, incarnation, 0, [*flags, *per_rank.get(0, ())])
+        else:
+            store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+            self._stores.append(store)
+            shared = [*flags, "--ranks", str(self.ranks), "--store-port", str(store.port)]
+            ranks = [
+                self._spawn(
+                    group, incarnation, r, [*shared, "--rank", str(r), *per_rank.get(r, ())]
+                )
+                for r in range(self.ranks)
+            ]
+            proc, proc.others = ranks[0], ranks[1:]
+        self.procs.setdefault(group, []).append(proc)
+        return proc
+
+    def _spawn(self, group: int, incarnation: int, rank: int, flags: list[str]) -> Proc:
+        name = f"g{group}i{incarnation}" + (f"r{rank}" if rank else "")
+        log = self.tmp / f"{name}.log"
+        out = self.tmp / f"{name}.pt"
         cmd = [
             sys.executable,
             "-m",
@@ -121,10 +168,9 @@ class Job:
                 stderr=err,
                 text=True,
             )
-        proc = Proc(group, incarnation, popen, log, out, time.time())
+        proc = Proc(group, incarnation, popen, log, out, time.time(), rank=rank)
         proc.reader = threading.Thread(target=self._read, args=(proc,), daemon=True)
         proc.reader.start()
-        self.procs.setdefault(group, []).append(proc)
         return proc
 
     def current(self, group: int) -> Proc:
@@ -137,39 +183,55 @@ class Job:
                 event = json.loads(line[len(PREFIX) :])
                 event.setdefault("group", proc.group)
                 event.setdefault("inc", proc.incarnation)
+                event["rank"] = proc.rank
                 with self._cond:
-                    self.events.append(event)
+                    (self.rank_events if proc.rank else self.events).append(event)
                     if event["kind"] not in ("step", "reduce"):
                         self._cond.notify_all()  # a marker a test may act on at once
         with self._cond:
             self._cond.notify_all()  # its exit may be what a waiter looks for
 
     def signal(self, group: int, sig: signal.Signals) -> float:
-        """Sends ``sig`` to ``group``'s current process; returns when (wall clock)."""
+        """Sends ``sig`` to every rank of ``group``'s current incarnation that still runs (rank
+        0 must); returns when (wall clock)."""
         proc = self.current(group)
         assert proc.popen.poll() is None, f"g{group} is not running"
-        if sig == signal.SIGKILL:
-            proc.killed = True
         now = time.time()
-        proc.popen.send_signal(sig)
+        for p in proc.ranks():
+            if p.popen.poll() is None:
+                p.killed = p.killed or sig == signal.SIGKILL
+                p.popen.send_signal(sig)
         return now
 
     def kill(self, group: int) -> float:
-        """SIGKILLs ``group``'s current process and reaps it; returns when it was sent."""
-        when = self.signal(group, signal.SIGKILL)
-        self.current(group).popen.wait(timeout=30)
+        """SIGKILLs every rank of ``group``'s current incarnation still running, and reaps them
+        all (a rank told to kill itself included); returns when it was sent."""
+        proc = self.current(group)
+        when = time.time()
+        for p in proc.ranks():
+            p.killed = True
+            if p.popen.poll() is None:
+                p.popen.kill()
+        for p in proc.ranks():
+            p.popen.wait(timeout=30)
         return when
 
-    def release(self, group: int) -> None:
-        """Lets a group that holds in its comm hook (``--hold-after``) go on."""
-        stdin = self.current(group).popen.stdin
+    def release(self, group: int, rank: int = 0) -> None:
+        """Lets a group (one rank of it) that holds in its comm hook (``--hold-after``) go on."""
+        stdin = self.current(group).ranks()[rank].popen.stdin
         assert stdin is not None
         stdin.write("go\n")
         stdin.flush()
 
     def expect_death(self, group: int) -> None:
-        """The group's current process will SIGKILL itself (``--die-after``)."""
-        self.current(group).killed = True
+        """The group's current process will SIGKILL itself (``--die-after``); its other ranks,
+        if any, the test kills (:meth:`kill`)."""
+        for p in self.current(group).ranks():
+            p.killed = True
+
+    def all_procs(self) -> list[Proc]:
+        """Every process this job started, every rank."""
+        return [r for procs in self.procs.values() for p in procs for r in p.ranks()]
 
     # -- waiting --------------------------------------------------------------------------
 
@@ -196,29 +258,29 @@ class Job:
                 self._cond.wait(min(left, 0.1))
 
     def _check_exits(self) -> None:
-        for procs in self.procs.values():
-            for p in procs:
-                code = p.popen.poll()
-                if code not in (None, 0) and not (p.killed and code == -signal.SIGKILL):
-                    raise AssertionError(
-                        f"g{p.group} incarnation {p.incarnation} exited with {code}\n"
-                        + self.describe()
-                    )
+        for p in self.all_procs():
+            code = p.popen.poll()
+            if code not in (None, 0) and not (p.killed and code == -signal.SIGKILL):
+                raise AssertionError(
+                    f"g{p.group} incarnation {p.incarnation} rank {p.rank} exited with {code}\n"
+                    + self.describe()
+                )
 
     def describe(self) -> str:
         """Each process's state, last events and log tail (for failure messages)."""
         lines = []
-        for procs in self.procs.values():
-            for p in procs:
-                mine = [
-                    e for e in self.events if (e["group"], e["inc"]) == (p.group, p.incarnation)
-                ]
-                lines.append(
-                    f"--- g{p.group}i{p.incarnation} exit={p.popen.poll()} killed={p.killed} "
-                    f"events={len(mine)} last={mine[-3:]}"
-                )
-                tail = p.log.read_text(errors="replace").splitlines()[-15:]
-                lines += [f"    {t}" for t in tail]
+        for p in self.all_procs():
+            mine = [
+                e
+                for e in (self.rank_events if p.rank else self.events)
+                if (e["group"], e["inc"], e["rank"]) == (p.group, p.incarnation, p.rank)
+            ]
+            lines.append(
+                f"--- g{p.group}i{p.incarnation}r{p.rank} exit={p.popen.poll()} "
+                f"killed={p.killed} events={len(mine)} last={mine[-3:]}"
+            )
+            tail = p.log.read_text(errors="replace").splitlines()[-15:]
+            lines += [f"    {t}" for t in tail]
         return "\n".join(lines)
 
     # -- queries ----------------------------------------------------------------------------
@@ -249,13 +311,14 @@ class Job:
         The target is ``margin`` steps past the highest step seen, so no group has reached it
         when the file appears (steps take ~10 ms: this leaves a second for the events to reach
         us; a group that finds the target already passed exits with an error, loudly); the
-        workers then stop at the first full commit at or past it.
+        workers then stop at the first full commit at or past it. Every rank's weights are kept
+        in ``final``; rank 0's are returned.
         """
         target = self.top_step() + margin
         tmp = self.target_file.with_suffix(".tmp")
         tmp.write_text(str(target))
         tmp.replace(self.target_file)
-        current = [procs[-1] for procs in self.procs.values()]
+        current = [r for procs in self.procs.values() for r in procs[-1].ranks()]
         self.wait_for(
             f"every group to stop at a full commit >= step {target}",
             lambda events: all(p.popen.poll() == 0 for p in current),
@@ -264,7 +327,8 @@ class Job:
         for p in current:
             assert p.reader is not None
             p.reader.join(timeout=10)
-        return {p.group: torch.load(p.out, weights_only=True) for p in current}
+        self.final = {(p.group, p.rank): torch.load(p.out, weights_only=True) for p in current}
+        return {group: state for (group, rank), state in self.final.items() if rank == 0}
 
     def close(self) -> None:
         """Ends every process this job started that is still running (by its pid).
@@ -275,15 +339,15 @@ class Job:
         keep = os.environ.get("FAILFAST_EVENTS")
         if keep:
             name = f"events-{os.getpid()}-{time.time():.0f}.json"
-            Path(keep, name).write_text(json.dumps(self.events))
-        for procs in self.procs.values():
-            for p in procs:
-                if p.popen.poll() is None:
-                    p.popen.kill()  # a stopped process dies of SIGKILL too
-                    p.popen.wait(timeout=30)
-                if p.reader is not None:
-                    p.reader.join(timeout=10)
-                if p.popen.stdin is not None:
-                    p.popen.stdin.close()
-                if p.popen.stdout is not None:
-                    p.popen.stdout.close()
+            Path(keep, name).write_text(json.dumps(self.events + self.rank_events))
+        for p in self.all_procs():
+            if p.popen.poll() is None:
+                p.popen.kill()  # a stopped process dies of SIGKILL too
+                p.popen.wait(timeout=30)
+            if p.reader is not None:
+                p.reader.join(timeout=10)
+            if p.popen.stdin is not None:
+                p.popen.stdin.close()
+            if p.popen.stdout is not None:
+                p.popen.stdout.close()
+        self._stores.clear()

@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 
 from tests.cluster import lighthouse, url
-from tests.failfast.job import Job
+from tests.failfast.job import Event, Job
+from tests.failfast.replay import assert_identical, assert_replayed, history
 from tests.failfast.test_kill import (
     START_BOUND_S,
     SURVIVORS_BOUND_S,
@@ -150,3 +151,94 @@ def test_a_survivor_that_committed_the_step_and_one_that_salvages_it_end_alike(
             heal_and_finish(job, victim, exact=False)
         finally:
             job.close()
+
+
+def test_every_rank_of_a_group_redoes_the_step_one_rank_lost(tmp_path: Path) -> None:
+    """Two groups of two ranks, each rank its own process; g1 is lost in a step, mid-way.
+
+    g1's rank 0 holds inside its comm hook before its allreduce; the rank-1 allreduce between
+    the groups goes through, with both groups' data, and g0's rank 1 holds once it has (before
+    its vote). The test SIGKILLs g1, both ranks (a host lost). g0's rank 0 cannot complete its
+    collective (g1's rank 0 never sent): its step failed for a lost group. g0's rank 1 saw
+    nothing wrong: its step would commit as it was, averaged over both groups. Committed that
+    way beside rank 0's redo (averaged over g0 alone), the group's ranks would part. So the
+    group's vote makes every rank redo the step, rank 1 too, from its kept input: both commit
+    it alone (divided by 1) in one new quorum. Then g1 restarts (both ranks) and heals. Rank r
+    of every group ends bit-identical, on rank r's replayed history, and the ranks of each group
+    committed every step in the same quorum with the same divisor.
+    """
+    groups, victim, survivor = 2, 1, 0
+    with lighthouse(
+        min_replicas=1, join_timeout_ms=100, quorum_tick_ms=100, heartbeat_timeout_ms=5_000
+    ) as lh:
+        job = Job(tmp_path, url(lh), groups, ranks=2)
+        try:
+            job.start(survivor, "--salvage", per_rank={1: ("--hold-reduced", "3")})
+            job.start(victim, "--salvage", per_rank={0: ("--hold-after", "3")})
+            holding = job.wait_for(
+                f"g{victim}'s rank 0 to hold before reducing",
+                lambda events: next((e for e in events if e["kind"] == "reducing"), None),
+                START_BOUND_S,
+            )
+            reduced = job.wait_for(
+                f"g{survivor}'s rank 1 to hold, its step reduced with both groups",
+                lambda _: next((e for e in job.rank_events if e["kind"] == "reduced"), None),
+                START_BOUND_S,
+            )
+            assert reduced["step"] == holding["step"] and not reduced["errored"], reduced
+            assert reduced["divisor"] == groups, reduced
+            killed = job.kill(victim)
+            job.release(survivor, rank=1)
+
+            def step_in_flight(events: list[dict]) -> dict | None:
+                return next(
+                    (
+                        e
+                        for e in events
+                        if e["kind"] == "step"
+                        and e["group"] == survivor
+                        and e["before"] == holding["step"]
+                    ),
+                    None,
+                )
+
+            ended = [
+                job.wait_for(
+                    f"g{survivor}'s rank {rank} to end the step g{victim} was lost in",
+                    lambda _, rank=rank: step_in_flight(job.rank_events if rank else job.events),
+                    SURVIVORS_BOUND_S,
+                )
+                for rank in (0, 1)
+            ]
+            for rank, e in enumerate(ended):
+                record = e["reduce"]
+                assert e["committed"], f"rank {rank} skipped the step g{victim} was lost in: {e}"
+                assert record["salvaged"], f"rank {rank}'s commit of it was not a redo: {e}"
+                assert record["divisor"] == 1 and record["participating"], e
+                assert record["batch_step"] == holding["step"], e
+            assert ended[0]["reduce"]["quorum_id"] == ended[1]["reduce"]["quorum_id"], ended
+            assert ended[0]["reduce"]["quorum_id"] != holding["quorum_id"], ended
+            survivors_go_on(job, victim, since=killed)
+            heal_and_finish(job, victim, exact=True)
+            assert_every_rank_on_its_history(job)
+        finally:
+            job.close()
+
+
+def assert_every_rank_on_its_history(job: Job) -> None:
+    """Rank 0 is checked by ``heal_and_finish``; here every other rank r: every group's rank r
+    ends bit-identical and on rank r's replayed history (two groups: exact), and it committed
+    the same steps as its group's rank 0, each in the same quorum with the same divisor."""
+
+    def commits(events: list[Event]) -> dict[tuple[int, int, int], tuple[int, int]]:
+        return {
+            (e["group"], e["inc"], e["after"]): (e["reduce"]["quorum_id"], e["reduce"]["divisor"])
+            for e in Job.commits(events)
+        }
+
+    for rank in range(1, job.ranks):
+        events = [e for e in job.rank_events if e["rank"] == rank]
+        states = {g: job.final[g, rank] for g in range(job.groups)}
+        assert_identical(states)
+        assert_replayed(states[0], history(events), exact=True)
+        assert commits(events) == commits(job.events), f"rank {rank} committed apart from rank 0"

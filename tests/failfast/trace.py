@@ -12,6 +12,7 @@ made of it), so a bad step is named with the quantity that went wrong first.
 from __future__ import annotations
 
 import pickle
+import re
 import sys
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -130,9 +131,20 @@ def main() -> None:
 
     events = json.loads(Path(sys.argv[1]).read_text())
     run = Path(sys.argv[2])
-    traces = {p.name: read_records(p) for p in sorted(run.glob("*.trace"))}
-    for line in first_divergence(events, traces):
-        print(line)
+
+    # Rank r of every group is a history of its own (groups of several ranks: ``job.py``); a
+    # trace of rank r > 0 is named ``g{G}i{I}r{r}.pt.trace``.
+    def rank_of(path: Path) -> int:
+        match = re.fullmatch(r"g\d+i\d+(?:r(\d+))?\.pt\.trace", path.name)
+        return int(match.group(1) or 0) if match else -1
+
+    for rank in sorted({e.get("rank", 0) for e in events}):
+        mine = [e for e in events if e.get("rank", 0) == rank]
+        traces = {
+            p.name: read_records(p) for p in sorted(run.glob("*.trace")) if rank_of(p) == rank
+        }
+        for line in first_divergence(mine, traces):
+            print(line)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,17 @@
-"""One replica group (one rank) of the fail-fast tests, run as its own process.
+"""One replica group (or one rank of one) of the fail-fast tests, run as its own process.
 
     python -m tests.failfast.worker --group G --incarnation I --groups N --lighthouse URL \
         --target-file F --out OUT [--impl torchheal|torchft] \
         [--hold-after N] [--die-after N] [--die-before-reducing N] [--die-at-join] \
         [--fail-reduce N] [--hold-reduced N] [--timeout S] [--host ADDR] [--salvage] \
-        [--device cpu|cuda]
+        [--device cpu|cuda] [--rank R --ranks K --store-port P]
+
+With ``--ranks K`` (K > 1) the process is rank R of a group of K ranks, each its own process,
+that meet through the store at ``--host``:``--store-port`` (the test hosts it): rank 0's Manager
+runs the group's manager server, the others reach it through the store. Rank R reduces with rank
+R of every other group and heals from one, as a shard of a sharded model would; the ranks of a
+group do not reduce with each other (each trains the whole small model: rank R of the job is a
+one-rank job of its own, in step with the other ranks through the group's quorum and vote).
 
 It trains the small MLP of ``tests/integration/workers.py`` under fault-tolerant DDP at
 ``min_replica_size=1``, on the batches of that module (a function of group and step), with SGD
@@ -143,7 +150,12 @@ def main() -> None:
     p.add_argument("--host", default="127.0.0.1", help="address of this group's store")
     p.add_argument("--salvage", action="store_true", help="Manager(salvage_step=True)")
     p.add_argument("--device", default="cpu", help="where the model trains (Gloo either way)")
+    p.add_argument("--rank", type=int, default=0, help="this process's rank in its group")
+    p.add_argument("--ranks", type=int, default=1, help="the group's rank count")
+    p.add_argument("--store-port", type=int, default=0, help="the group's store (--ranks > 1)")
     args = p.parse_args()
+    if args.ranks > 1 and not args.store_port:
+        p.error("--ranks > 1 needs --store-port: the group's ranks meet in that store")
     first = args.incarnation == 0
 
     torch.set_num_threads(1)
@@ -152,7 +164,11 @@ def main() -> None:
     model = make_model(seed_of(args.group, args.incarnation)).to(device)
     inner = make_optimizer(model)
     timeout = timedelta(seconds=args.timeout)
-    store = dist.TCPStore(args.host, 0, is_master=True, wait_for_workers=False)
+    if args.ranks == 1:
+        store = dist.TCPStore(args.host, 0, is_master=True, wait_for_workers=False)
+        store_port = store.port
+    else:
+        store_port = args.store_port
     extra = {"salvage_step": True} if args.salvage else {}
     pg = ft.ProcessGroupGloo(timeout=timeout)
     if args.fail_reduce >= 0:
@@ -170,10 +186,10 @@ def main() -> None:
         timeout=timeout,
         quorum_timeout=timedelta(seconds=60),
         connect_timeout=timedelta(seconds=10),
-        rank=0,
-        world_size=1,
+        rank=args.rank,
+        world_size=args.ranks,
         store_addr=args.host,
-        store_port=store.port,
+        store_port=store_port,
         lighthouse_addr=args.lighthouse,
         replica_id=f"g{args.group}",
         **extra,
