@@ -203,7 +203,10 @@ class PGTransport(CheckpointTransport[T]):
             for i, t in enumerate(targets)
         ]
         works: list[tuple[Any, int | None]] = []
-        packed = torch.empty(packed_bytes, dtype=torch.uint8, device=self._device)
+        # A Gloo message shorter than the receive posted for it completes, and the receiver
+        # cannot tell: the bytes it did not carry keep what the buffer held, which the block
+        # checks then judge. Zeroed (small), so those are never bytes of an earlier transfer.
+        packed = torch.zeros(packed_bytes, dtype=torch.uint8, device=self._device)
         if packed_bytes:
             works.append((self._pg.recv([packed], src_rank, _TAG_PACKED), None))
         works += [
