@@ -12,8 +12,9 @@ the tail of its log.
 Groups of several ranks (``ranks``): each incarnation of a group is one process per rank, meeting
 in a store this job hosts for that incarnation. Rank r of every group reduces with rank r of the
 others, and a heal sends rank r's state to rank r, so rank r of the job is a history of its own:
-at the first quorum the reference's rule takes each rank's state from a different group (the
-"primary" is picked by rank), so the ranks of one group start, and stay, apart. The events of
+when every group makes the first quorum, the reference's rule takes each rank's state from a
+different group (the "primary" is picked by rank), so the ranks of one group can start, and then
+stay, apart. The events of
 rank 0 are ``events`` (what the helpers of one-rank jobs read), the others' ``rank_events``;
 :meth:`Job.finish` keeps every rank's final weights (``final``).
 """
@@ -98,7 +99,8 @@ class Job:
         self.events: list[Event] = []  # rank 0's: the job's history
         self.rank_events: list[Event] = []  # the other ranks' (each has a "rank")
         self._stores: list[dist.TCPStore] = []  # groups of several ranks meet in these
-        self.final: dict[tuple[int, int], dict[str, torch.Tensor]] = {}  # (group, rank) ->
+        # Every rank's final weights, by (group, rank): set by finish().
+        self.final: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
         self._cond = threading.Condition()
 
     # -- processes ------------------------------------------------------------------------
