@@ -299,6 +299,27 @@ class Job:
             and e["time"] > since
         ]
 
+    @staticmethod
+    def healed_first(
+        events: list[Event], group: int, since: float = 0.0, inc: int | None = None
+    ) -> bool:
+        """Whether ``group`` (incarnation ``inc``) healed before it trained, after ``since``.
+
+        True when its first commit was a heal step (it contributed nothing), or when an earlier
+        step loaded a peer's state and then failed: the counter moved without a commit, which
+        only a heal does.
+        """
+        for e in events:
+            if e["kind"] != "step" or e["group"] != group or e["time"] <= since:
+                continue
+            if inc is not None and e["inc"] != inc:
+                continue
+            if e["committed"]:
+                return not e["reduce"]["participating"]
+            if e["after"] != e["before"]:
+                return True
+        return False
+
     def top_step(self) -> int:
         with self._cond:
             return max((e["after"] for e in self.commits(self.events)), default=0)

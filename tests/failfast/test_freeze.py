@@ -102,9 +102,8 @@ def test_sigstop_inside_an_allreduce(tmp_path: Path) -> None:
             woken_at = job.signal(VICTIM, signal.SIGCONT)
             job.release(VICTIM)
             all_together(job, min_commits=2, since=woken_at)
-            woke = [e for e in Job.commits(job.events, VICTIM) if e["time"] > stopped_at]
-            assert not woke[0]["reduce"]["participating"], (
-                f"the frozen group's first commit after waking was not a heal: {woke[0]}"
+            assert Job.healed_first(job.events, VICTIM, since=stopped_at), (
+                "the frozen group trained after waking before it healed:\n" + job.describe()
             )
             states = job.finish()
             assert_identical(states)

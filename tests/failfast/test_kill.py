@@ -104,9 +104,8 @@ def heal_and_finish(job: Job, victim: int, *, exact: bool) -> None:
     """Restarts the victim; checks it healed, then the end state against the history."""
     restarted = job.start(victim)
     all_together(job)
-    mine = [e for e in Job.commits(job.events, victim) if e["inc"] == restarted.incarnation]
-    assert not mine[0]["reduce"]["participating"], (
-        f"the restarted group's first commit was not a heal: {mine[0]}"
+    assert Job.healed_first(job.events, victim, inc=restarted.incarnation), (
+        "the restarted group trained before it healed:\n" + job.describe()
     )
     states = job.finish()
     assert_identical(states)

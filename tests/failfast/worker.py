@@ -41,7 +41,8 @@ before a SIGKILL are still read):
   its vote, until a line arrives on its stdin. With ``--fail-reduce N`` (torchheal only) that
   allreduce completes but reports a failure (``FakeProcessGroupWrapper``), as a collective does
   whose peer reset the connection just after the last byte.
-* ``step``: one iteration ended: ``before``/``after`` step, ``committed``, and the ``reduce``
+* ``step``: one iteration ended: ``before``/``after`` step, ``committed`` (what the vote
+  decided: a heal moves the step counter before its step is voted on), and the ``reduce``
   record of the attempt (None when the step failed before reducing).
 * ``done``: the group stopped (see below); its final weights are in ``--out``.
 
@@ -246,6 +247,17 @@ def main() -> None:
         return work
 
     manager.allreduce = allreduce
+    # What the step's vote decided. Not the step counter's move: a heal loads the source's step
+    # before the heal step is voted on, so a heal step that fails still moves the counter.
+    decisions: list[bool] = []
+    vote = manager.should_commit
+
+    def should_commit(*a: Any, **k: Any) -> bool:
+        decision = vote(*a, **k)
+        decisions.append(decision)
+        return decision
+
+    manager.should_commit = should_commit
     ddp = ft.DistributedDataParallel(manager, model)
     optimizer = ft.Optimizer(manager, inner)
 
@@ -262,6 +274,7 @@ def main() -> None:
         if target is not None and step >= target and last_full:
             break
         attempt.clear()
+        decisions.clear()
         optimizer.zero_grad()
         # A healing group's step may still move (the quorum runs in the background), but it
         # sends zeros; a contributing group is at the step it computes.
@@ -271,7 +284,7 @@ def main() -> None:
         optimizer.step()
         after = manager.current_step()
         record = attempt.get("reduce")
-        committed = after > step
+        committed = bool(decisions) and decisions[-1]
         last_full = (
             committed
             and record is not None

@@ -131,7 +131,7 @@ def run_partition(job: NetnsJob, network: Network) -> None:
     all_together(job, min_commits=2, since=heal_at)
     assert len(job.procs[VICTIM]) == 1, "the cut-off group was restarted"
     back = Job.commits(job.events, VICTIM, since=heal_at)
-    assert not back[0]["reduce"]["participating"], (
+    assert Job.healed_first(job.events, VICTIM, since=heal_at), (
         f"the cut-off group's first commit after the partition was not a heal: {back[0]}"
     )
     assert back[0]["after"] > top, (back[0], top)
