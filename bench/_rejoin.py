@@ -405,6 +405,55 @@ def _measure(impl: str, survivor: Proc, healer: Proc, killed: float) -> Rejoin:
     )
 
 
+#: The healer's path from its Manager's construction to its first commit, one phase per pair of
+#: consecutive marks: (phase name, the mark that ends it). Each phase begins where the one
+#: before it ended, so the phases add up to Manager -> first commit. The healer's own forward
+#: and backward of the heal step, and the source's staging, run beside these (not on the path).
+CRITICAL_PATH = (
+    ("construct", "manager.end"),  # the Manager: endpoints, lighthouse hello
+    ("to first step", "warmup.begin"),  # the user's code between (DDP and optimizer wrappers)
+    ("warm-up", "warmup.end"),  # the local first step's forward and backward
+    ("to quorum", "quorum.begin"),  # the warm-up's optimizer call, the next step's zero_grad
+    ("quorum", "quorum.end"),  # waiting for the survivors' step boundary, the round
+    ("to metadata", "metadata.begin"),
+    ("metadata", "metadata.end"),  # the source's transport address, over gRPC
+    ("wait source", "fetch.data.begin"),  # the HTTP request; the source's staging if not done
+    ("transfer", "fetch.data.end"),  # the bytes, checked as they arrive
+    ("load", "load.end"),  # the training thread loads the received state
+    ("vote + optimizer", "commit"),  # the commit vote and the user's optimizer step
+)
+
+
+def critical_path(r: Rejoin) -> list[tuple[str, float]] | None:
+    """The healer's Manager -> first commit, phase by phase (:data:`CRITICAL_PATH`), seconds.
+
+    None without torchheal's timeline marks, or when the first commit was not a heal after a
+    warm-up (a run whose phases are not these). Each mark is the first of its name after the
+    previous one, so a quorum that failed and was retried shows as a longer ``quorum``.
+    """
+    healer = r.events.get("healer", [])
+    manager = _first(healer, "manager.begin")
+    first = next((e for e in healer if e["kind"] == "step" and e["committed"]), None)
+    if manager is None or first is None or not r.healed:
+        return None
+    marks = sorted(
+        [
+            (e["t"], e.get("phase", e["kind"]))
+            for e in healer
+            if e["kind"] in ("mark", "manager.end")
+        ]
+        + [(first["t"], "commit")]
+    )
+    out, t = [], manager["t"]
+    for name, end in CRITICAL_PATH:
+        at = next((m for m, phase in marks if phase == end and m >= t), None)
+        if at is None:
+            return None
+        out.append((name, at - t))
+        t = at
+    return out
+
+
 def print_timeline(r: Rejoin) -> None:
     """Both sides' events from the healer's Manager construction to its third commit."""
     healer = r.events["healer"]
@@ -495,6 +544,11 @@ def main() -> None:
     )
     if args.timeline:
         print_timeline(r)
+        path = critical_path(r)
+        if path is not None:
+            print("\nthe healer's Manager -> first commit, phase by phase (ms)")
+            for name, s in path:
+                print(f"  {name:<18}{1000 * s:8.1f}")
     shown = {k: v for k, v in r.__dict__.items() if k not in ("events",)}
     print(json.dumps(shown, indent=1))
 

@@ -10,7 +10,10 @@ with AdamW, ~57 MB of state plus ``--sizes`` of ballast): the restarted process'
 (interpreter, torch and the library's imports), the rest up to its first commit, its Manager's
 construction to its first commit, its receive of the state (torchheal's timeline) against a raw
 loopback socket copy of the same bytes measured in the same run, and the survivor's longest step
-from the healer's Manager construction to its fifth commit against its normal step.
+from the healer's Manager construction to its fifth commit against its normal step. Last, for
+torchheal, where the healer's Manager -> first commit went, phase by phase on its critical path
+(``bench/_rejoin.py``'s ``CRITICAL_PATH``: construction, warm-up, quorum, metadata, waiting for the
+source, transfer, load, vote and optimizer step).
 
     python -m bench.recovery [--sizes 100,1000] [--transport http] [--rejoin-runs 3]
     python -m bench.recovery --rejoin-only --sizes 0 --rejoin-runs 3
@@ -22,7 +25,7 @@ import argparse
 import statistics
 
 from bench._cluster import lighthouse, reference_available, run_workers
-from bench._rejoin import Rejoin, run_rejoin
+from bench._rejoin import CRITICAL_PATH, Rejoin, critical_path, run_rejoin
 from bench.transport import raw_socket
 from torchheal.launcher import KillPlan
 from torchheal.launcher.demo.summary import summarize
@@ -158,6 +161,7 @@ def rejoin_table(args: argparse.Namespace, impls: list[str], sizes: list[int]) -
             f"{fmt(worst / normal if worst else None):>6}"
             f"{f'{sum(r.healed for r in runs)}/{len(runs)}':>7}"
         )
+    path_table(results)
     if "torchft" in by_impl:
         for size in sizes:
             ours, ref = by_impl["torchheal"].get(size), by_impl["torchft"].get(size)
@@ -166,6 +170,34 @@ def rejoin_table(args: argparse.Namespace, impls: list[str], sizes: list[int]) -
                     f"ballast {size} MB: restart->first commit without start-up, torchheal / "
                     f"reference = {ours / ref:.2f} (goal <= 0.5)"
                 )
+
+
+def path_table(results: dict[tuple[str, int], list[Rejoin]]) -> None:
+    """Where torchheal's Manager -> first commit goes, phase by phase (medians, ms)."""
+    rows = []
+    for (impl, size), runs in results.items():
+        paths = [p for p in map(critical_path, runs) if p is not None]
+        if paths:
+            medians = [statistics.median(p[i][1] for p in paths) for i in range(len(CRITICAL_PATH))]
+            rows.append((impl, size, len(paths), medians))
+    if not rows:
+        return
+    print(
+        "\nThe healer's Manager -> first commit on its critical path, phase by phase (ms, medians "
+        "of the runs that healed after a warm-up; each phase begins where the one before ended; "
+        "its heal step's forward and backward and the source's staging run beside them)"
+    )
+    names = [name for name, _ in CRITICAL_PATH]
+    print(
+        f"{'impl':<10}{'ballast':>8}{'runs':>5}"
+        + "".join(f"{n:>{max(9, len(n) + 1)}}" for n in names)
+    )
+    for impl, size, n, medians in rows:
+        cells = "".join(
+            f"{1000 * m:>{max(9, len(name) + 1)}.1f}"
+            for name, m in zip(names, medians, strict=True)
+        )
+        print(f"{impl:<10}{size:>8}{n:>5}{cells}")
 
 
 if __name__ == "__main__":
