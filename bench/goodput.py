@@ -34,7 +34,12 @@ group joins (from its Manager's construction to its third commit); the restarted
 first commit, restart (process start, or hand-over to a spare) -> first commit, its start-up
 (interpreter, torch and library imports, model and optimizer built: paid by both libraries, its
 own column; in a warm spare, from the hand-over to model and optimizer built), the Manager's
-construction, and Manager constructed -> first commit.
+construction, and Manager constructed -> first commit. Last, what each kill cost, against the pace
+of the ``LOSS_WINDOW_S`` (5 s) just before it: the job time lost in the 5 s after it, and every
+group's lost commit time summed; and the two ratios computed from those losses alone (1 - lost /
+failing seconds). Two phases a minute apart differ by up to 5% on this shared machine with no
+kill at all (``--control``); the losses, measured in the seconds around each kill, do not move
+with that drift.
 
 Goals (issue 9): job steps >= 0.99, commits >= 0.97, no survivor gap over 0.5 s.
 
@@ -82,6 +87,8 @@ from typing import Any  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 PREFIX = "@goodput "
+#: Seconds before a kill that set its baseline step gap, and after it in which the loss is counted.
+LOSS_WINDOW_S = 5.0
 
 # ---------------------------------------------------------------------------------------------
 # Worker: one replica group
@@ -568,6 +575,8 @@ class KillCost:
     healed: bool
     worst: tuple[int, float, float] | None = None  # survivor, gap start, gap end
     warm: bool | None = None  # the restart began in a warm spare
+    job_lost_s: float | None = None  # job time the kill cost against the gaps just before it
+    group_lost_s: float | None = None  # the same summed over every group's commits
 
 
 def kill_costs(data: RunData) -> list[KillCost]:
@@ -628,9 +637,62 @@ def kill_costs(data: RunData) -> list[KillCost]:
                 healed=bool(first and first["after"] > first["before"] + 1),
                 worst=(best[1], best[2], best[3]) if best else None,
                 warm=began.get("warm", False) if began else None,
+                job_lost_s=_lost([t for t, _ in _job_steps(data.events)], kill.at, end),
+                group_lost_s=_group_lost(data, kill.at, end),
             )
         )
     return out
+
+
+def _lost(times: list[float], at: float, end: float) -> float | None:
+    """Time lost after ``at`` by a series of commit ``times``, against its pace just before.
+
+    The pace is the mean gap of the commits in the :data:`LOSS_WINDOW_S` before ``at``; the
+    loss is how much longer than that pace the series took, from its last commit before ``at``
+    to its last one within ``LOSS_WINDOW_S`` after (or before ``end``); a series with no commit
+    in that window (a victim still restarting) lost all of it. Measured against the seconds
+    just before the kill, not against a healthy phase a minute away, it does not move with the
+    load's drift between phases. Negative when the steps after went faster.
+    """
+    horizon = min(at + LOSS_WINDOW_S, end)
+    before = [t for t in times if at - LOSS_WINDOW_S <= t <= at]
+    after = [t for t in times if at < t <= horizon]
+    if len(before) < 3:
+        return None
+    pace = (before[-1] - before[0]) / (len(before) - 1)
+    return ((after[-1] if after else horizon) - before[-1]) - len(after) * pace
+
+
+def _group_lost(data: RunData, at: float, end: float) -> float | None:
+    """:func:`_lost` of each group's commits (the victim's own and its restart's), summed.
+
+    A group with too few commits just before the kill to have a pace (it was not training: the
+    reference's groups at ``min_replicas=1`` often are not all in the quorum) is left out; None
+    when no group had one.
+    """
+    losses = [
+        _lost([e["t"] for e in _commits(data.events, g)], at, end) for g in range(data.groups)
+    ]
+    known = [x for x in losses if x is not None]
+    return sum(known) if known else None
+
+
+def attributable(data: RunData) -> str:
+    """Job-steps and commits ratios from the kills' measured losses alone (see :func:`_lost`)."""
+    costs = kill_costs(data)
+    if not costs:
+        return "no kills"
+    job = [c.job_lost_s for c in costs]
+    groups = [c.group_lost_s for c in costs]
+    if any(x is None for x in job + groups):
+        return "n/a (a kill without its windows)"
+    failing_s = sum(b - a for a, b in data.failing)
+    jr = 1 - sum(x for x in job if x is not None) / failing_s
+    cr = 1 - sum(x for x in groups if x is not None) / (data.groups * failing_s)
+    return (
+        f"job steps {jr:.3f} {'met' if jr >= 0.99 else 'NOT met'}; "
+        f"commits {cr:.3f} {'met' if cr >= 0.97 else 'NOT met'}"
+    )
 
 
 def normal_gap(data: RunData) -> float:
@@ -744,13 +806,17 @@ def report(results: list[RunData], timeline: bool = False) -> None:
         "first commit, restart -> first commit, its start-up (paid by both libraries: from the "
         "process start, or in a warm spare from the hand-over, to model and optimizer built), "
         "its Manager's construction, Manager constructed -> first commit, and whether it began "
-        "in a warm spare (a warm run falls back to a cold start when no spare is alive)."
+        "in a warm spare (a warm run falls back to a cold start when no spare is alive). Lost: "
+        f"the time the kill cost in the {LOSS_WINDOW_S:.0f} s after it, against the pace of the "
+        f"{LOSS_WINDOW_S:.0f} s before it: the job's steps, and every group's commits summed "
+        "(group-seconds)."
     )
     print(
         f"{'':<35}{'survivors':-^45}{'':1}{'restarted group':-^61}"
         f"\n{'impl restart':<16}{'kill':>5}{'victim':>7}{'at s':>7}{'max':>7}{'at kill':>9}"
         f"{'start-up':>10}{'rejoin':>8}{'others':>8}  {'kill->1st':>10}{'restart->1st':>13}"
         f"{'start-up':>9}{'Manager()':>10}{'ready->1st':>11}{'healed':>7}{'spare':>6}"
+        f"{'lost: job':>11}{'groups':>8}"
     )
     for d in results:
         for n, c in enumerate(kill_costs(d)):
@@ -763,6 +829,7 @@ def report(results: list[RunData], timeline: bool = False) -> None:
                 f"{_f(c.construct_s):>10}{_f(c.ready_to_commit_s):>11}"
                 f"{'yes' if c.healed else 'no':>7}"
                 f"{'-' if c.warm is None else 'yes' if c.warm else 'no':>6}"
+                f"{_f(c.job_lost_s):>11}{_f(c.group_lost_s):>8}"
             )
     print("\ngoals: job steps >= 0.99, commits >= 0.97, no survivor gap over 0.5 s")
     for impl, jr, cr, worst, outside in verdicts:
@@ -772,6 +839,12 @@ def report(results: list[RunData], timeline: bool = False) -> None:
             f"{'met' if ok[1] else 'NOT met'}; survivor gap {worst:.2f} s "
             f"{'met' if ok[2] else 'NOT met'} ({outside:.2f} s outside restarts' start-up)"
         )
+    print(
+        "\nthe same ratios from the kills' own cost (the lost columns: 1 - lost / failing "
+        "seconds), which the drift of this machine's load between phases does not move:"
+    )
+    for d in results:
+        print(f"{d.label:<16} {attributable(d)}")
     if timeline:
         for d in results:
             print_timeline(d, kill_costs(d))
