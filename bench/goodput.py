@@ -690,8 +690,8 @@ def attributable(data: RunData) -> str:
     jr = 1 - sum(x for x in job if x is not None) / failing_s
     cr = 1 - sum(x for x in groups if x is not None) / (data.groups * failing_s)
     return (
-        f"job steps {jr:.3f} {'met' if jr >= 0.99 else 'NOT met'}; "
-        f"commits {cr:.3f} {'met' if cr >= 0.97 else 'NOT met'}"
+        f"job steps {jr:.4f} {'met' if jr >= 0.99 else 'NOT met'}; "
+        f"commits {cr:.4f} {'met' if cr >= 0.97 else 'NOT met'}"
     )
 
 
@@ -835,7 +835,7 @@ def report(results: list[RunData], timeline: bool = False) -> None:
     for impl, jr, cr, worst, outside in verdicts:
         ok = [jr >= 0.99, cr >= 0.97, worst <= 0.5]
         print(
-            f"{impl:<16} job steps {jr:.3f} {'met' if ok[0] else 'NOT met'}; commits {cr:.3f} "
+            f"{impl:<16} job steps {jr:.4f} {'met' if ok[0] else 'NOT met'}; commits {cr:.4f} "
             f"{'met' if ok[1] else 'NOT met'}; survivor gap {worst:.2f} s "
             f"{'met' if ok[2] else 'NOT met'} ({outside:.2f} s outside restarts' start-up)"
         )
