@@ -12,6 +12,7 @@ import torch
 
 from tests.checkpointing.test_serialization import assert_same, sample_state
 from torchheal.checkpointing import CheckpointError, CheckpointTimeoutError, HTTPTransport
+from torchheal.checkpointing.deserialization import decode_bytes
 from torchheal.checkpointing.live import LIVE_FROM_BYTES
 from torchheal.checkpointing.serialization import encode_bytes
 
@@ -52,11 +53,11 @@ def test_starts_disallowed_and_allow_disallow_idempotent(
     make: Callable[..., HTTPTransport],
 ) -> None:
     t = make(timeout=timedelta(seconds=0.2))
-    assert t._step == -1 and t._lock.w_locked()
+    assert t._step == -1 and t._live is None
     t.disallow_checkpoint()
     t.disallow_checkpoint()
-    assert t._lock.w_locked()
-    # Nothing served yet: a request waits at most the lock timeout, then fails (never forever).
+    assert t._live is None
+    # Nothing served yet: a request waits at most the short wait, then fails (never forever).
     started = time.monotonic()
     with pytest.raises(CheckpointError, match="503"):
         make().recv_checkpoint(0, t.metadata(), 3, TIMEOUT)
@@ -65,7 +66,7 @@ def test_starts_disallowed_and_allow_disallow_idempotent(
     t.send_checkpoint([1], 3, state, TIMEOUT)
     t.allow_checkpoint(3)
     t.allow_checkpoint(3)
-    assert not t._lock.w_locked() and t._step == 3
+    assert t._live is not None and t._step == 3
     t.disallow_checkpoint()
     t.disallow_checkpoint()
     # Disallowed: the state may change, and the healer still gets it as it was sent.
@@ -226,8 +227,9 @@ def test_peer_disconnecting_mid_transfer_does_not_kill_server(
             )
     out = make().recv_checkpoint(0, src.metadata(), 1, TIMEOUT)
     assert torch.equal(out["w"], state["w"])
-    src._stop_serving()  # no reader hold was leaked by the aborted transfers
-    assert src._lock.w_locked()
+    # No request hold was leaked by the aborted transfers.
+    assert src._wait_requests_done(TIMEOUT.total_seconds())
+    assert src._live is not None and src._live.requests == 0
 
 
 def test_unsendable_state_is_refused_and_stays_disallowed(
@@ -236,7 +238,7 @@ def test_unsendable_state_is_refused_and_stays_disallowed(
     src = make()
     with pytest.raises(CheckpointError, match="object"):
         src.send_checkpoint([1], 1, {"bad": object()}, TIMEOUT)
-    assert src._lock.w_locked()
+    assert src._live is None
 
 
 @pytest.mark.gpu
@@ -258,3 +260,53 @@ def test_round_trip_of_gpu_state(make: Callable[..., HTTPTransport], num_chunks:
         for key, value in state.items():
             assert out[key].dtype == value.dtype and torch.equal(out[key].cpu(), value.cpu()), key
         assert out["w"].device.type == "cpu"
+
+
+def _body(sock: socket.socket, first: bytes) -> bytes:
+    """The body of the HTTP/1.0 response whose ``first`` bytes were read (the server closes
+    the connection after it)."""
+    data = bytearray(first)
+    while chunk := sock.recv(1 << 20):
+        data.extend(chunk)
+    head, _, body = bytes(data).partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.0 200"), head[:200]
+    return body
+
+
+def test_a_healer_stalled_mid_transfer_never_delays_the_next_heal(
+    make: Callable[..., HTTPTransport],
+) -> None:
+    """A healer whose host froze (no FIN, no reads) part way through step 5's stream: the
+    source goes on to serve steps 6 and 7 to other healers at once, not after the stalled
+    socket's timeout, and nothing it does meanwhile reuses the buffers the stalled healer reads
+    from: woken, it gets step 5 whole."""
+    timeout = timedelta(seconds=60)  # the Manager's default; every wait below is under half
+    src = make(timeout=timeout)
+    state = {"w": torch.randn((32 << 20) // 4), "small": torch.arange(5.0)}  # far over buffers
+    as_of = {5: {k: v.clone() for k, v in state.items()}}
+    src.send_checkpoint([1], 5, state, timeout)
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as stalled:
+        stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 16)
+        stalled.connect(("localhost", src._server.server_port))
+        stalled.settimeout(timeout.total_seconds())
+        stalled.sendall(b"GET /checkpoint/5/full HTTP/1.0\r\n\r\n")
+        first = stalled.recv(1 << 16)  # it started, then stopped reading
+        assert first.startswith(b"HTTP/1.0 200")
+        for step in (6, 7):
+            src.disallow_checkpoint()  # the optimizer step follows: the state changes
+            state["w"].add_(1.0)
+            state["small"].add_(1.0)
+            as_of[step] = {k: v.clone() for k, v in state.items()}
+            sent = threading.Thread(target=src.send_checkpoint, args=([1], step, state, timeout))
+            sent.start()
+            sent.join(timeout.total_seconds() / 2)
+            assert not sent.is_alive(), "the next send waited for the stalled healer"
+        # Step 6 had no healer: its freeze copies every block, into pool buffers that a
+        # premature release of step 5's would hand out again.
+        src.disallow_checkpoint()
+        state["w"].add_(1.0)
+        healer = make(timeout=timedelta(seconds=30))
+        assert_same(healer.recv_checkpoint(0, src.metadata(), 7, timeout), as_of[7])
+        body = _body(stalled, first)
+    assert_same(decode_bytes(body), as_of[5])
+    assert src._wait_requests_done(timeout.total_seconds() / 2)

@@ -3,8 +3,8 @@
     python -m tests.failfast.worker --group G --incarnation I --groups N --lighthouse URL \
         --target-file F --out OUT [--impl torchheal|torchft] \
         [--hold-after N] [--die-after N] [--die-before-reducing N] [--die-at-join] \
-        [--fail-reduce N] [--hold-reduced N] [--timeout S] [--host ADDR] [--salvage] \
-        [--device cpu|cuda] [--rank R --ranks K --store-port P]
+        [--fail-reduce N] [--hold-reduced N] [--hold-in-heal] [--ballast-mb M] [--timeout S] \
+        [--host ADDR] [--salvage] [--device cpu|cuda] [--rank R --ranks K --store-port P]
 
 With ``--ranks K`` (K > 1) the process is rank R of a group of K ranks, each its own process,
 that meet through the store at ``--host``:``--store-port`` (the test hosts it): rank 0's Manager
@@ -41,6 +41,11 @@ before a SIGKILL are still read):
   its vote, until a line arrives on its stdin. With ``--fail-reduce N`` (torchheal only) that
   allreduce completes but reports a failure (``FakeProcessGroupWrapper``), as a collective does
   whose peer reset the connection just after the last byte.
+* ``receiving``: (``--hold-in-heal``, torchheal only) the group's first heal has received its
+  first MiB of the source's state and stops reading, inside the HTTP transport's receive, until
+  a line arrives on its stdin; the test freezes it there, its source's send part way through.
+  ``--ballast-mb M`` adds M MiB to every group's state (a tensor the heal carries and nothing
+  trains), so that a stream outgrows the socket buffers.
 * ``step``: one iteration ended: ``before``/``after`` step, ``committed`` (what the vote
   decided: a heal moves the step counter before its step is voted on), and the ``reduce``
   record of the attempt (None when the step failed before reducing).
@@ -130,6 +135,35 @@ def die_at_join(group: int, groups: int) -> None:
     timeline.addHandler(Die())
 
 
+def hold_in_heal(group: int) -> None:
+    """The first heal's receive stops reading after its first MiB until a line arrives on stdin.
+
+    It wraps the HTTP transport's reads of the data (``read_segments``'s ``readinto``): the real
+    client, held part way through the stream.
+    """
+    from torchheal.checkpointing import _http_fetch
+
+    real = _http_fetch.read_segments
+    held = False
+
+    def read_segments(readinto: Any, *a: Any, **k: Any) -> Any:
+        got = 0
+
+        def holding(view: Any) -> int:
+            nonlocal got, held
+            n = readinto(view)
+            got += n
+            if not held and got >= 1 << 20:
+                held = True
+                emit("receiving", group=group, nbytes=got)
+                sys.stdin.readline()  # the test freezes us here, then lets us go on
+            return n
+
+        return real(holding, *a, **k)
+
+    _http_fetch.read_segments = read_segments
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--impl", choices=["torchheal", "torchft"], default="torchheal")
@@ -148,6 +182,8 @@ def main() -> None:
     p.add_argument("--die-at-join", action="store_true", help="die before the first full build")
     p.add_argument("--fail-reduce", type=int, default=-1, help="full commits, then fail a reduce")
     p.add_argument("--hold-reduced", type=int, default=-1, help="full commits, then hold reduced")
+    p.add_argument("--hold-in-heal", action="store_true", help="hold part way into a heal")
+    p.add_argument("--ballast-mb", type=int, default=0, help="MiB of untrained state")
     p.add_argument("--host", default="127.0.0.1", help="address of this group's store")
     p.add_argument("--salvage", action="store_true", help="Manager(salvage_step=True)")
     p.add_argument("--device", default="cpu", help="where the model trains (Gloo either way)")
@@ -176,13 +212,24 @@ def main() -> None:
         from torchheal.process_group.wrappers import FakeProcessGroupWrapper
 
         pg = FakeProcessGroupWrapper(pg)
+    ballast = torch.zeros((args.ballast_mb << 20) // 4)
+
+    def state_dict() -> dict[str, Any]:
+        state = {"model": model.state_dict(), "optim": inner.state_dict()}
+        return {**state, "ballast": ballast} if args.ballast_mb else state
+
+    def load_state_dict(sd: dict[str, Any]) -> None:
+        model.load_state_dict(sd["model"])
+        inner.load_state_dict(sd["optim"])
+        if args.ballast_mb:
+            ballast.copy_(sd["ballast"])  # (a no-op when it was received in place)
+
+    if first and args.hold_in_heal:
+        hold_in_heal(args.group)
     manager = ft.Manager(
         pg=pg,
-        load_state_dict=lambda sd: (
-            model.load_state_dict(sd["model"]),
-            inner.load_state_dict(sd["optim"]),
-        ),
-        state_dict=lambda: {"model": model.state_dict(), "optim": inner.state_dict()},
+        load_state_dict=load_state_dict,
+        state_dict=state_dict,
         min_replica_size=1,
         timeout=timeout,
         quorum_timeout=timedelta(seconds=60),

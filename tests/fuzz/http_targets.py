@@ -109,10 +109,10 @@ class CheckpointServerTarget(_HttpTarget):
         self._strategy = http_inputs(paths.map(lambda p: ("GET", p)), TOKEN)
 
     def snapshot(self) -> Any:
-        lock = self.transport._lock
-        # A handler releases its read lock just after its last write: let it finish.
-        wait_for(lambda: lock._readers == 0, "in-flight checkpoint requests to finish")
-        return (self.transport._step, id(self.transport._staged), lock._writer)
+        t = self.transport
+        # A handler lets go of the checkpoint just after its last write: let it finish.
+        wait_for(lambda: t._wait_requests_done(0), "in-flight checkpoint requests to finish")
+        return (t._step, id(t._staged), t._live is None)
 
     def alive(self) -> str | None:
         return None if self.transport._thread.is_alive() else "the server thread died"

@@ -1,10 +1,12 @@
 """HTTP checkpoint transport: a healthy replica serves its staged state, healers pull it.
 
 Server: a stdlib ``ThreadingHTTPServer`` on all interfaces (IPv6 dual-stack when available),
-ephemeral port, serving ``GET /checkpoint/{step}/{key}`` under the reader side of an
-``RWLock``; the transport starts *disallowed* (writer lock held, step -1) so nothing is served
-until ``send_checkpoint`` stages a step, and ``disallow_checkpoint`` takes the writer lock
-back. Keys: ``full`` (header, description and all data),
+ephemeral port, serving ``GET /checkpoint/{step}/{key}``; nothing is served until
+``send_checkpoint`` stages a step. Each request holds the checkpoint it reads
+(``LiveCheckpoint.open_request``); the next ``send_checkpoint`` retires it without waiting for
+them, and its buffers go back to the pool when its last request ends: a healer that stalls
+mid-transfer (its host frozen or gone, no FIN) never delays this replica's next heal of another
+peer. Keys: ``full`` (header, description and all data),
 ``metadata`` (header and description), ``{i}`` (chunk ``i`` of ``n``; ``n`` from the ``?n=``
 query, else the server's ``num_chunks``). Bodies are the pickle-free format of
 ``serialization``: raw storage bytes.
@@ -44,7 +46,6 @@ from torchheal._base.timeouts import to_seconds
 from torchheal.checkpointing._direct_send import SocketDirectSend
 from torchheal.checkpointing._http_fetch import Client, fetch
 from torchheal.checkpointing.live import LIVE_FROM_BYTES, LiveCheckpoint
-from torchheal.checkpointing.rwlock import RWLock
 from torchheal.checkpointing.serialization import (
     DEFAULT_BLOCK_BYTES,
     StagedCheckpoint,
@@ -169,13 +170,17 @@ class _Handler(BaseHTTPRequestHandler):
         # A healer may ask before its source has staged that step (both run beside the step's
         # collectives): wait for it rather than refuse the newer step.
         transport._wait_for_step(step)
+        live, served = transport._open_request()
         try:
-            transport._lock.r_acquire()
-        except TimeoutError as e:
-            self._error(503, f"checkpoint for step={step} not available: {e}")
-            return
-        try:
-            self._serve(transport, step, parts[3], url.query)
+            if live is None:
+                self._error(503, f"checkpoint for step={step} not available: nothing is served")
+                return
+            if step != served:
+                self._error(
+                    400, f"invalid checkpoint requested, serving {served} but got step={step}"
+                )
+                return
+            self._serve(transport, live, parts[3], url.query)
         except (ConnectionError, TimeoutError, OSError) as e:
             # The peer went away or stalled mid-transfer: its receive fails, the server lives on.
             logger.info("checkpoint server: transfer to %s aborted: %s", self.client_address, e)
@@ -186,14 +191,9 @@ class _Handler(BaseHTTPRequestHandler):
             logger.warning("checkpoint server: transfer to %s ended: %s", self.client_address, e)
             self.close_connection = True
         finally:
-            transport._lock.r_release()
+            transport._close_request(live)
 
-    def _serve(self, transport: HTTPTransport, step: int, key: str, query: str) -> None:
-        served = transport._step
-        live = transport._live
-        if step != served or live is None:
-            self._error(400, f"invalid checkpoint requested, serving {served} but got step={step}")
-            return
+    def _serve(self, transport: HTTPTransport, live: LiveCheckpoint, key: str, query: str) -> None:
         staged = live.staged
         if key == "full":
             head: list[bytes] = [staged.header, staged.description]
@@ -270,10 +270,11 @@ class HTTPTransport(CheckpointTransport[T]):
         self._scheme = "https" if security.tls else "http"
         self._block_bytes = block_bytes
         self._hostname = hostname or socket.gethostname()
-        self._state_lock = threading.Lock()  # orders allow/disallow against each other
+        # Orders allow/disallow/send against each other, and a request's taking of the served
+        # checkpoint against its replacement.
+        self._state_lock = threading.Condition()  # notified when a request ends
         self._served = threading.Condition()  # notified when a step starts being served
-        self._lock = RWLock(timeout=self._timeout)
-        self._lock.w_acquire()  # start disallowed: the initial state is never served
+        self._requests = 0  # requests in flight, whatever checkpoint they read
         self._step = -1
         self._staging = -1  # the step the latest send_checkpoint began staging
         self._live: LiveCheckpoint | None = None
@@ -318,8 +319,6 @@ class HTTPTransport(CheckpointTransport[T]):
         """
         with self._state_lock:
             self._step = step
-            if self._lock.w_locked():
-                self._lock.w_release()
         with self._served:
             self._served.notify_all()
 
@@ -355,19 +354,35 @@ class HTTPTransport(CheckpointTransport[T]):
             live.freeze()
             mark("freeze.end", nbytes=live.copied_bytes)
 
-    def _stop_serving(self) -> None:
-        """Takes the writer side: waits (up to the timeout) for downloads in flight."""
+    def _open_request(self) -> tuple[LiveCheckpoint | None, int]:
+        """A request takes the served checkpoint (None: nothing is) and the step served."""
         with self._state_lock:
-            if not self._lock.w_locked():
-                self._lock.w_acquire()
+            live = self._live
+            if live is not None:
+                live.open_request()
+            self._requests += 1
+            return live, self._step
+
+    def _close_request(self, live: LiveCheckpoint | None) -> None:
+        if live is not None:
+            live.close_request()
+        with self._state_lock:
+            self._requests -= 1
+            self._state_lock.notify_all()
+
+    def _wait_requests_done(self, timeout: float) -> bool:
+        """Waits until no request is being answered; False if one still is after ``timeout``."""
+        with self._state_lock:
+            return self._state_lock.wait_for(lambda: self._requests == 0, timeout)
 
     def send_checkpoint(
         self, dst_ranks: list[int], step: int, state_dict: T, timeout: timedelta | None = None
     ) -> None:
         """Serves ``state_dict``: its large CPU storages live, the rest as private copies.
 
-        The state must not change until ``disallow_checkpoint`` has returned. Waits (up to the
-        timeout) for downloads of the previous checkpoint, whose buffers are reused.
+        The state must not change until ``disallow_checkpoint`` has returned. The previous
+        checkpoint stops being served; downloads of it still running are not waited for: they
+        finish from buffers that are reused only once they have ended.
 
         Args:
             dst_ranks: the healers expected (any healer holding the token may fetch; blocks
@@ -379,10 +394,10 @@ class HTTPTransport(CheckpointTransport[T]):
         with self._served:
             self._staging = step  # a request for it may wait for it now
             self._served.notify_all()
-        self._stop_serving()
-        old, self._live = self._live, None
+        with self._state_lock:
+            old, self._live = self._live, None
         if old is not None:
-            old.release()  # nobody reads it any more
+            old.retire()  # its buffers come back once no request reads them
             self._stage_copies = self._stage_copies or old.unstable
         mark("stage.begin")
         staged = stage(
@@ -392,7 +407,9 @@ class HTTPTransport(CheckpointTransport[T]):
             pool=self._pool,
             live_from=None if self._stage_copies else LIVE_FROM_BYTES,
         )
-        self._live = LiveCheckpoint(staged, len(dst_ranks), self._pool, self._timeout)
+        live = LiveCheckpoint(staged, len(dst_ranks), self._pool, self._timeout)
+        with self._state_lock:
+            self._live = live
         mark("stage.end", nbytes=staged.data_bytes)
         self.allow_checkpoint(step)
 

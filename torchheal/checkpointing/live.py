@@ -118,6 +118,9 @@ class LiveCheckpoint:
         self._copy_views: dict[int, memoryview] = {}
         self._live_reads = 0
         self._frozen = False
+        self._requests = 0  # requests reading this checkpoint (open_request .. close_request)
+        self._retired = False
+        self._released = False
         #: A live block changed before it was sent: stage private copies from now on.
         self.unstable = False
         #: Bytes the freeze copied (0 when every healer was done before it).
@@ -293,8 +296,58 @@ class LiveCheckpoint:
                     f"a copy of the live state was still in flight after {self._freeze_wait} s"
                 )
 
+    @property
+    def requests(self) -> int:
+        """Requests reading this checkpoint now."""
+        with self._cond:
+            return self._requests
+
+    def open_request(self) -> None:
+        """A request starts reading this checkpoint (ended by :meth:`close_request`).
+
+        Raises:
+            CheckpointError: the checkpoint is retired (a newer one is served, or none).
+        """
+        with self._cond:
+            if self._retired:
+                raise CheckpointError(f"checkpoint of step {self.step} is no longer served")
+            self._requests += 1
+
+    def close_request(self) -> None:
+        """A request ended; the last one of a retired checkpoint gives its buffers back."""
+        with self._cond:
+            self._requests -= 1
+            last = self._retired and self._requests == 0
+        if last:
+            self.release()
+
+    def retire(self) -> None:
+        """No request opens this checkpoint any more; its buffers go back to the pool now, or
+        when the last request still reading it ends (a healer that stalled mid-transfer, its
+        host frozen or gone: nobody waits for it, and it reads on from buffers nothing reuses).
+
+        Called once the state may change or has changed; a checkpoint never frozen is frozen
+        first if a request still reads it, so that request never reads a changed state.
+        """
+        with self._cond:
+            self._retired = True
+            busy = self._requests > 0
+        if busy and not self._frozen:
+            self.freeze()
+        with self._cond:
+            last = self._requests == 0
+        if last:
+            self.release()
+
     def release(self) -> None:
-        """Gives the private buffers back to the pool (nobody reads this checkpoint any more)."""
+        """Gives the private buffers back to the pool (nobody reads this checkpoint any more).
+
+        Idempotent.
+        """
+        with self._cond:
+            if self._released:
+                return
+            self._released = True
         self._pool.give_back(self.staged.private)
         self._pool.give_back(list(self._copies.values()))
         self._copies.clear()
