@@ -46,8 +46,12 @@ def history(events: list[dict]) -> list[CommittedStep]:
     """The job's committed steps, 0..N-1, from the workers' events.
 
     Raises:
-        AssertionError: a step is missing, or groups committed the same step in different
-            quorums or with different divisors (the job split).
+        AssertionError: a step is missing, or groups committed the same step with different
+            contributors or divisors (the job split). The same step committed in two quorums
+            with the same contributors and divisor is one update: a group frozen in a
+            collective that it alone completed after waking (it had every peer's data), while
+            its peers, released by the lighthouse, redid the step without it; a healer, which
+            contributes nothing, commits such a step as they do.
     """
     commits: dict[int, list[dict]] = defaultdict(list)
     for e in events:
@@ -66,10 +70,13 @@ def history(events: list[dict]) -> list[CommittedStep]:
     assert steps == list(range(len(steps))), f"committed steps are not 0..N-1: {steps}"
     out = []
     for step in steps:
-        seen = {(e["reduce"]["quorum_id"], e["reduce"]["divisor"]) for e in commits[step]}
+        seen = {
+            (tuple(sorted(contributed[(step, e["reduce"]["quorum_id"])])), e["reduce"]["divisor"])
+            for e in commits[step]
+        }
         assert len(seen) == 1, f"step {step} committed in different ways: {commits[step]}"
-        ((quorum_id, divisor),) = seen
-        contributors = tuple(sorted(contributed[(step, quorum_id)]))
+        ((contributors, divisor),) = seen
+        quorum_id = min(e["reduce"]["quorum_id"] for e in commits[step])
         assert contributors, f"step {step} committed with no contributor"
         out.append(
             CommittedStep(

@@ -53,13 +53,16 @@ def full(e: Event, groups: int) -> bool:
     return r is not None and r["participating"] and r["divisor"] == groups
 
 
-def all_together(job: Job, min_commits: int = 2, since: float = 0.0) -> None:
+def all_together(
+    job: Job, min_commits: int = 2, since: float = 0.0, bound_s: float = START_BOUND_S
+) -> None:
     """Waits until every group's current incarnation made ``min_commits`` full commits.
 
     Args:
         job: the job.
         min_commits: full commits per group.
         since: count only commits after this wall time.
+        bound_s: how long that may take.
     """
 
     def together(events: list[Event]) -> bool:
@@ -73,7 +76,7 @@ def all_together(job: Job, min_commits: int = 2, since: float = 0.0) -> None:
             for g in range(job.groups)
         )
 
-    job.wait_for("every group to train in one quorum", together, START_BOUND_S)
+    job.wait_for("every group to train in one quorum", together, bound_s)
 
 
 def survivors_go_on(job: Job, victim: int, since: float) -> None:

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
+import socket
 import threading
+import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
 import pytest
 import torch
 
+from torchheal.checkpointing import CheckpointError, HTTPTransport
 from torchheal.coordination.plan import Participation, WorldSizeMode
 from torchheal.coordination.types import QuorumResult
 from torchheal.manager.log import ManagerLogger
@@ -21,6 +26,15 @@ from torchheal.manager.step import ExceptionWithTraceback, StepLedger
 from .twins import MemoryTransport
 
 S = timedelta(seconds=1)
+
+
+def wait_until(predicate: Callable[[], object], what: str, timeout: float = 10.0) -> None:
+    """Polls ``predicate`` (a state only observable by polling) until it is true."""
+    deadline = time.monotonic() + timeout
+    pause = threading.Event()  # never set: an interruptible pause between polls
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out after {timeout}s waiting for {what}"
+        pause.wait(0.002)
 
 
 # --- StepLedger ------------------------------------------------------------------------------
@@ -181,6 +195,73 @@ def test_recovery_rejects_a_heal_without_source_or_sections() -> None:
     MemoryTransport(network, "sender").send_checkpoint([1], 5, {"user": {}}, S)
     with pytest.raises(RuntimeError, match="sections"):
         receiver.receive(_quorum(heal=True, recover_src_replica_rank=0))
+
+
+class _FrozenSource:
+    """A checkpoint server whose host froze part way through its answer: the connection stays
+    open and nothing more arrives (no FIN)."""
+
+    def __init__(self) -> None:
+        self._sock = socket.create_server(("127.0.0.1", 0))
+        self._conns: list[socket.socket] = []
+        self.url = f"http://127.0.0.1:{self._sock.getsockname()[1]}/checkpoint/"
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                conn, _ = self._sock.accept()
+                self._conns.append(conn)
+                conn.recv(65536)
+                conn.sendall(b"HTTP/1.0 200 OK\r\nContent-Length: 1000000\r\n\r\nTHC")
+
+    def close(self) -> None:
+        self._sock.close()
+        for conn in self._conns:
+            conn.close()
+
+
+def test_a_receive_from_a_source_the_lighthouse_says_is_lost_ends_at_once() -> None:
+    """A heal's source frozen mid-answer: the receive ends when the lighthouse's notice names
+    that source (in the heal's quorum or a later one), not at its 60 s timeout; notices about
+    another group, or about an earlier quorum, leave it be."""
+    timeout = timedelta(seconds=60)
+    transport: HTTPTransport[Any] = HTTPTransport(timeout, 0, hostname="127.0.0.1")
+    lines: list[str] = []
+    recovery = Recovery(transport, lambda *a: "", group_rank=0, timeout=timeout, log=lines.append)
+    source = _FrozenSource()
+    quorum = _quorum(
+        heal=True,
+        quorum_id=7,
+        recover_src_replica_rank=0,
+        replica_ids=["g0:source", "g1:healer", "g2:other"],
+    )
+    failed: list[BaseException] = []
+
+    def receive() -> None:
+        try:
+            recovery.receive(quorum, source.url)
+        except BaseException as e:
+            failed.append(e)
+
+    healer = threading.Thread(target=receive)
+    try:
+        healer.start()
+        wait_until(lambda: transport._receives, "the receive to start")
+        recovery.on_member_lost("g2:other", 7, "heartbeat expired")
+        recovery.on_member_lost("g0:source", 6, "heartbeat expired")  # an older quorum's
+        assert not any(a.aborted for a in transport._receives) and healer.is_alive()
+        assert lines == ["healing to step 5 from replica rank 0 ()"]
+        recovery.on_member_lost("g0:source", 7, "heartbeat expired")
+        healer.join(timeout.total_seconds() / 2)
+        assert not healer.is_alive(), "the receive waited for its timeout"
+        assert len(failed) == 1 and isinstance(failed[0], CheckpointError), failed
+        assert "aborted (its source is gone)" in str(failed[0])
+        assert "g0:source" in lines[-1] and "aborting the receive" in lines[-1]
+    finally:
+        source.close()
+        healer.join(timeout.total_seconds())
+        transport.shutdown()
 
 
 class _InPlaceMemory(MemoryTransport):

@@ -9,7 +9,12 @@ from collections.abc import Iterator
 
 import pytest
 
-from torchheal.process_group.gloo_sockets import PairSockets, socket_inodes
+from torchheal.process_group.gloo_sockets import (
+    PairSockets,
+    mark_foreign,
+    socket_inodes,
+    unmark_foreign,
+)
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 
@@ -98,4 +103,35 @@ def test_a_connection_closed_after_the_build_is_not_counted_when_cutting() -> No
         assert pair.recv(1) == b""
     finally:
         for s in (peer, pair, extra, *ends):
+            s.close()
+
+
+@pytest.mark.parametrize("marked", ["before the scan", "after the scan"])
+def test_a_connection_marked_foreign_is_never_a_pair(marked: str) -> None:
+    """A healer's checkpoint fetch, opened while its cross-replica group is built: marked
+    foreign, it is not counted, so the group's own connection is cut (unmarked it would be a
+    second candidate for one peer, and nothing would be cut). It may be marked after the
+    scan (its connect came first): it is left out when cutting too."""
+    peer = socket.create_server(("127.0.0.1", 0))
+    source = socket.create_server(("127.0.0.1", 0))  # a peer's checkpoint server
+    before = PairSockets.before()
+    pair = socket.create_connection(peer.getsockname())
+    fetch = socket.create_connection(source.getsockname())
+    ends = [peer.accept()[0], source.accept()[0]]
+    inode = mark_foreign(fetch) if marked == "before the scan" else None
+    try:
+        found = PairSockets.after(before, world_size=2)
+        assert found is not None
+        if inode is None:
+            assert len(found) == 2
+            inode = mark_foreign(fetch)
+        assert found.cut() == 1
+        pair.settimeout(5)
+        assert pair.recv(1) == b""
+        fetch.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            fetch.recv(1)  # still open: the fetch goes on
+    finally:
+        unmark_foreign(inode)
+        for s in (peer, source, pair, fetch, *ends):
             s.close()

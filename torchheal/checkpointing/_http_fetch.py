@@ -11,7 +11,9 @@ on a host whose cores also train is most of the difference to a raw socket copy
 from __future__ import annotations
 
 import http.client
+import socket
 import ssl
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -29,8 +31,9 @@ from torchheal.checkpointing.deserialization import (
 from torchheal.checkpointing.timeline import mark
 from torchheal.checkpointing.transport import CheckpointError, TornCheckpointError
 from torchheal.coordination.rpc.auth import bearer
+from torchheal.process_group.gloo_sockets import mark_foreign, unmark_foreign
 
-__all__ = ["Client", "fetch"]
+__all__ = ["Aborts", "Client", "fetch"]
 
 
 def fetch(client: Client, base: str, step: int, num_chunks: int, into: Any = None) -> Any:
@@ -103,6 +106,55 @@ def _read_data(
             f.result()
 
 
+class Aborts:
+    """The connections of one receive, which :meth:`abort` ends at once (a blocked read
+    returns: the receive fails as a truncated stream), and any it would open later.
+
+    Each is marked foreign to Gloo until :meth:`close`: a healer's fetch runs beside the build
+    of its cross-replica group, whose abort must tell the group's connections from it.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._socks: list[socket.socket] = []
+        self._inodes: list[int | None] = []
+        self.aborted = False
+
+    def add(self, sock: socket.socket) -> None:
+        """Registers a connected socket; ends it at once if the receive was aborted."""
+        inode = mark_foreign(sock)
+        with self._lock:
+            self._socks.append(sock)
+            self._inodes.append(inode)
+            if not self.aborted:
+                return
+        _end(sock)
+
+    def close(self) -> None:
+        """The receive is over: closes its connections and drops their foreign marks."""
+        with self._lock:
+            socks, self._socks = self._socks, []
+            inodes, self._inodes = self._inodes, []
+        for sock in socks:
+            sock.close()
+        for inode in inodes:
+            unmark_foreign(inode)
+
+    def abort(self) -> None:
+        with self._lock:
+            self.aborted = True
+            socks = list(self._socks)
+        for sock in socks:
+            _end(sock)
+
+
+def _end(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass  # already closed
+
+
 class Client:
     """One GET per connection, with the token and a socket timeout."""
 
@@ -113,9 +165,11 @@ class Client:
         timeout: float,
         token: str | None,
         context: ssl.SSLContext | None = None,
+        aborts: Aborts | None = None,
     ) -> None:
         self._host, self._port, self._timeout, self._token = host, port, timeout, token
         self._context = context
+        self._aborts = aborts
 
     def get(self, path: str) -> http.client.HTTPResponse:
         conn: http.client.HTTPConnection
@@ -126,6 +180,10 @@ class Client:
         else:
             conn = http.client.HTTPConnection(self._host, self._port, timeout=self._timeout)
         headers = {"Authorization": bearer(self._token)} if self._token else {}
+        if self._aborts is not None:
+            conn.connect()
+            assert conn.sock is not None
+            self._aborts.add(conn.sock)
         conn.request("GET", path, headers=headers)
         resp = conn.getresponse()
         if resp.status != 200:

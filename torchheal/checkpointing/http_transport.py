@@ -44,7 +44,7 @@ from urllib.parse import parse_qs, urlsplit
 from torchheal._base.config import SecurityEnv, checkpoint_token
 from torchheal._base.timeouts import to_seconds
 from torchheal.checkpointing._direct_send import SocketDirectSend
-from torchheal.checkpointing._http_fetch import Client, fetch
+from torchheal.checkpointing._http_fetch import Aborts, Client, fetch
 from torchheal.checkpointing.live import LIVE_FROM_BYTES, LiveCheckpoint
 from torchheal.checkpointing.serialization import (
     DEFAULT_BLOCK_BYTES,
@@ -58,6 +58,7 @@ from torchheal.checkpointing.transport import (
     CheckpointError,
     CheckpointTimeoutError,
     CheckpointTransport,
+    TornCheckpointError,
 )
 from torchheal.coordination.rpc.auth import RefusalLog, bearer_matches
 from torchheal.coordination.rpc.tls import client_ssl_context, server_ssl_context
@@ -281,6 +282,8 @@ class HTTPTransport(CheckpointTransport[T]):
         # A storage changed while served live once: copy everything at staging from then on.
         self._stage_copies = False
         self._pool = StagingPool()
+        self._receives: set[Aborts] = set()  # the receives in flight (abort_receives)
+        self._receives_lock = threading.Lock()
         self._server = _Server(self, server_context)
         # A short poll interval keeps shutdown() quick; the idle cost is negligible.
         self._thread = threading.Thread(
@@ -452,13 +455,36 @@ class HTTPTransport(CheckpointTransport[T]):
                 f"{self._scheme}: set the same TORCHHEAL_TLS_* on every replica group"
             )
         base = f"{url.path.rstrip('/')}/{step}"
-        client = Client(url.hostname, url.port, seconds, self._token, self._client_context)
+        aborts = Aborts()
+        client = Client(url.hostname, url.port, seconds, self._token, self._client_context, aborts)
+        with self._receives_lock:
+            self._receives.add(aborts)
         try:
             return fetch(client, base, step, self._num_chunks, into)
-        except TimeoutError as e:
-            raise CheckpointTimeoutError(f"checkpoint fetch from {metadata} timed out: {e}") from e
-        except OSError as e:
+        except (CheckpointError, OSError) as e:
+            if aborts.aborted:
+                why = f"checkpoint fetch from {metadata} aborted (its source is gone): {e}"
+                torn = isinstance(e, TornCheckpointError)
+                raise (TornCheckpointError if torn else CheckpointError)(why) from e
+            if isinstance(e, CheckpointError):
+                raise
+            if isinstance(e, TimeoutError):
+                raise CheckpointTimeoutError(
+                    f"checkpoint fetch from {metadata} timed out: {e}"
+                ) from e
             raise CheckpointError(f"checkpoint fetch from {metadata} failed: {e}") from e
+        finally:
+            with self._receives_lock:
+                self._receives.discard(aborts)
+            aborts.close()
+
+    def abort_receives(self) -> None:
+        """Ends the receives in flight now: their ``recv_checkpoint`` raises
+        ``CheckpointError`` (``TornCheckpointError`` where bytes had landed in ``into``)."""
+        with self._receives_lock:
+            receives = list(self._receives)
+        for aborts in receives:
+            aborts.abort()
 
     def shutdown(self, wait: bool = True) -> None:
         """Stops the server.

@@ -100,6 +100,14 @@ class CheckpointTransport(ABC, Generic[T]):
             CheckpointError: the transfer failed, timed out or did not verify.
         """
 
+    def abort_receives(self) -> None:
+        """Ends the receives in flight now: their ``recv_checkpoint`` raises.
+
+        The Manager calls it when the lighthouse says the source is gone (a frozen or vanished
+        host sends no FIN: the receive would otherwise wait for its timeout). The default does
+        nothing, and such a receive ends at its timeout.
+        """
+
     def shutdown(self, wait: bool = True) -> None:
         """Releases the transport's resources.
 

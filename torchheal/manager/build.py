@@ -65,6 +65,7 @@ class ManagerParts:
         logger: the per-rank prefixed logger.
         telemetry: metrics and structured records.
         worker: the quorum thread's work.
+        recovery: the transfers (the worker's), told when a heal's source is lost.
         background_transfer: heal beside the step's collectives.
         warmup: this group's first step runs alone (it joined a running job).
     """
@@ -73,6 +74,7 @@ class ManagerParts:
     logger: ManagerLogger
     telemetry: Telemetry
     worker: QuorumWorker
+    recovery: Recovery
     background_transfer: bool
     warmup: bool
 
@@ -132,19 +134,18 @@ def build_parts(
         endpoints.close()
         raise
     copies = needs_no_snapshot(transport)
+    recovery = Recovery(
+        transport,
+        metadata_over_grpc(timeouts.connect_timeout),
+        settings.group_rank,
+        timeouts.timeout,
+        logger.info,
+    )
     worker = QuorumWorker(
         quorum_call=endpoints.quorum,
         quorum_start=endpoints.start_quorum,
         process_group=process_group,
-        recovery=telemetry.recovery(
-            Recovery(
-                transport,
-                metadata_over_grpc(timeouts.connect_timeout),
-                settings.group_rank,
-                timeouts.timeout,
-                logger.info,
-            )
-        ),
+        recovery=telemetry.recovery(recovery),
         # A transport that copies the state itself (or copies on write) needs no copy of ours,
         # only the read lock around its staging (DiLoCo/LocalSGD block reads while they change
         # the state).
@@ -165,6 +166,7 @@ def build_parts(
         logger=logger,
         telemetry=telemetry,
         worker=worker,
+        recovery=recovery,
         background_transfer=(
             use_async_quorum
             and getattr(transport, "runs_beside_collectives", False) is True

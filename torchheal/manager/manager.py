@@ -201,6 +201,7 @@ class Manager:
         self._logger = parts.logger
         self._telemetry = parts.telemetry
         self._worker = parts.worker
+        self._recovery = parts.recovery
         self._ledger = StepLedger()
         self._quorums = QuorumThread(self._worker, self._apply_outcome, self._telemetry)
         self._background_transfer = parts.background_transfer
@@ -220,7 +221,12 @@ class Manager:
         # This step's contributors, as seen from this replica; None before the first quorum.
         self._participation: Participation | None = None
         self._worker.guard_builds(self._connected.building)
-        self._endpoints.watch_lost(self._group_rank, self._connected.on_member_lost)
+        self._endpoints.watch_lost(self._group_rank, self._on_member_lost)
+
+    def _on_member_lost(self, replica_id: str, quorum_id: int, reason: str) -> None:
+        """A lost-member notice: abort what waits on that group (collectives, a receive)."""
+        self._recovery.on_member_lost(replica_id, quorum_id, reason)  # a socket shutdown
+        self._connected.on_member_lost(replica_id, quorum_id, reason)
 
     # -- test-visible attributes of the reference (§2.2), kept as views of the parts ----------
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import threading
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -113,6 +114,9 @@ class Recovery:
         self._group_rank = group_rank
         self._timeout = timeout
         self._log = log
+        self._lock = threading.Lock()
+        # The receive in flight: its quorum's id and its source's replica id.
+        self._receiving: tuple[int, str] | None = None
 
     def send(self, quorum: QuorumResult, state: dict[str, Any]) -> None:
         """Serves ``state`` to the replica ranks ``quorum`` assigned to this replica.
@@ -172,13 +176,38 @@ class Recovery:
         if metadata is None:
             metadata = self.fetch_metadata(quorum)
         extra = {"into": into} if into is not None and self._in_place else {}
-        received = self._transport.recv_checkpoint(
-            src_rank=source,
-            metadata=metadata,
-            step=quorum.max_step,
-            timeout=self._timeout,
-            **extra,
-        )
+        ids = quorum.replica_ids
+        with self._lock:
+            self._receiving = (quorum.quorum_id, ids[source]) if source < len(ids) else None
+        try:
+            received = self._transport.recv_checkpoint(
+                src_rank=source,
+                metadata=metadata,
+                step=quorum.max_step,
+                timeout=self._timeout,
+                **extra,
+            )
+        finally:
+            with self._lock:
+                self._receiving = None
         if not isinstance(received, dict) or not {"user", "torchft"} <= received.keys():
             raise RuntimeError("received checkpoint lacks the 'user'/'torchft' sections")
         return received
+
+    def on_member_lost(self, replica_id: str, quorum_id: int, reason: str) -> None:
+        """The lighthouse says ``replica_id`` of quorum ``quorum_id`` is gone: a receive from
+        it (in that quorum or an earlier one) ends now instead of at its timeout.
+
+        Args:
+            replica_id: the lost group.
+            quorum_id: the quorum it was lost from.
+            reason: why (for the log).
+        """
+        with self._lock:
+            receiving = self._receiving
+        if receiving is None or receiving[1] != replica_id or receiving[0] > quorum_id:
+            return
+        self._log(
+            f"the source of this heal, {replica_id}, is lost ({reason}): aborting the receive"
+        )
+        self._transport.abort_receives()

@@ -21,7 +21,9 @@ it made a survivor wait out a frozen peer's whole 60 s collective timeout). So t
 kept and told apart when the group is aborted, by which time such a connection is gone: the
 candidates still open are cut if there are no more of them than expected. Otherwise (or when
 fewer than expected were found) nothing is cut, with a warning, and the operation ends with its
-timeout. The listening socket is never touched: shutting it down makes Gloo terminate the
+timeout. Connections this process opens for something else while a group may be built (a
+healer's checkpoint fetch runs beside the build) are marked foreign (:func:`mark_foreign`) and
+never counted: one such fetch, counted, left a healer's collectives uncuttable. The listening socket is never touched: shutting it down makes Gloo terminate the
 process. Sockets are cut through a duplicate of the descriptor: the descriptor stays Gloo's.
 """
 
@@ -31,9 +33,10 @@ import logging
 import os
 import socket
 import sys
+import threading
 from dataclasses import dataclass
 
-__all__ = ["PairSockets", "socket_inodes"]
+__all__ = ["PairSockets", "mark_foreign", "socket_inodes", "unmark_foreign"]
 
 logger: logging.Logger = logging.getLogger(__name__)
 
@@ -47,6 +50,36 @@ class _Tcp:
     state: int
     local_port: int
     remote_port: int
+
+
+_foreign_lock = threading.Lock()
+_foreign: set[int] = set()  # inodes of connections that are no Gloo group's
+
+
+def mark_foreign(sock: socket.socket) -> int | None:
+    """Marks a connection of this process as no Gloo group's, until :func:`unmark_foreign`.
+
+    Returns:
+        its inode, to unmark it with (None when it is already closed).
+    """
+    try:
+        inode = os.fstat(sock.fileno()).st_ino
+    except (OSError, ValueError):
+        return None
+    with _foreign_lock:
+        _foreign.add(inode)
+    return inode
+
+
+def unmark_foreign(inode: int | None) -> None:
+    """Forgets a mark of :func:`mark_foreign` (call it once the connection is closed)."""
+    with _foreign_lock:
+        _foreign.discard(inode)  # type: ignore[arg-type]
+
+
+def _foreign_inodes() -> frozenset[int]:
+    with _foreign_lock:
+        return frozenset(_foreign)
 
 
 def socket_inodes() -> dict[int, int]:
@@ -126,7 +159,8 @@ class PairSockets:
             return None
         sockets = socket_inodes()
         table = _tcp_table(sockets)
-        new = [inode for inode in sockets if inode not in before]
+        foreign = _foreign_inodes()
+        new = [inode for inode in sockets if inode not in before and inode not in foreign]
         listeners = {t.local_port for t in table.values() if t.state == _LISTEN}
         new_listeners = {
             table[inode].local_port
@@ -188,7 +222,12 @@ class PairSockets:
         once, and a socket already closed (its descriptor gone or reused) is left alone. When
         more candidates are still open than the group has connections, none is cut.
         """
-        open_now = {i: fd for i, fd in socket_inodes().items() if i in self._inodes}
+        # A connection marked foreign after the group was built (its mark came just after its
+        # connect) is not a pair either.
+        foreign = _foreign_inodes()
+        open_now = {
+            i: fd for i, fd in socket_inodes().items() if i in self._inodes and i not in foreign
+        }
         if len(open_now) > self._expected:
             logger.warning(
                 "%d connections opened while the Gloo group was built are still open, for its %d: "
