@@ -23,8 +23,9 @@ candidates still open are cut if there are no more of them than expected. Otherw
 fewer than expected were found) nothing is cut, with a warning, and the operation ends with its
 timeout. Connections this process opens for something else while a group may be built (a
 healer's checkpoint fetch runs beside the build) are marked foreign (:func:`mark_foreign`) and
-never counted: one such fetch, counted, left a healer's collectives uncuttable. The listening socket is never touched: shutting it down makes Gloo terminate the
-process. Sockets are cut through a duplicate of the descriptor: the descriptor stays Gloo's.
+never counted: one such fetch, counted, left a healer's collectives uncuttable. The listening
+socket is never touched: shutting it down makes Gloo terminate the process. Sockets are cut
+through a duplicate of the descriptor: the descriptor stays Gloo's.
 """
 
 from __future__ import annotations
@@ -73,8 +74,10 @@ def mark_foreign(sock: socket.socket) -> int | None:
 
 def unmark_foreign(inode: int | None) -> None:
     """Forgets a mark of :func:`mark_foreign` (call it once the connection is closed)."""
+    if inode is None:
+        return
     with _foreign_lock:
-        _foreign.discard(inode)  # type: ignore[arg-type]
+        _foreign.discard(inode)
 
 
 def _foreign_inodes() -> frozenset[int]:
