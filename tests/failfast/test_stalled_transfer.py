@@ -27,6 +27,8 @@ bit-identical and equal to the replayed history. The lighthouse runs with a hear
 from __future__ import annotations
 
 import signal
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -63,6 +65,20 @@ def trained_together(job: Job, groups: tuple[int, int], since: float, what: str)
     )
 
 
+@contextmanager
+def stalled_job(tmp_path: Path) -> Iterator[Job]:
+    """Both tests' job: a lighthouse at ``min_replicas=1``, join and tick 100 ms, a 2 s
+    heartbeat timeout, and workers at the reference's 60 s timeout; closed at the end."""
+    with lighthouse(
+        min_replicas=1, join_timeout_ms=100, quorum_tick_ms=100, heartbeat_timeout_ms=2_000
+    ) as lh:
+        job = Job(tmp_path, url(lh), GROUPS, timeout_s=60.0)
+        try:
+            yield job
+        finally:
+            job.close()
+
+
 def hold_in_heal(job: Job, healer: int, peers: tuple[int, ...], moved_on: bool = False) -> None:
     """Waits until ``healer`` holds part way into its heal and every group of its heal's quorum
     has reduced in it: their process group for that quorum is built, so a freeze that follows
@@ -97,110 +113,98 @@ def hold_in_heal(job: Job, healer: int, peers: tuple[int, ...], moved_on: bool =
 
 def test_a_healer_frozen_mid_transfer_never_stalls_the_next_heal(tmp_path: Path) -> None:
     SOURCE, STALLED, LATE = 0, 1, 2
-    with lighthouse(
-        min_replicas=1, join_timeout_ms=100, quorum_tick_ms=100, heartbeat_timeout_ms=2_000
-    ) as lh:
-        job = Job(tmp_path, url(lh), GROUPS, timeout_s=60.0)
-        try:
-            job.start(SOURCE, *BALLAST)
-            job.wait_for(
-                f"g{SOURCE} to commit alone",
-                lambda events: len(Job.commits(events, SOURCE)) >= 3,
-                START_BOUND_S,
-            )
-            job.start(STALLED, *BALLAST, "--hold-in-heal")
-            hold_in_heal(job, STALLED, (SOURCE,))
-            stopped_at = job.signal(STALLED, signal.SIGSTOP)
-            job.start(LATE, *BALLAST)
-            ready_at = job.wait_for(
-                f"g{LATE}'s Manager",
-                lambda events: next(
-                    (e["time"] for e in events if e["kind"] == "ready" and e["group"] == LATE),
-                    None,
-                ),
-                START_BOUND_S,
-            )
-            trained_together(
-                job,
-                (SOURCE, LATE),
-                ready_at,
-                f"g{LATE} to heal from g{SOURCE} and train with it while g{STALLED}'s transfer "
-                "is stalled",
-            )
-            assert Job.healed_first(job.events, LATE), (
-                f"g{LATE} trained before it healed:\n" + job.describe()
-            )
+    with stalled_job(tmp_path) as job:
+        job.start(SOURCE, *BALLAST)
+        job.wait_for(
+            f"g{SOURCE} to commit alone",
+            lambda events: len(Job.commits(events, SOURCE)) >= 3,
+            START_BOUND_S,
+        )
+        job.start(STALLED, *BALLAST, "--hold-in-heal")
+        hold_in_heal(job, STALLED, (SOURCE,))
+        stopped_at = job.signal(STALLED, signal.SIGSTOP)
+        job.start(LATE, *BALLAST)
+        ready_at = job.wait_for(
+            f"g{LATE}'s Manager",
+            lambda events: next(
+                (e["time"] for e in events if e["kind"] == "ready" and e["group"] == LATE),
+                None,
+            ),
+            START_BOUND_S,
+        )
+        trained_together(
+            job,
+            (SOURCE, LATE),
+            ready_at,
+            f"g{LATE} to heal from g{SOURCE} and train with it while g{STALLED}'s transfer "
+            "is stalled",
+        )
+        assert Job.healed_first(job.events, LATE), (
+            f"g{LATE} trained before it healed:\n" + job.describe()
+        )
 
-            woken_at = job.signal(STALLED, signal.SIGCONT)
-            job.release(STALLED)
-            # Woken, the group's heal-step allreduce with g{SOURCE} (which cut it) fails at once,
-            # except in about 1 run in 7 here, where it waited out its own 60 s timeout first:
-            # hence a bound past that timeout.
-            all_together(job, min_commits=2, since=woken_at, bound_s=START_BOUND_S + 60.0)
-            assert Job.healed_first(job.events, STALLED, since=stopped_at), (
-                f"g{STALLED} trained after waking before it healed:\n" + job.describe()
-            )
-            states = job.finish()
-            assert_identical(states)
-            assert_replayed(states[0], history(job.events), exact=False)
-        finally:
-            job.close()
+        woken_at = job.signal(STALLED, signal.SIGCONT)
+        job.release(STALLED)
+        # Woken, the group's heal-step allreduce with g{SOURCE} (which cut it) fails at once,
+        # except in about 1 run in 7 here, where it waited out its own 60 s timeout first:
+        # hence a bound past that timeout.
+        all_together(job, min_commits=2, since=woken_at, bound_s=START_BOUND_S + 60.0)
+        assert Job.healed_first(job.events, STALLED, since=stopped_at), (
+            f"g{STALLED} trained after waking before it healed:\n" + job.describe()
+        )
+        states = job.finish()
+        assert_identical(states)
+        assert_replayed(states[0], history(job.events), exact=False)
 
 
 def test_a_source_frozen_mid_transfer_releases_its_healer(tmp_path: Path) -> None:
     SOURCE, HEALER, OTHER = 0, 1, 2
-    with lighthouse(
-        min_replicas=1, join_timeout_ms=100, quorum_tick_ms=100, heartbeat_timeout_ms=2_000
-    ) as lh:
-        job = Job(tmp_path, url(lh), GROUPS, timeout_s=60.0)
-        try:
-            for g in (SOURCE, OTHER):
-                job.start(g, *BALLAST)
-            trained_together(job, (SOURCE, OTHER), 0.0, f"g{SOURCE} and g{OTHER} to start")
-            job.start(HEALER, *BALLAST, "--hold-in-heal")
-            hold_in_heal(job, HEALER, (SOURCE, OTHER), moved_on=True)
-            stopped_at = job.signal(SOURCE, signal.SIGSTOP)
-            job.release(HEALER)  # it reads what the socket holds, then waits on a frozen peer
-            trained_together(
-                job,
-                (HEALER, OTHER),
-                stopped_at,
-                f"g{HEALER} to give up on frozen g{SOURCE}, heal from g{OTHER} and train with it",
-            )
-            aborted = job.current(HEALER).log.read_text()
-            # Only frozen g{SOURCE} was lost meanwhile: an abort names it as the heal's source.
-            assert "aborted (its source is gone)" in aborted, (
-                f"g{HEALER} never aborted its receive from g{SOURCE}:\n" + job.describe()
-            )
+    with stalled_job(tmp_path) as job:
+        for g in (SOURCE, OTHER):
+            job.start(g, *BALLAST)
+        trained_together(job, (SOURCE, OTHER), 0.0, f"g{SOURCE} and g{OTHER} to start")
+        job.start(HEALER, *BALLAST, "--hold-in-heal")
+        hold_in_heal(job, HEALER, (SOURCE, OTHER), moved_on=True)
+        stopped_at = job.signal(SOURCE, signal.SIGSTOP)
+        job.release(HEALER)  # it reads what the socket holds, then waits on a frozen peer
+        trained_together(
+            job,
+            (HEALER, OTHER),
+            stopped_at,
+            f"g{HEALER} to give up on frozen g{SOURCE}, heal from g{OTHER} and train with it",
+        )
+        aborted = job.current(HEALER).log.read_text()
+        # Only frozen g{SOURCE} was lost meanwhile: an abort names it as the heal's source.
+        assert "aborted (its source is gone)" in aborted, (
+            f"g{HEALER} never aborted its receive from g{SOURCE}:\n" + job.describe()
+        )
 
-            woken_at = job.signal(SOURCE, signal.SIGCONT)
-            all_together(job, min_commits=2, since=woken_at)
-            healed_at = next(
-                (
-                    e["time"]
-                    for e in job.events
-                    if e["kind"] == "step"
-                    and e["group"] == SOURCE
-                    and e["time"] > woken_at
-                    and (
-                        (e["committed"] and not e["reduce"]["participating"])
-                        or (not e["committed"] and e["after"] != e["before"])
-                    )
-                ),
-                None,
-            )
-            assert healed_at is not None, f"g{SOURCE} never healed after waking:\n" + job.describe()
-            states = job.finish()
-            assert_identical(states)
-            # Woken, g{SOURCE} may still commit the step it was frozen in: its allreduce had all
-            # of g{OTHER}'s data and completes, while g{OTHER}, released by the lighthouse, redid
-            # that step without it. Its heal then replaced that state; the job's history is the
-            # others' (and its own from the heal on).
-            kept = [
-                e
+        woken_at = job.signal(SOURCE, signal.SIGCONT)
+        all_together(job, min_commits=2, since=woken_at)
+        healed_at = next(
+            (
+                e["time"]
                 for e in job.events
-                if not (e["group"] == SOURCE and stopped_at < e["time"] < healed_at)
-            ]
-            assert_replayed(states[0], history(kept), exact=False)
-        finally:
-            job.close()
+                if e["kind"] == "step"
+                and e["group"] == SOURCE
+                and e["time"] > woken_at
+                and (
+                    (e["committed"] and not e["reduce"]["participating"])
+                    or (not e["committed"] and e["after"] != e["before"])
+                )
+            ),
+            None,
+        )
+        assert healed_at is not None, f"g{SOURCE} never healed after waking:\n" + job.describe()
+        states = job.finish()
+        assert_identical(states)
+        # Woken, g{SOURCE} may still commit the step it was frozen in: its allreduce had all
+        # of g{OTHER}'s data and completes, while g{OTHER}, released by the lighthouse, redid
+        # that step without it. Its heal then replaced that state; the job's history is the
+        # others' (and its own from the heal on).
+        kept = [
+            e
+            for e in job.events
+            if not (e["group"] == SOURCE and stopped_at < e["time"] < healed_at)
+        ]
+        assert_replayed(states[0], history(kept), exact=False)
