@@ -329,6 +329,11 @@ class LighthouseServer:
     # ---------------------------------------------------------------------------------------
     # What the sessions need (loop thread only; see lighthouse_session._Lighthouse)
 
+    @property
+    def heartbeat_timeout_ms(self) -> int:
+        """After how long without a heartbeat a group is dropped (told in each Welcome)."""
+        return self._config.heartbeat_timeout_ms
+
     def record_heartbeat(self, replica_id: str) -> None:
         """A group said it is alive (a unary Heartbeat, or one on its session)."""
         self._rounds.heartbeat(replica_id)

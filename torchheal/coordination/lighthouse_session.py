@@ -71,6 +71,9 @@ class _Issued(Protocol):
 class _Lighthouse(Protocol):
     """What a session needs from the lighthouse (``LighthouseServer``); loop thread only."""
 
+    @property
+    def heartbeat_timeout_ms(self) -> int: ...
+
     def record_heartbeat(self, replica_id: str) -> None: ...
 
     def open_session(
@@ -229,7 +232,11 @@ class SessionProtocol:
             quorum_id = self._lighthouse.open_session(self.replica_id, self._peer, last)
         self._peer.send(
             spb.SessionEvent(
-                welcome=spb.Welcome(protocol=methods.SESSION_PROTOCOL, quorum_id=quorum_id)
+                welcome=spb.Welcome(
+                    protocol=methods.SESSION_PROTOCOL,
+                    quorum_id=quorum_id,
+                    heartbeat_timeout_ms=self._lighthouse.heartbeat_timeout_ms,
+                )
             ).SerializeToString()
         )
 
