@@ -148,3 +148,33 @@ def test_invalid_group_rank_type() -> None:
 def test_invalid_world_size(world_size: object) -> None:
     with pytest.raises(ValueError, match="world_size"):
         CommitVote(world_size=world_size)  # type: ignore[arg-type]
+
+
+def test_an_overruled_commit_is_a_failed_step_that_the_group_retries() -> None:
+    votes = CommitVote(world_size=2)
+    votes.cast(0, 4, True)
+    assert votes.cast(1, 4, True) == Decision(4, True, frozenset())
+    overruled = votes.overrule("its heartbeats stopped for 3.00s")
+    assert overruled == Decision(
+        4, False, frozenset(), overruled="its heartbeats stopped for 3.00s"
+    )
+    assert votes.last_decision == overruled
+    # The step did not commit: its retry is a new round, not a stale vote.
+    votes.cast(1, 4, True)
+    assert votes.cast(0, 4, True) == Decision(4, True, frozenset())
+
+
+def test_only_a_commit_just_decided_is_overruled() -> None:
+    votes = CommitVote(world_size=2)
+    with pytest.raises(RuntimeError, match="only a commit decision"):
+        votes.overrule("why")  # nothing decided yet
+    votes.cast(0, 0, False)
+    votes.cast(1, 0, True)
+    with pytest.raises(RuntimeError, match="only a commit decision"):
+        votes.overrule("why")  # not a commit
+    votes.cast(0, 0, True)
+    votes.cast(1, 0, True)
+    votes.cast(0, 1, True)
+    with pytest.raises(RuntimeError, match="only a commit decision"):
+        votes.overrule("why")  # the next round has opened
+    assert votes.step == 1

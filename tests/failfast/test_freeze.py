@@ -1,4 +1,4 @@
-"""A group frozen (SIGSTOP) in the middle of an allreduce never hangs the job.
+"""A group frozen (SIGSTOP) in the middle of a step never hangs the job, nor splits it.
 
 Three replica groups (real processes, as in ``test_kill.py``) train at ``min_replicas=1`` with a
 60 s collective timeout. Group 2 enters its DDP comm hook and stops there before sending its
@@ -18,6 +18,13 @@ them; they then commit steps without it well within the collective's timeout (th
 and trains with the others; every process exits by itself; all end bit-identical. Final weights
 are also compared with the replayed history, to 1e-4 relative (steps with three contributions are
 summed by Gloo in an order of its own).
+
+The second test freezes a group *after* its allreduce completed, before its vote, while every
+peer's same step failed (the worker's ``--fail-reduce``: the allreduce completes but reports a
+failure, as one does whose connection was cut just after the last byte). The peers wait for the
+frozen group until its heartbeat expires (the join timeout is the reference's 60 s), then redo
+the step without it. Woken, the frozen group holds a complete allreduce and would vote yes: it
+must not commit that step, which its peers committed another way (``standing.py``), but heal.
 """
 
 from __future__ import annotations
@@ -104,6 +111,68 @@ def test_sigstop_inside_an_allreduce(tmp_path: Path) -> None:
             all_together(job, min_commits=2, since=woken_at)
             assert Job.healed_first(job.events, VICTIM, since=stopped_at), (
                 "the frozen group trained after waking before it healed:\n" + job.describe()
+            )
+            states = job.finish()
+            assert_identical(states)
+            assert_replayed(states[0], history(job.events), exact=False)
+        finally:
+            job.close()
+
+
+def test_a_group_frozen_before_its_vote_never_commits_the_step_its_peers_redid(
+    tmp_path: Path,
+) -> None:
+    peers = [g for g in range(GROUPS) if g != VICTIM]
+    with lighthouse(
+        min_replicas=1, join_timeout_ms=60_000, quorum_tick_ms=100, heartbeat_timeout_ms=2_000
+    ) as lh:
+        job = Job(tmp_path, url(lh), GROUPS, timeout_s=60.0)
+        try:
+            for g in peers:
+                job.start(g, "--fail-reduce", "3")
+            job.start(VICTIM, "--hold-reduced", "3")
+            held = job.wait_for(
+                f"g{VICTIM} to hold with its allreduce complete, before its vote",
+                lambda events: next((e for e in events if e["kind"] == "reduced"), None),
+                START_BOUND_S,
+            )
+            stopped_at = job.signal(VICTIM, signal.SIGSTOP)
+            assert not held["errored"], f"g{VICTIM}'s allreduce failed: {held}"
+
+            def redone(events: list[Event]) -> bool:
+                return all(
+                    any(
+                        e["reduce"]["step"] == held["step"] and e["reduce"]["divisor"] == 2
+                        for e in Job.commits(events, g, since=stopped_at)
+                    )
+                    for g in peers
+                )
+
+            job.wait_for(
+                f"g{peers} to redo step {held['step']} without frozen g{VICTIM}",
+                redone,
+                RELEASE_BOUND_S,
+            )
+            woken_at = job.signal(VICTIM, signal.SIGCONT)
+            job.release(VICTIM)
+            all_together(job, min_commits=2, since=woken_at)
+            attempt = next(
+                e
+                for e in job.events
+                if e["kind"] == "step"
+                and e["group"] == VICTIM
+                and e["reduce"] is not None
+                and e["reduce"]["quorum_id"] == held["quorum_id"]
+                and e["reduce"]["step"] == held["step"]
+            )
+            assert not attempt["committed"], (
+                f"g{VICTIM} committed, after waking, the step its peers redid without it: "
+                f"{attempt}\n" + job.describe()
+            )
+            log = job.current(VICTIM).log.read_text()
+            assert "although every rank voted yes" in log, log[-3000:]
+            assert Job.healed_first(job.events, VICTIM, since=woken_at), (
+                f"g{VICTIM} trained after waking before it healed:\n" + job.describe()
             )
             states = job.finish()
             assert_identical(states)

@@ -29,6 +29,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import threading
+import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
@@ -36,6 +38,7 @@ from typing import Any
 import grpc
 import grpc.aio
 
+from torchheal._base.config import DEFAULT_LIGHTHOUSE_HEARTBEAT_TIMEOUT
 from torchheal._wire import methods
 from torchheal._wire import session_pb2 as spb
 from torchheal._wire import torchft_pb2 as pb
@@ -43,6 +46,7 @@ from torchheal.coordination.link_tcp import DirectStream, StreamClosed
 from torchheal.coordination.rpc.addresses import parse_address
 from torchheal.coordination.rpc.channels import aio_connect, serialize
 from torchheal.coordination.rpc.errors import rpc_error_to_exception
+from torchheal.coordination.standing import Standing, limit_for
 
 __all__ = ["LighthouseLink", "LinkError", "connect_first", "split_addresses"]
 
@@ -168,6 +172,14 @@ class LighthouseLink:
         self._heard_at = 0.0
         self._replica_id = replica_id
         self._interval_s = heartbeat_interval_s
+        # What this group saw of its own standing with the lighthouse (standing.py), judged
+        # by the default heartbeat timeout until a welcome tells the lighthouse's own. Read
+        # from the thread that decides a commit vote, hence the lock.
+        self._standing = Standing(
+            limit_for(DEFAULT_LIGHTHOUSE_HEARTBEAT_TIMEOUT.total_seconds(), heartbeat_interval_s),
+            time.monotonic(),
+        )
+        self._standing_lock = threading.Lock()
         self._on_lost = on_lost
         self._prefix = log_prefix
         self._addresses = list(addresses) if len(addresses) > 1 else []
@@ -301,10 +313,14 @@ class LighthouseLink:
 
     async def run(self) -> None:
         """Heartbeat forever; in session mode also read events and reopen a broken session."""
-        if self.session_mode:
-            await self._run_session()
-        else:
-            await self._run_unary_heartbeats()
+        ticks = asyncio.ensure_future(self._tick())
+        try:
+            if self.session_mode:
+                await self._run_session()
+            else:
+                await self._run_unary_heartbeats()
+        finally:
+            ticks.cancel()
 
     async def close(self, reason: str = "shutdown") -> None:
         """Say goodbye (the lighthouse lets the others go on without us at once) and hang up."""
@@ -338,6 +354,8 @@ class LighthouseLink:
         Raises:
             LinkError: the lighthouse refused, the call timed out, or the session broke.
         """
+        with self._standing_lock:
+            self._standing.asked()
         if not self.session_mode:
             return await self._unary_quorum_call(requester, timeout_s)
         call = self._call
@@ -443,6 +461,11 @@ class LighthouseLink:
             raise LinkError(grpc.StatusCode.INTERNAL, f"expected a welcome, got {event!r}")
         if self.first_welcome_quorum_id is None:
             self.first_welcome_quorum_id = event.welcome.quorum_id
+        if event.welcome.heartbeat_timeout_ms > 0:
+            with self._standing_lock:
+                self._standing.limit_s = limit_for(
+                    event.welcome.heartbeat_timeout_ms / 1000.0, self._interval_s
+                )
         self._heard_at = asyncio.get_running_loop().time()
         self._call = call
 
@@ -574,10 +597,48 @@ class LighthouseLink:
                 code = _status(failed.code)
                 self._settle(failed.request_id, error=LinkError(code, failed.message))
             elif kind == "lost":
+                if event.lost.replica_id == self._replica_id:
+                    self._dropped(event.lost)
                 try:
                     self._on_lost(event.lost)
                 except Exception:
                     logger.exception("%s handling a lost-member notice failed", self._prefix)
+
+    def doubt(self) -> str | None:
+        """Why the lighthouse may have dropped this group since its last quorum request, or
+        None (``standing.Standing.doubt``). Any thread."""
+        with self._standing_lock:
+            return self._standing.doubt(time.monotonic())
+
+    async def _tick(self) -> None:
+        """Tell the standing that this loop, which sends the heartbeats, runs (every interval,
+        whether or not the lighthouse can be reached: an outage of the lighthouse is not a
+        stall of this group)."""
+        while True:
+            with self._standing_lock:
+                gap = self._standing.tick(time.monotonic())
+            if gap is not None:
+                logger.warning(
+                    "%s this process was stalled for %.2fs (its heartbeats with it); the "
+                    "lighthouse may have dropped this group, so a step in flight will not commit",
+                    self._prefix,
+                    gap,
+                )
+            await asyncio.sleep(self._interval_s)
+
+    def _dropped(self, lost: spb.MemberLost) -> None:
+        """The lighthouse says this group is lost (its heartbeat expired while it was frozen)."""
+        last = self._last_quorum
+        if last is not None and lost.quorum_id < last.quorum_id:
+            return  # about a quorum before the one we now train in
+        logger.warning(
+            "%s the lighthouse dropped this group from quorum %d (%s)",
+            self._prefix,
+            lost.quorum_id,
+            lost.reason,
+        )
+        with self._standing_lock:
+            self._standing.lost(lost.quorum_id, lost.reason)
 
     def _settle(
         self, request_id: int, result: pb.Quorum | None = None, error: LinkError | None = None

@@ -156,7 +156,7 @@ class ManagerServer:
         self._round_outcomes: dict[int, asyncio.Future[Quorum]] = {}
         self._retry = RetryPolicy(quorum_retries, MIN_RETRY_SLEEP_S)
         # The commit vote: cast into from the loop (gRPC ranks) and from rank 0's thread.
-        self._vote = GroupVote(world_size, self._prefix)
+        self._vote = GroupVote(world_size, self._prefix, fence=self._doubt)
         self._shut_down = False
         self._lighthouse: grpc.aio.Channel | None = None
         self._link: LighthouseLink | None = None
@@ -387,6 +387,11 @@ class ManagerServer:
             await self._link.close()
         if self._lighthouse is not None:
             await self._lighthouse.close()
+
+    def _doubt(self) -> str | None:
+        """Why the lighthouse may have dropped the group during the step, or None (any thread)."""
+        link = self._link
+        return None if link is None else link.doubt()
 
     async def _start_heartbeat(self) -> None:
         assert self._link is not None

@@ -8,6 +8,10 @@ event loop; group rank 0 lives in the server's process and votes from its own tr
 outcome as a thread-safe future, so the vote that completes a round answers at once, wherever
 it was cast: in a group of one rank (or when rank 0 votes last), the training thread gets its
 decision without waiting on the event loop, which keeps the vote off the step's critical path.
+
+A round that decided to commit is overruled when the group may have been dropped from the step's
+quorum while its ranks worked (``standing.py``): the ``fence`` says so, at the moment the last
+vote arrives, which is after every collective of the step has completed on every rank.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import threading
+from collections.abc import Callable
 
 from torchheal.coordination.vote import CommitVote, Decision
 
@@ -29,13 +34,21 @@ class GroupVote:
     Args:
         world_size: the ranks that vote on every step.
         log_prefix: prefixes log lines (``[Replica name]``).
+        fence: returns why the group may have been dropped from the step's quorum, or None;
+            asked when a round decides to commit (None: never overruled).
     """
 
-    def __init__(self, world_size: int, log_prefix: str) -> None:
+    def __init__(
+        self,
+        world_size: int,
+        log_prefix: str,
+        fence: Callable[[], str | None] | None = None,
+    ) -> None:
         self._lock = threading.Lock()
         self._vote = CommitVote(world_size)
         self._round: concurrent.futures.Future[Decision] | None = None
         self._prefix = log_prefix
+        self._fence = fence
 
     @property
     def step(self) -> int | None:
@@ -68,6 +81,10 @@ class GroupVote:
         """
         with self._lock:
             decision = self._vote.cast(rank, step, vote, salvageable)
+            if decision is not None and decision.commit and self._fence is not None:
+                why = self._fence()
+                if why is not None:
+                    decision = self._vote.overrule(why)
             round_ = self._round
             if round_ is None:
                 round_ = self._round = concurrent.futures.Future()
@@ -75,7 +92,17 @@ class GroupVote:
                 self._round = None
         if decision is not None:
             # Per step, so DEBUG; a failed vote is worth a user's attention.
-            if not decision.commit:
+            if decision.overruled is not None:
+                logger.warning(
+                    "%s step %d: should_commit=False although every rank voted yes: the "
+                    "lighthouse may have dropped this group during the step (%s), and its "
+                    "peers may have redone the step without it; if they committed it, this group heals "
+                    "from them at its next quorum",
+                    self._prefix,
+                    decision.step,
+                    decision.overruled,
+                )
+            elif not decision.commit:
                 logger.info(
                     "%s step %d: should_commit=False (failed ranks: %s)%s",
                     self._prefix,

@@ -74,12 +74,16 @@ class Decision:
         redo: (torchheal only) the step did not commit, but every rank that voted no said a
             redo in a new quorum would cure it: every rank of the group redoes the step and
             votes again (``salvage_step``).
+        overruled: (torchheal only) every rank voted yes, but the group may have been dropped
+            from the step's quorum (why, as ``standing.Standing.doubt`` says): the step does
+            not commit. None when the vote stood.
     """
 
     step: int
     commit: bool
     failed_ranks: frozenset[int]
     redo: bool = False
+    overruled: str | None = None
 
 
 class CommitVote:
@@ -195,6 +199,28 @@ class CommitVote:
         self._last = decision
         self._clear_round()
         return decision
+
+    def overrule(self, why: str) -> Decision:
+        """The round just decided to commit, but the group may have been dropped from the
+        step's quorum: the step does not commit after all.
+
+        The ranks then see the step as failed and retry it (the reference's contract for a
+        "no"); being behind the quorum, the group heals first.
+
+        Args:
+            why: why the group may have been dropped.
+
+        Returns:
+            The decision that replaces the last one.
+
+        Raises:
+            RuntimeError: the last decision was not a commit, or a new round has opened since.
+        """
+        last = self._last
+        if last is None or not last.commit or self._step is not None:
+            raise RuntimeError("only a commit decision, before the next round opens, is overruled")
+        self._last = Decision(step=last.step, commit=False, failed_ranks=frozenset(), overruled=why)
+        return self._last
 
     def reset(self) -> None:
         """Abort the round in progress (its votes are forgotten); settled steps stay settled."""

@@ -1,0 +1,130 @@
+"""Whether the lighthouse may have dropped this group during its step, judged from inside.
+
+The lighthouse drops a group whose heartbeats stop for its heartbeat timeout, or whose session
+ends, and tells the other groups at once; they abort their collectives with it and redo the step
+without it. A group that was frozen (a stopped process, a stalled host, a long pause of its
+interpreter) does not know this when it wakes. Its collective may even complete, because its
+peers sent their data before it froze, and it would then commit a step that its peers redid
+without it. The reference has the same hole, reached after its 60 s collective timeout; failing
+fast makes it reachable after the heartbeat timeout.
+
+:class:`Standing` keeps what the group itself saw since it last asked the lighthouse for a
+quorum, and :meth:`Standing.doubt` says whether that is enough to have been dropped:
+
+* a gap of at least ``limit_s`` between two ticks of the event loop that sends the group's
+  heartbeats: the process (or its loop) was stalled, and its heartbeats with it. The limit is
+  half the lighthouse's heartbeat timeout, so that network delay cannot turn a shorter gap into
+  an expiry;
+* the same gap still open now: the process has just woken, and its loop has not run yet;
+* the lighthouse's own notice that this group is lost.
+
+What is not counted: the lighthouse being unreachable (it restarts, a standby takes over, the
+network fails), and the group's session ending with it. Such an outage is not a stall of the
+group: its data reached its peers as early as theirs reached it, so their collectives complete
+as its own does, and a lighthouse that died has told nobody anything. Counting it would make
+every group of a job heal, or fail its step, at every failover of the lighthouse.
+
+The manager server asks at the commit vote and overrules a "commit" when there is doubt: the
+group does not commit the step, and at its next quorum it is behind and heals. A doubt that was
+not a drop costs that group one heal; a drop that was not doubted could cost the job a split in
+its weights. Plain data: the caller passes the time in, in seconds, and holds any lock.
+"""
+
+from __future__ import annotations
+
+__all__ = ["Standing", "limit_for"]
+
+#: The share of the lighthouse's heartbeat timeout that a gap must reach to be doubted.
+SHARE_OF_TIMEOUT = 0.5
+
+
+def limit_for(heartbeat_timeout_s: float, heartbeat_interval_s: float) -> float:
+    """The stall of the group's loop at which the lighthouse may have expired the group.
+
+    Half the lighthouse's timeout, and never less than two heartbeat intervals (the pace at
+    which the loop ticks), so that the loop's regular pace is never taken for a stall.
+
+    Args:
+        heartbeat_timeout_s: the lighthouse's heartbeat timeout.
+        heartbeat_interval_s: the group's pause between heartbeats.
+
+    Raises:
+        ValueError: a time that is not positive.
+    """
+    if not heartbeat_timeout_s > 0 or not heartbeat_interval_s > 0:
+        raise ValueError(
+            f"heartbeat timeout and interval must be > 0, got {heartbeat_timeout_s!r} and "
+            f"{heartbeat_interval_s!r}"
+        )
+    return max(SHARE_OF_TIMEOUT * heartbeat_timeout_s, 2.0 * heartbeat_interval_s)
+
+
+class Standing:
+    """What one group saw of its own standing with the lighthouse since its last quorum request.
+
+    Args:
+        limit_s: the gap between two ticks of the loop that is doubted (:func:`limit_for`).
+        now: the time the link opened; it counts as the first tick.
+
+    Raises:
+        ValueError: ``limit_s`` is not positive.
+    """
+
+    def __init__(self, limit_s: float, now: float) -> None:
+        self.limit_s = limit_s
+        self._ticked_at = now
+        # Why the group may have been dropped since it last asked (the first reason seen).
+        self._doubt: str | None = None
+
+    @property
+    def limit_s(self) -> float:
+        """The doubted gap between two ticks, in seconds."""
+        return self._limit_s
+
+    @limit_s.setter
+    def limit_s(self, value: float) -> None:
+        if not value > 0:
+            raise ValueError(f"limit_s must be > 0, got {value!r}")
+        self._limit_s = value
+
+    def asked(self) -> None:
+        """The group asked the lighthouse for a quorum: what came before no longer counts.
+
+        The lighthouse can only issue that quorum with the group in it if it holds the group
+        alive, whatever happened before the request.
+        """
+        self._doubt = None
+
+    def tick(self, now: float) -> float | None:
+        """The loop that sends the group's heartbeats ran at ``now``.
+
+        Returns:
+            The gap since its previous tick when it is doubted (for the log), else None.
+        """
+        gap = now - self._ticked_at
+        self._ticked_at = now
+        if gap < self._limit_s:
+            return None
+        self._note(f"this process was stalled for {gap:.2f}s, its heartbeats with it")
+        return gap
+
+    def lost(self, quorum_id: int, reason: str) -> None:
+        """The lighthouse says this group is lost from quorum ``quorum_id``."""
+        self._note(f"the lighthouse dropped it from quorum {quorum_id} ({reason})")
+
+    def doubt(self, now: float) -> str | None:
+        """Why the lighthouse may have dropped the group since it last asked, or None.
+
+        Args:
+            now: the time of the question (a gap still open counts as one that ended now).
+        """
+        if self._doubt is not None:
+            return self._doubt
+        stalled_s = now - self._ticked_at
+        if stalled_s >= self._limit_s:
+            return f"this process has been stalled for {stalled_s:.2f}s, its heartbeats with it"
+        return None
+
+    def _note(self, why: str) -> None:
+        if self._doubt is None:
+            self._doubt = why
