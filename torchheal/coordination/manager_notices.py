@@ -2,12 +2,9 @@
 
 When another group of the current quorum is gone, the lighthouse tells every session; each
 manager server forwards the notice to every rank of its own group, so each can abort the
-collective it has in flight with the lost group at once. A notice about the group itself (it was
-frozen past its heartbeat timeout, and the lighthouse told its peers, who moved on without it)
-is forwarded too: woken, the group's ranks abort what still waits on those peers. Ranks > 0
-watch their server over gRPC (``torchheal.ManagerNotices/Watch``, a stream of notices); group
-rank 0 lives in the server's process and registers a listener. Everything here runs on the
-server's event loop.
+collective it has in flight with the lost group at once. Ranks > 0 watch their server over gRPC
+(``torchheal.ManagerNotices/Watch``, a stream of notices); group rank 0 lives in the server's
+process and registers a listener. Everything here runs on the server's event loop.
 """
 
 from __future__ import annotations
@@ -27,7 +24,7 @@ class NoticeFanout:
     """Who hears a group's lost-member notices: watching ranks and in-process listeners.
 
     Args:
-        replica_id: this group's full id.
+        replica_id: this group's full id (notices about itself are not passed on).
         log_prefix: prefixes log lines (``[Replica name]``).
     """
 
@@ -43,17 +40,22 @@ class NoticeFanout:
 
     def forward(self, lost: spb.MemberLost) -> None:
         """The lighthouse says a group of quorum ``lost.quorum_id`` is gone: tell every rank."""
-        if lost.replica_id != self._replica_id:  # (the link logged one about ourselves)
-            # A group that said goodbye finished its job (INFO, as the lighthouse logs it); one
-            # that vanished is a failure (WARNING).
-            logger.log(
-                logging.INFO if lost.reason.startswith("left") else logging.WARNING,
-                "%s lighthouse: replica %s of quorum %d is lost (%s)",
-                self._prefix,
-                lost.replica_id,
-                lost.quorum_id,
-                lost.reason,
-            )
+        if lost.replica_id == self._replica_id:
+            # About ourselves: the lighthouse dropped this group (it was frozen past its
+            # heartbeat timeout), and the link made it a doubt of the vote (standing.py). The
+            # ranks are not told: an abort of our own group once woken, from this loop, could
+            # block it for the collective's timeout when Gloo has not seen the peers' cut.
+            return
+        # A group that said goodbye finished its job (INFO, as the lighthouse logs it); one that
+        # vanished is a failure (WARNING).
+        logger.log(
+            logging.INFO if lost.reason.startswith("left") else logging.WARNING,
+            "%s lighthouse: replica %s of quorum %d is lost (%s)",
+            self._prefix,
+            lost.replica_id,
+            lost.quorum_id,
+            lost.reason,
+        )
         notice = spb.Notice(lost=lost).SerializeToString()
         for queue in list(self._watchers):
             queue.put_nowait(notice)
