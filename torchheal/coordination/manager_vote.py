@@ -96,8 +96,8 @@ class GroupVote:
                 logger.warning(
                     "%s step %d: should_commit=False although every rank voted yes: the "
                     "lighthouse may have dropped this group during the step (%s), and its "
-                    "peers may have redone the step without it; if they committed it, this group heals "
-                    "from them at its next quorum",
+                    "peers may have redone the step without it; if they committed it, this "
+                    "group heals from them at its next quorum",
                     self._prefix,
                     decision.step,
                     decision.overruled,

@@ -15,8 +15,9 @@ for it until the group's timeout. :meth:`ConnectedQuorum.building` covers that w
 notice cuts the build's connection to the rendezvous store, so the build fails at once (and with
 it the step). A frozen group may host that store: it accepts connections and never answers, and
 c10d's store client would try again until its timeout; the notice also tells the process group
-that its configure is abandoned (``abandon_configure``), so it stops waiting for that client. A notice that came before the build starts fails it before it begins, and one that
-the build outran aborts the group as soon as it is adopted. Every rank of every surviving group
+that its configure is abandoned (``abandon_configure``), so it stops waiting for that client. A
+notice that came before the build starts fails it before it begins, and one that the build
+outran aborts the group as soon as it is adopted. Every rank of every surviving group
 is told, so each rank's group for that quorum ends one of these three ways and none is left
 waiting in a rendezvous for a rank that gave up on it.
 """
