@@ -9,6 +9,7 @@ of its own, standing in for the server's loop.
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import Future
 from datetime import timedelta
 from typing import Any
@@ -16,6 +17,7 @@ from typing import Any
 import pytest
 
 from torchheal.coordination.plan import WorldSizeMode
+from torchheal.coordination.rpc.in_process import IN_PROCESS_GRACE_S
 from torchheal.coordination.types import QuorumAsk, QuorumResult
 from torchheal.manager.log import ManagerLogger
 from torchheal.manager.quorum_thread import QuorumThread
@@ -79,15 +81,15 @@ def _quorum(quorum_id: int, **kw: Any) -> QuorumResult:
     return QuorumResult(**base)
 
 
-def _request(current_quorum_id: int) -> StepRequest:
+def _request(current_quorum_id: int, timeout: timedelta = S) -> StepRequest:
     return StepRequest(
         step=0,
         commit_failures=0,
         current_quorum_id=current_quorum_id,
         allow_heal=True,
         shrink_only=False,
-        timeout=S,
         captured=None,
+        timeout=timeout,
     )
 
 
@@ -164,4 +166,41 @@ def test_without_a_start_call_the_quorum_thread_asks() -> None:
     quorums.wait()
     assert applied == [("async_quorum_0", 2)]
     assert pg.configured_on == ["async_quorum_0"]
+    quorums.shutdown()
+
+
+class _SlowPG(_PG):
+    """A rebuild that takes ``hold_s`` (a rendezvous waiting on a slow peer, say)."""
+
+    def __init__(self, hold_s: float) -> None:
+        super().__init__()
+        self._hold_s = hold_s
+
+    def configure(self, addr: str, replica_id: str, rank: int, world_size: int) -> None:
+        time.sleep(self._hold_s)  # the stimulus: a slow build, not a synchronisation
+        super().configure(addr, replica_id, rank, world_size)
+
+
+SHORT = timedelta(milliseconds=100)  # the server's deadline; the patience is 5 s more
+
+
+def test_a_rebuild_longer_than_the_patience_for_the_answer_is_waited_for() -> None:
+    # The patience is for the server's answer; the rebuild after it has timeouts of its own.
+    server, pg = _Server(), _SlowPG(hold_s=SHORT.total_seconds() + IN_PROCESS_GRACE_S + 1.0)
+    quorums, applied = _thread(server, pg)
+    quorums.submit(_request(current_quorum_id=3, timeout=SHORT))
+    server.answer(_quorum(4))
+    quorums.wait()
+    assert pg.configured_on == ["async_quorum_0"]
+    assert [name for name, _ in applied] == ["async_quorum_0"]
+    quorums.shutdown()
+
+
+def test_a_server_that_never_answers_is_given_up_after_its_deadline_and_the_grace() -> None:
+    server, pg = _Server(), _PG()
+    quorums, _ = _thread(server, pg)
+    quorums.submit(_request(current_quorum_id=3, timeout=SHORT))
+    with pytest.raises(TimeoutError, match=r"did not answer the quorum request within 5\.1s"):
+        quorums.wait()
+    server.answer(_quorum(3))  # late: nothing waits for it any more
     quorums.shutdown()

@@ -57,8 +57,11 @@ class QuorumThread:
         self.future: Future[None] | None = None
         # The quorum future whose error already reached the training loop.
         self._raised: Future[None] | None = None
-        # How long a waiter gives a quorum asked without the thread (None: asked on it).
+        # How long a waiter gives the server's answer to a quorum asked without the thread
+        # (None: asked on it), and that answer. Once answered, the rest of the quorum's work
+        # (rebuilding the process group, moving state) runs under timeouts of its own.
         self._patience_s: float | None = None
+        self._answer: Future[QuorumResult] | None = None
 
     def raise_unobserved(self) -> None:
         """Raises the last quorum's error if nothing has seen it yet (at a step's start)."""
@@ -79,13 +82,14 @@ class QuorumThread:
         started = time.perf_counter()
         answer = self._worker.start(request)
         if answer is None:
-            self._patience_s = None
+            self._patience_s = self._answer = None
             self.future = self._executor.submit(self._quorum, request)
             return
         done: Future[None] = Future()
         # The server's loop answers by the request's deadline; this much more is for a loop
         # that never answers at all (as the blocking in-process call allows).
         self._patience_s = request.timeout.total_seconds() + IN_PROCESS_GRACE_S
+        self._answer = answer
         self.future = done
         answer.add_done_callback(lambda a: self._answered(request, a, done, started))
 
@@ -162,19 +166,30 @@ class QuorumThread:
             else:  # the training thread waits: count it
                 started = time.perf_counter()
                 try:
-                    future.result(self._patience_s)
-                except FuturesTimeoutError:
-                    if future.done():
-                        raise  # the quorum's own timeout
-                    raise TimeoutError(
-                        f"the manager server did not answer the quorum request within "
-                        f"{self._patience_s:g}s (its loop is stuck)"
-                    ) from None
+                    self._wait_answer()
+                    future.result()
                 finally:
                     self._telemetry.waited(time.perf_counter() - started)
         except BaseException:
             self._raised = future
             raise
+
+    def _wait_answer(self) -> None:
+        """Waits for the server's answer as long as its deadline allows, and no longer.
+
+        Raises:
+            TimeoutError: the server's loop never answered.
+        """
+        answer = self._answer
+        if answer is None:
+            return
+        try:
+            answer.exception(self._patience_s)  # its error, if any, reaches the quorum's future
+        except FuturesTimeoutError:
+            raise TimeoutError(
+                f"the manager server did not answer the quorum request within "
+                f"{self._patience_s:g}s (its loop is stuck)"
+            ) from None
 
     def shutdown(self, wait: bool = True) -> None:
         """Stops the thread.
