@@ -310,3 +310,23 @@ def test_a_healer_stalled_mid_transfer_never_delays_the_next_heal(
         body = _body(stalled, first)
     assert_same(decode_bytes(body), as_of[5])
     assert src._wait_requests_done(timeout.total_seconds() / 2)
+
+
+def test_a_request_during_a_new_send_of_the_served_step_waits_for_it(
+    make: Callable[..., HTTPTransport],
+) -> None:
+    # A source may stage the step it already serves again (a new quorum with a healer, after
+    # the last one failed): a request that comes while it stages waits for the new copy.
+    src, dst = make(), make()
+    big = torch.arange(50_000_000, dtype=torch.float32)  # 200 MB: staging takes a while
+    src.send_checkpoint([1], 5, {"x": big}, TIMEOUT)
+    src.disallow_checkpoint()
+    restaging = threading.Thread(target=src.send_checkpoint, args=([1], 5, {"x": big}, TIMEOUT))
+    restaging.start()
+    deadline = time.monotonic() + 10
+    while src._live is not None or src._staging != 5:  # the new send is under way
+        assert time.monotonic() < deadline, "the second send never began"
+        time.sleep(0.001)
+    got = dst.recv_checkpoint(0, src.metadata(), 5, TIMEOUT)
+    restaging.join(30)
+    assert torch.equal(got["x"], big)

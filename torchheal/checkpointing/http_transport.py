@@ -398,7 +398,10 @@ class HTTPTransport(CheckpointTransport[T]):
             self._staging = step  # a request for it may wait for it now
             self._served.notify_all()
         with self._state_lock:
+            # Nothing is served until the new copy is: a request for this step (even when it is
+            # the step served until now) waits for it in _wait_for_step rather than find none.
             old, self._live = self._live, None
+            self._step = -1
         if old is not None:
             old.retire()  # its buffers come back once no request reads them
             self._stage_copies = self._stage_copies or old.unstable
