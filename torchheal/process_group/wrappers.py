@@ -112,10 +112,13 @@ class ProcessGroupWrapper(ProcessGroup):
         self._abandoned.clear()
         self._configure_woken = woken = threading.Event()
         store = self._connect_store(store_addr, woken)
-        # A group built although the configure was abandoned (the rendezvous outran the loss)
-        # is installed: whoever abandoned it aborts it (ConnectedQuorum.adopt), which cuts its
-        # connections, so its peers' operations fail at once.
-        self._pg = self._create_pg(store, rank, world_size)
+        pg = self._create_pg(store, rank, world_size)
+        if self._abandoned.is_set():
+            # Built anyway (the rendezvous outran the loss): the group must not be used.
+            with contextlib.suppress(Exception):
+                pg.abort()
+            raise RuntimeError(f"the configure for {store_addr} was abandoned")
+        self._pg = pg
         self._aborted = False
 
     def _connect_store(self, store_addr: str, woken: threading.Event) -> dist.Store:
@@ -149,7 +152,7 @@ class ProcessGroupWrapper(ProcessGroup):
 
     def abandon_configure(self) -> None:
         """See :meth:`ProcessGroup.abandon_configure`: the store connection in progress, if
-        any, is given up at once."""
+        any, is given up at once; a group built anyway is aborted, not used."""
         pg = self._pg
         if isinstance(pg, ProcessGroup):
             pg.abandon_configure()
