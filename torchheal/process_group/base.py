@@ -180,14 +180,6 @@ class ProcessGroup(dist.ProcessGroup):
     def abort(self) -> None:
         """Aborts in-flight operations so blocked callers fail fast (no-op in the base)."""
 
-    def abandon_configure(self) -> None:
-        """Makes a :meth:`configure` in progress on another thread fail as soon as it can.
-
-        A member of the quorum being built is lost: waiting for it would last the group's
-        timeout. Called from another thread than the one in ``configure``; a no-op in the base
-        (and when no configure is in progress). Safe from any thread.
-        """
-
     def shutdown(self) -> None:
         """Releases the group's resources (no-op in the base)."""
 

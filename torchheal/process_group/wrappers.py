@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import threading
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -48,9 +47,6 @@ class ProcessGroupWrapper(ProcessGroup):
         self._rank: int | None = None
         self._errored: Exception | None = None
         self._aborted = False
-        # The configure in progress was abandoned (abandon_configure), and what wakes it.
-        self._abandoned = threading.Event()
-        self._configure_woken = threading.Event()
         # What the last configure said about its quorum (see ProcessGroup.configure).
         self._c10d_group_name: str | None = None
         self._global_ranks: list[int] | None = None
@@ -109,56 +105,9 @@ class ProcessGroupWrapper(ProcessGroup):
         self.abort(errored=False)
         # Cleared after the abort: aborting the old group may itself record an error.
         self._errored = None
-        self._abandoned.clear()
-        self._configure_woken = woken = threading.Event()
-        store = self._connect_store(store_addr, woken)
-        pg = self._create_pg(store, rank, world_size)
-        if self._abandoned.is_set():
-            # Built anyway (the rendezvous outran the loss): the group must not be used.
-            with contextlib.suppress(Exception):
-                pg.abort()
-            raise RuntimeError(f"the configure for {store_addr} was abandoned")
-        self._pg = pg
+        store = create_store_client(store_addr, timeout=self._timeout)
+        self._pg = self._create_pg(store, rank, world_size)
         self._aborted = False
-
-    def _connect_store(self, store_addr: str, woken: threading.Event) -> dist.Store:
-        """The store client for ``store_addr``, or RuntimeError as soon as the configure is
-        abandoned.
-
-        c10d's TCPStore client retries its connection until its timeout, whatever happens to
-        each attempt: to a host that is frozen (it accepts, never answers), it would hold the
-        configure for the group's whole timeout. So it connects on a thread of its own, which
-        an abandoned configure leaves behind; that thread ends by itself, at the latest after
-        the timeout, and what it built is dropped.
-        """
-        outcome: dict[str, Any] = {}
-
-        def connect() -> None:
-            try:
-                outcome["store"] = create_store_client(store_addr, timeout=self._timeout)
-            except Exception as e:
-                outcome["error"] = e
-            woken.set()
-
-        threading.Thread(target=connect, name="torchheal-store-connect", daemon=True).start()
-        woken.wait()
-        if self._abandoned.is_set():
-            raise RuntimeError(
-                f"the configure for {store_addr} was abandoned while connecting to its store"
-            )
-        if "error" in outcome:
-            raise outcome["error"]
-        return outcome["store"]
-
-    def abandon_configure(self) -> None:
-        """See :meth:`ProcessGroup.abandon_configure`: the store connection in progress, if
-        any, is given up at once; a group built anyway is aborted, not used."""
-        pg = self._pg
-        if isinstance(pg, ProcessGroup):
-            pg.abandon_configure()
-            return
-        self._abandoned.set()
-        self._configure_woken.set()
 
     def abort(self, errored: bool = True) -> None:
         """Aborts and drops the inner group so anything blocked on it fails.
