@@ -320,3 +320,41 @@ def test_launcher_rejects_bad_group_sizes() -> None:
         Launcher(["x"], replicas=1, lighthouse_addr="http://x:1", nproc_per_replica=0)
     with pytest.raises(ValueError, match="max_startup_failures"):
         Launcher(["x"], replicas=1, lighthouse_addr="http://x:1", max_startup_failures=0)
+
+
+def test_ending_a_start_spares_another_jobs_start_of_the_same_name() -> None:
+    # Two launchers on one machine that name their jobs alike (the chaos bench names its runs
+    # by seed; two CI runs of it once shared a host) hold starts with the same run id, group and
+    # incarnation. Ending one must not end the other's ranks, which the search by marker finds.
+    import queue
+
+    from torchheal.launcher.group import GroupStart
+
+    sleeper = [sys.executable, "-c", "import time; time.sleep(120)"]
+    lines: queue.Queue = queue.Queue()
+    starts = [
+        GroupStart(
+            group=1,
+            incarnation=1,
+            command=sleeper,
+            nproc=2,
+            replicas=2,
+            lighthouse="http://x:1",
+            base_env=dict(os.environ),
+            lines=lines,
+            run_id="same-name",
+        )
+        for _ in range(2)
+    ]
+    mine, theirs = starts
+    try:
+        assert mine.marker != theirs.marker
+        mine.kill()
+        mine.reap(timeout=30)
+        assert mine.exit_codes == {0: -9, 1: -9}
+        assert theirs.running() == [0, 1], "the other job's ranks were killed too"
+    finally:
+        for start in starts:
+            start.kill()
+            start.reap(timeout=30)
+            start.close()

@@ -19,6 +19,7 @@ import signal
 import subprocess
 import threading
 import time
+import uuid
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -162,7 +163,9 @@ class GroupStart:
         self.exit_codes: dict[int, int] = {}
         # rank -> when its exit was first noticed by polling (its output may still be open).
         self.exit_seen: dict[int, float] = {}
-        self.marker = f"{run_id}/{group}/{incarnation}"
+        # Unique to this start, not only to the job's name: a second launcher on this machine
+        # whose job has the same name must not find its processes in ours when we end them.
+        self.marker = f"{run_id}/{group}/{incarnation}/{uuid.uuid4().hex}"
         self._store = _host_store(host)
         self.store_address = f"{host}:{self._store.port}"
         self.procs: list[subprocess.Popen[str]] = []
