@@ -9,6 +9,9 @@ lighthouse says is gone. Real Gloo groups on a real TCPStore; the lost peer simp
 from __future__ import annotations
 
 import logging
+import multiprocessing as mp
+import os
+import signal
 import threading
 import time
 from datetime import timedelta
@@ -17,7 +20,7 @@ import pytest
 import torch
 from torch.distributed.distributed_c10d import ReduceOp
 
-from tests.process_group.helpers import new_store
+from tests.process_group.helpers import frozen_store_host, new_store, stopped
 from torchheal.manager.failfast import ConnectedQuorum, MemberLostError
 from torchheal.manager.log import ManagerLogger
 from torchheal.process_group import ProcessGroupGloo
@@ -97,6 +100,42 @@ def test_notice_during_the_build_abandons_the_rendezvous() -> None:
     t = torch.ones(2)
     job.pg.allreduce([t], ReduceOp.SUM).wait()
     assert t.tolist() == [1.0, 1.0]
+
+
+def test_notice_during_the_build_ends_it_when_the_lost_group_hosts_a_frozen_store() -> None:
+    # A frozen store host accepts and never answers; c10d's client would retry its connection
+    # for the whole 60 s, cut or not: the notice abandons the configure too.
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    host = ctx.Process(target=frozen_store_host, args=(child,), daemon=True)
+    host.start()
+    try:
+        port = parent.recv()
+        while not stopped(host.pid):
+            parent.poll(0.01)
+        job = Job()
+        outcome: list[BaseException | None] = []
+
+        def build() -> None:
+            try:
+                with job.connected.building(6, ["host", "me"], port):
+                    job.pg.configure(f"127.0.0.1:{port}/q6", "me", 1, 2)
+                outcome.append(None)
+            except BaseException as e:
+                outcome.append(e)
+
+        builder = threading.Thread(target=build, daemon=True)
+        builder.start()
+        builder.join(0.5)
+        assert builder.is_alive(), f"the build ended before the notice: {outcome}"
+        job.connected.on_member_lost("host", 6, "heartbeat expired")
+        builder.join(BOUND_S)
+        assert not builder.is_alive(), "the build waited on the frozen store host"
+        assert isinstance(outcome[0], MemberLostError), outcome
+        assert "store at 127.0.0.1" in str(outcome[0]) and "was abandoned" in str(outcome[0])
+    finally:
+        os.kill(host.pid, signal.SIGKILL)
+        host.join(10)
 
 
 def test_notice_the_build_outran_aborts_the_group_at_adoption() -> None:

@@ -118,3 +118,17 @@ def victim_main(
     conn.send(t.item())
     conn.recv()  # blocks until killed
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def frozen_store_host(conn: Connection) -> None:
+    """Child process: hosts a TCPStore, sends its port on ``conn``, then SIGSTOPs itself (a
+    frozen host: its kernel accepts connections, nothing answers them)."""
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    conn.send(store.port)
+    os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped (SIGSTOP)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] == "T"

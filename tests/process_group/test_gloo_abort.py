@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch.distributed.distributed_c10d import ReduceOp
 
-from tests.process_group.helpers import new_store
+from tests.process_group.helpers import new_store, stopped
 from torchheal.process_group import ProcessGroupGloo
 
 LONG = timedelta(seconds=60)  # the collective's own timeout: far beyond the test's bounds
@@ -40,11 +40,6 @@ def _stopper(store_addr: str, conn: Connection) -> None:
         conn.send(f"failed: {e}")
 
 
-def _stopped(pid: int) -> bool:
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()[0] == "T"
-
-
 def test_abort_interrupts_a_collective_blocked_on_a_stopped_peer() -> None:
     _store, addr = new_store()
     ctx = mp.get_context("spawn")
@@ -59,7 +54,7 @@ def test_abort_interrupts_a_collective_blocked_on_a_stopped_peer() -> None:
         pg.allreduce([t], ReduceOp.SUM).wait()
         assert t.tolist() == [2.0] * 4
         assert parent.poll(60) and parent.recv() == "stopping"
-        while not _stopped(stopper.pid):
+        while not stopped(stopper.pid):
             threading.Event().wait(0.01)
 
         work = pg.allreduce([torch.full((4,), 5.0)], ReduceOp.SUM)

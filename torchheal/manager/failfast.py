@@ -13,8 +13,10 @@ A group can also be lost while the process group is being built for its quorum (
 after the quorum was issued, before it published its rendezvous address): the build would wait
 for it until the group's timeout. :meth:`ConnectedQuorum.building` covers that window: the
 notice cuts the build's connection to the rendezvous store, so the build fails at once (and with
-it the step). A notice that came before the build starts fails it before it begins, and one that
-the build outran aborts the group as soon as it is adopted. Every rank of every surviving group
+it the step). The lost group may host that store, frozen: it accepts connections and never
+answers, and c10d's store client tries a cut connection again until its timeout. So the notice
+also tells the process group to give up its store connection (``abandon_configure``). A notice
+that came before the build starts fails it before it begins, and one that the build outran aborts the group as soon as it is adopted. Every rank of every surviving group
 is told, so each rank's group for that quorum ends one of these three ways and none is left
 waiting in a rendezvous for a rank that gave up on it.
 """
@@ -45,10 +47,17 @@ class MemberLostError(RuntimeError):
 class _Build:
     """One process-group build in progress: its quorum and how to abandon it."""
 
-    def __init__(self, quorum_id: int, members: frozenset[str], store_port: int) -> None:
+    def __init__(
+        self,
+        quorum_id: int,
+        members: frozenset[str],
+        store_port: int,
+        abandon: Callable[[], None],
+    ) -> None:
         self.quorum_id = quorum_id
         self.members = members
         self.store_port = store_port
+        self._abandon = abandon
         self.before = PairSockets.before()
         self.ended = threading.Event()
         self.lost: str | None = None
@@ -57,11 +66,16 @@ class _Build:
         self._cutting = threading.Lock()
 
     def cancel(self) -> None:
-        """Cuts the build's store connection now and whenever it appears, until it ends."""
+        """Tells the process group to give up its store connection, and cuts that connection
+        now and whenever it appears, until the build ends."""
         while True:
             with self._cutting:
                 if self.ended.is_set():
                     return
+                try:  # first: the attempt the cut fails must find it abandoned
+                    self._abandon()
+                except Exception:  # a group of the user's that cannot be told: cuts only
+                    pass
                 PairSockets.to_port(self.before, self.store_port).cut()
             if self.ended.wait(_CANCEL_POLL_S):
                 return
@@ -128,7 +142,7 @@ class ConnectedQuorum:
         Raises:
             MemberLostError: a member was lost before or during the build.
         """
-        build = _Build(quorum_id, frozenset(replica_ids), store_port)
+        build = _Build(quorum_id, frozenset(replica_ids), store_port, self._abandon_configure)
         with self._lock:
             lost = self._lost.get(quorum_id, set()) & build.members
             if not lost:
@@ -151,6 +165,11 @@ class ConnectedQuorum:
             with self._lock:
                 self._build = None
             build.end()
+
+    def _abandon_configure(self) -> None:
+        abandon = getattr(self._process_group(), "abandon_configure", None)
+        if abandon is not None:  # (a reference group has none: the cut alone)
+            abandon()
 
     def _abandoned(self, why: str) -> MemberLostError:
         # No group to abort, but the same word from the lighthouse: the step failed for a loss.

@@ -180,6 +180,16 @@ class ProcessGroup(dist.ProcessGroup):
     def abort(self) -> None:
         """Aborts in-flight operations so blocked callers fail fast (no-op in the base)."""
 
+    def abandon_configure(self) -> None:
+        """Gives up the store connection of a :meth:`configure` in progress on another thread.
+
+        A member of the quorum being built is lost, and it may host the rendezvous store frozen:
+        the connection would wait for it until the group's timeout. Once its connection is cut
+        (``manager.failfast`` does that), the configure then fails at once instead of trying
+        again. A configure that is connected already goes on (its rendezvous fails on the cut).
+        Safe from any thread; a no-op in the base, and when no configure is in progress.
+        """
+
     def shutdown(self) -> None:
         """Releases the group's resources (no-op in the base)."""
 

@@ -2,9 +2,20 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from datetime import timedelta
 
 from torch.distributed import PrefixStore, Store, TCPStore
+
+#: Longest single connection attempt of :func:`create_store_client` when it can be abandoned.
+#: c10d's client retries a connection that failed (one cut to abandon it, say) until its
+#: timeout, so only attempts this short let an abandon take effect soon.
+CONNECT_ATTEMPT_S = 1.0
+
+
+class StoreConnectAbandoned(RuntimeError):
+    """A store connection in progress was abandoned (see :func:`create_store_client`)."""
 
 
 def parse_store_addr(store_addr: str) -> tuple[str, int, str]:
@@ -40,22 +51,49 @@ def parse_store_addr(store_addr: str) -> tuple[str, int, str]:
     return host, port, prefix
 
 
-def create_store_client(store_addr: str, timeout: timedelta) -> Store:
+def create_store_client(
+    store_addr: str, timeout: timedelta, *, abandoned: threading.Event | None = None
+) -> Store:
     """Connects to an existing TCPStore and scopes it under the address's prefix.
 
     Args:
         store_addr: ``"host:port/prefix"`` (``"[v6addr]:port/prefix"`` for IPv6).
         timeout: connect and per-operation timeout of the store client.
+        abandoned: set from another thread to give the connection up. A host that accepts
+            and never answers (a frozen process: its kernel accepts) holds an attempt until its
+            connection is cut, and c10d's client then tries again until its timeout. So with
+            this event the connection is made in attempts of at most
+            :data:`CONNECT_ATTEMPT_S`, and once the event is set the first attempt that fails
+            ends it. A connection that succeeds is kept, the event set or not.
 
     Returns:
         ``PrefixStore(prefix, TCPStore(host, port, is_master=False, ...))``.
+
+    Raises:
+        StoreConnectAbandoned: ``abandoned`` was set and an attempt failed.
+        torch.distributed.DistError: no connection within ``timeout``.
     """
     host, port, prefix = parse_store_addr(store_addr)
-    store = TCPStore(
-        host_name=host,
-        port=port,
-        is_master=False,
-        wait_for_workers=False,
-        timeout=timeout,
+    if abandoned is None:
+        return PrefixStore(prefix, _client(host, port, timeout))
+    deadline = time.monotonic() + timeout.total_seconds()
+    while True:
+        attempt = min(CONNECT_ATTEMPT_S, deadline - time.monotonic())
+        try:
+            store = _client(host, port, timedelta(seconds=max(attempt, 0.001)))
+        except Exception as e:
+            if abandoned.is_set():
+                raise StoreConnectAbandoned(
+                    f"the connection to the store at {host}:{port} was abandoned"
+                ) from e
+            if time.monotonic() >= deadline:
+                raise
+            continue
+        store.set_timeout(timeout)
+        return PrefixStore(prefix, store)
+
+
+def _client(host: str, port: int, timeout: timedelta) -> TCPStore:
+    return TCPStore(
+        host_name=host, port=port, is_master=False, wait_for_workers=False, timeout=timeout
     )
-    return PrefixStore(prefix, store)

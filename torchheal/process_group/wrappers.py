@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -47,6 +48,8 @@ class ProcessGroupWrapper(ProcessGroup):
         self._rank: int | None = None
         self._errored: Exception | None = None
         self._aborted = False
+        # Set by abandon_configure: the configure in progress gives up its store connection.
+        self._abandoned = threading.Event()
         # What the last configure said about its quorum (see ProcessGroup.configure).
         self._c10d_group_name: str | None = None
         self._global_ranks: list[int] | None = None
@@ -105,9 +108,18 @@ class ProcessGroupWrapper(ProcessGroup):
         self.abort(errored=False)
         # Cleared after the abort: aborting the old group may itself record an error.
         self._errored = None
-        store = create_store_client(store_addr, timeout=self._timeout)
+        self._abandoned.clear()  # an abandon meant for an earlier configure
+        store = create_store_client(store_addr, timeout=self._timeout, abandoned=self._abandoned)
         self._pg = self._create_pg(store, rank, world_size)
         self._aborted = False
+
+    def abandon_configure(self) -> None:
+        """See :meth:`ProcessGroup.abandon_configure` (passed on to an inner torchheal group)."""
+        pg = self._pg
+        if isinstance(pg, ProcessGroup):
+            pg.abandon_configure()
+        else:
+            self._abandoned.set()
 
     def abort(self, errored: bool = True) -> None:
         """Aborts and drops the inner group so anything blocked on it fails.

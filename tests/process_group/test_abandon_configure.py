@@ -1,0 +1,135 @@
+"""A configure whose quorum lost a member gives up its store connection at once, even when the
+lost member hosts the rendezvous store and is frozen (issue 9).
+
+A frozen host accepts connections (its kernel does) and never answers. c10d's store client then
+waits on its first reply until the connection is cut, and tries a cut connection again until its
+timeout (60 s here). ``manager.failfast`` both cuts it and calls ``abandon_configure``; these
+tests do the same from a thread of their own. The store host is a real TCPStore in a child
+process that stops itself.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+
+import pytest
+import torch
+from torch.distributed.distributed_c10d import ReduceOp
+
+from tests.process_group.helpers import frozen_store_host, new_store, stopped
+from torchheal.process_group import ProcessGroupGloo
+from torchheal.process_group.gloo_sockets import PairSockets
+from torchheal.process_group.store import StoreConnectAbandoned, create_store_client
+from torchheal.process_group.wrappers import ErrorSwallowingProcessGroupWrapper
+
+LONG = timedelta(seconds=60)  # the store's and the group's timeout: far beyond the bounds here
+BOUND_S = 15.0  # a connection that is tried again until the timeout fails this
+
+
+@contextmanager
+def frozen_host() -> Iterator[int]:
+    """The port of a TCPStore whose process is stopped."""
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    host = ctx.Process(target=frozen_store_host, args=(child,), daemon=True)
+    host.start()
+    try:
+        port = parent.recv()
+        while not stopped(host.pid):
+            parent.poll(0.01)  # a bounded pause: the host stops itself right after sending
+        yield port
+    finally:
+        os.kill(host.pid, signal.SIGKILL)
+        host.join(10)
+
+
+def give_up_while_connecting(
+    port: int, connect: Callable[[], object], abandon: Callable[[], None]
+) -> BaseException | None:
+    """Runs ``connect`` on a thread; once it waits on the frozen host, abandons it and cuts its
+    connection, again and again as ``manager.failfast`` does. Returns what ``connect`` raised."""
+    before = PairSockets.before()
+    outcome: list[BaseException | None] = []
+
+    def run() -> None:
+        try:
+            connect()
+            outcome.append(None)
+        except BaseException as e:
+            outcome.append(e)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(0.5)
+    assert thread.is_alive(), f"the connection ended before it was given up: {outcome}"
+    deadline = time.monotonic() + BOUND_S
+    while thread.is_alive():
+        assert time.monotonic() < deadline, (
+            f"still waiting for the frozen store host {BOUND_S}s after it was given up"
+        )
+        abandon()
+        PairSockets.to_port(before, port).cut()
+        thread.join(0.02)
+    (error,) = outcome
+    return error
+
+
+def test_a_connection_to_a_frozen_store_host_ends_once_abandoned() -> None:
+    abandoned = threading.Event()
+    with frozen_host() as port:
+        error = give_up_while_connecting(
+            port,
+            lambda: create_store_client(f"127.0.0.1:{port}/q", LONG, abandoned=abandoned),
+            abandoned.set,
+        )
+    assert isinstance(error, StoreConnectAbandoned), error
+    assert f"store at 127.0.0.1:{port} was abandoned" in str(error)
+
+
+def test_a_connection_made_keeps_its_timeout_whether_or_not_it_was_abandoned() -> None:
+    _store, addr = new_store()
+    abandoned = threading.Event()
+    abandoned.set()  # too late: the connection succeeds, and is kept
+    client = create_store_client(f"{addr}/q", LONG, abandoned=abandoned)
+    client.set("k", "v")
+    assert client.get("k") == b"v"
+    # Made in short attempts, it has the whole timeout for its operations (the rendezvous).
+    assert client.timeout == LONG
+
+
+@pytest.mark.parametrize("wrapped", [False, True], ids=["gloo", "wrapped"])
+def test_a_configure_on_a_frozen_store_host_ends_when_abandoned(wrapped: bool) -> None:
+    gloo = ProcessGroupGloo(timeout=LONG)
+    # A wrapper around a torchheal group passes the abandon on.
+    pg = ErrorSwallowingProcessGroupWrapper(gloo) if wrapped else gloo
+    with frozen_host() as port:
+        error = give_up_while_connecting(
+            port,
+            lambda: pg.configure(f"127.0.0.1:{port}/q1", "survivor", 0, 2),
+            pg.abandon_configure,
+        )
+    assert isinstance(error, StoreConnectAbandoned), error
+
+    # Nothing of it is left behind: the group is configured again, and works.
+    _store, addr = new_store()
+    pg.configure(f"{addr}/q2", "survivor", 0, 1)
+    t = torch.ones(3)
+    pg.allreduce([t], ReduceOp.SUM).wait()
+    assert t.tolist() == [1.0] * 3
+
+
+def test_abandoning_outside_a_configure_changes_nothing() -> None:
+    pg = ProcessGroupGloo(timeout=LONG)
+    pg.abandon_configure()  # no configure in progress (a late notice): the next one is whole
+    _store, addr = new_store()
+    pg.configure(f"{addr}/q1", "r", 0, 1)
+    t = torch.ones(2)
+    pg.allreduce([t], ReduceOp.SUM).wait()
+    assert t.tolist() == [1.0, 1.0]
