@@ -5,7 +5,7 @@ Each scenario is a few lines; ``=>`` separates a command from what it must produ
 ``world N``                                   a replica group of N ranks (first line).
 ``t=1.5 join R step=S remaining=X [shrink]``  rank R asks at time 1.5, waiting X seconds.
     ``=> wait r0``                            it now waits on round 0, which has not started;
-    ``=> start r0 by step=S timeout=X``       it completed round 0, started with that request.
+    ``=> start r0 by step=S timeout=X [shrink]`` it completed round 0; the group's request.
 ``leave R r0``                                rank R gave up on round 0 (its latest request).
     ``=> left`` / ``=> stays``                whether the request was taken out.
 ``waiting 0,1`` / ``waiting -``               the ranks counted in the open round.
@@ -28,9 +28,19 @@ SCENARIOS = {
     "last rank speaks for the group": """
         world 2
         t=0 join 0 step=3 remaining=10      => wait r0
-        t=1 join 1 step=4 remaining=6       => start r0 by step=4 timeout=6
+        t=1 join 1 step=3 remaining=6 shrink => start r0 by step=3 timeout=6 shrink
         waiting -
-        t=2 join 1 step=5 remaining=10      => wait r1
+        t=2 join 1 step=4 remaining=10      => wait r1
+    """,
+    "the group is at its lowest rank's step": """
+        world 3
+        # rank 1 healed to step 9, ranks 0 and 2 failed to: the whole group heals again
+        t=0 join 0 step=4 remaining=10      => wait r0
+        t=0 join 2 step=4 remaining=10      => wait r0
+        t=1 join 1 step=9 remaining=6       => start r0 by step=4 timeout=6
+        t=2 join 1 step=9 remaining=10      => wait r1
+        t=2 join 2 step=4 remaining=10      => wait r1
+        t=2 join 0 step=9 remaining=10      => start r1 by step=4 timeout=10
     """,
     "a rank asking again replaces its request": """
         world 2
@@ -118,6 +128,7 @@ def _run(script: str) -> None:
                 assert start is not None and start.round_id == int(want[1][1:]), where
                 assert start.member.step == int(kv_want["step"]), where
                 assert start.timeout_s == float(kv_want["timeout"]), where
+                assert start.member.shrink_only == ("shrink" in want), where
         elif words[0] == "leave":
             assert round_ is not None
             rank = int(words[1])

@@ -3,7 +3,8 @@
     python -m tests.failfast.worker --group G --incarnation I --groups N --lighthouse URL \
         --target-file F --out OUT [--impl torchheal|torchft] \
         [--hold-after N] [--die-after N] [--die-before-reducing N] [--die-at-join] \
-        [--fail-reduce N] [--hold-reduced N] [--hold-in-heal] [--ballast-mb M] [--timeout S] \
+        [--fail-reduce N] [--hold-reduced N] [--hold-in-heal] [--fail-heal] [--ballast-mb M] \
+        [--timeout S] \
         [--host ADDR] [--salvage] [--device cpu|cuda] [--rank R --ranks K --store-port P]
 
 With ``--ranks K`` (K > 1) the process is rank R of a group of K ranks, each its own process,
@@ -46,6 +47,9 @@ before a SIGKILL are still read):
   a line arrives on its stdin; the test freezes it there, its source's send part way through.
   ``--ballast-mb M`` adds M MiB to every group's state (a tensor the heal carries and nothing
   trains), so that a stream outgrows the socket buffers.
+* ``heal-failing``: (``--fail-heal``, torchheal only) the first heal of this process fails: its
+  receive of the source's state raises a connection reset before it reads a byte (the source's
+  host went away, say). With ``--ranks K`` the other ranks of the group heal as usual.
 * ``step``: one iteration ended: ``before``/``after`` step, ``committed`` (what the vote
   decided: a heal moves the step counter before its step is voted on), and the ``reduce``
   record of the attempt (None when the step failed before reducing).
@@ -164,6 +168,25 @@ def hold_in_heal(group: int) -> None:
     _http_fetch.read_segments = read_segments
 
 
+def fail_heal(group: int) -> None:
+    """The first heal's receive raises a connection reset before it reads (see ``hold_in_heal``
+    for where)."""
+    from torchheal.checkpointing import _http_fetch
+
+    real = _http_fetch.read_segments
+    failed = False
+
+    def read_segments(*a: Any, **k: Any) -> Any:
+        nonlocal failed
+        if not failed:
+            failed = True
+            emit("heal-failing", group=group)
+            raise ConnectionResetError("injected: the source's connection was reset")
+        return real(*a, **k)
+
+    _http_fetch.read_segments = read_segments
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--impl", choices=["torchheal", "torchft"], default="torchheal")
@@ -183,6 +206,7 @@ def main() -> None:
     p.add_argument("--fail-reduce", type=int, default=-1, help="full commits, then fail a reduce")
     p.add_argument("--hold-reduced", type=int, default=-1, help="full commits, then hold reduced")
     p.add_argument("--hold-in-heal", action="store_true", help="hold part way into a heal")
+    p.add_argument("--fail-heal", action="store_true", help="the first heal's receive fails")
     p.add_argument("--ballast-mb", type=int, default=0, help="MiB of untrained state")
     p.add_argument("--host", default="127.0.0.1", help="address of this group's store")
     p.add_argument("--salvage", action="store_true", help="Manager(salvage_step=True)")
@@ -226,6 +250,8 @@ def main() -> None:
 
     if first and args.hold_in_heal:
         hold_in_heal(args.group)
+    if args.fail_heal:
+        fail_heal(args.group)
     manager = ft.Manager(
         pg=pg,
         load_state_dict=load_state_dict,

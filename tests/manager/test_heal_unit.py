@@ -213,3 +213,40 @@ def test_a_heal_torn_part_way_fails_every_step_until_a_heal_succeeds() -> None:
     heal.apply()
     heal.check_torn()
     assert not heal.torn and host.errors == [] and loaded == ["weights"]
+
+
+def test_a_failed_heal_votes_on_the_step_its_group_healed_to_until_it_gets_there() -> None:
+    # A group of several ranks: this rank's receive failed, the others' may have succeeded.
+    host, loaded = _Host(step=3), []
+    heal, _ = _heal(host, loaded)
+    future: Future[Transfer] = Future()
+    future.set_result(Transfer(None, [ConnectionResetError("reset")]))
+    heal.take_outcome(_outcome(healing=True, max_step=7, transfer=future))
+    heal.settle()
+    assert host.counters["step"] == 3 and len(host.errors) == 1
+    assert heal.vote_step(3) == 7  # the step its group healed to, not its own
+    # The next step's quorum failed (no heal): its vote stays at 7, a retry of that step.
+    heal.begin()
+    assert heal.vote_step(3) == 7
+    # A heal that succeeds brings the counters there; from then on they alone count.
+    heal.take_outcome(_outcome(healing=True, max_step=9, received=_received()))
+    heal.apply()
+    assert host.counters["step"] == 9 and heal.vote_step(9) == 9
+    assert heal.vote_step(2) == 2  # a later rollback of the counters is the user's
+
+
+def test_a_heal_that_succeeds_votes_on_its_counters() -> None:
+    host, loaded = _Host(step=3), []
+    heal, _ = _heal(host, loaded)
+    heal.take_outcome(_outcome(healing=True, max_step=7, received=_received()))
+    heal.apply()
+    assert heal.vote_step(host.counters["step"]) == 7
+    assert heal.vote_step(8) == 8
+
+
+def test_a_failed_load_votes_on_the_step_its_group_healed_to() -> None:
+    host, loaded = _Host(step=3), []
+    heal, _ = _heal(host, loaded)
+    heal.take_outcome(_outcome(healing=True, max_step=7, received=_received("broken")))
+    heal.apply()
+    assert host.counters["step"] == 3 and heal.vote_step(3) == 7

@@ -8,7 +8,11 @@ live here, free of gRPC, threads and clocks (``now`` is passed in, in seconds):
 * a rank whose deadline has passed no longer counts, even if its cancellation has not
   arrived yet (counting it would start a round without the request that replaces it);
 * the round starts when every rank of the group is in; the *last* rank to arrive speaks for
-  the group (its step, ``shrink_only`` and ``commit_failures``), as in the reference;
+  the group (its ``shrink_only`` and ``commit_failures``), as in the reference, but the group's
+  step is its lowest rank's. The ranks of a group share their step, except after a heal that
+  failed on some ranks only: the reference would then let whichever rank came last decide
+  whether the group heals (and may send a rank's stale state to a healer); here the group
+  heals again, every rank of it;
 * a rank that leaves (its call was cancelled) before the round started is taken out, so its
   stale request cannot complete a later round on its own;
 * :class:`RetryPolicy` says, after a failed lighthouse attempt, whether to try again and after
@@ -20,6 +24,7 @@ answers to these objects and delivers what they decide.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from torchheal.coordination.types import QuorumMember
@@ -33,7 +38,8 @@ class RoundStart:
 
     Args:
         round_id: the round that started (the one its ranks waited on).
-        member: the group's request, as the last rank to arrive made it.
+        member: the group's request, as the last rank to arrive made it, at the lowest step of
+            the group's ranks.
         timeout_s: that rank's remaining time, which bounds the lighthouse request.
     """
 
@@ -126,6 +132,9 @@ class QuorumRound:
         self._requests[group_rank] = _Request(member, now + remaining)
         if len(self._requests) < self._world_size:
             return Joined(self._round_id)
+        lowest = min(request.member.step for request in self._requests.values())
+        if lowest < member.step:
+            member = dataclasses.replace(member, step=lowest)
         start = RoundStart(self._round_id, member, remaining)
         self._requests = {}
         self._round_id += 1

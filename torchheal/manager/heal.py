@@ -109,6 +109,9 @@ class HealStep:
         #: A receive into this replica's own tensors failed part way: they hold a mix of old
         #: and unverified bytes until a heal succeeds.
         self.torn = False
+        #: The step of a heal this replica was part of and its counters have not reached yet
+        #: (its receive or load failed): its votes are not below it (see :meth:`vote_step`).
+        self.heal_target = 0
 
     def drain(self) -> None:
         """Training thread, step start: the last step's transfer (its should_commit never
@@ -166,6 +169,7 @@ class HealStep:
         if not outcome.healing:
             return
         self.healing = True
+        self.heal_target = max(self.heal_target, outcome.quorum.max_step)
         if outcome.received is not None:
             # The manager's own counters are restored now, as the reference does; the user
             # state waits for the training thread.
@@ -183,6 +187,20 @@ class HealStep:
         self._host.load_state_dict(received["torchft"])
         # The quorum's step, whatever step the sender's counters were captured at.
         self._host.load_state_dict({**self._host.state_dict(), "step": max_step})
+
+    def vote_step(self, step: int) -> int:
+        """The step this replica votes on, at ``step`` by its counters.
+
+        A heal that failed here leaves the counters at the step they had, while the group's
+        other ranks may have healed to the quorum's step. Every rank of the group votes on that
+        step then (a vote for another step than its peers' would be refused as stale), and on no
+        lower one after it, until a heal or commits bring the counters there: the step fails,
+        and the group, seen at its lowest rank's step, heals again.
+        """
+        if step >= self.heal_target:
+            self.heal_target = 0  # reached: a later rollback of the counters is the user's
+            return step
+        return self.heal_target
 
     def settle(self) -> None:
         """Training thread: waits for the transfer that ran beside the step's collectives.

@@ -583,8 +583,11 @@ class Manager:
             # A "no" that a redo would cure says so, and the group redoes the step only when
             # every rank's "no" does (a group of one rank: when its own does).
             salvageable = not local and self._salvageable()
+            vote_step = self._heal.vote_step(self._step)
+            if vote_step != self._step and local:
+                local = False  # this rank's heal failed (its error should already say so)
             decision, redo = self._endpoints.vote(
-                self._group_rank, self._step, local, timeout or self._timeout, salvageable
+                self._group_rank, vote_step, local, timeout or self._timeout, salvageable
             )
             if not redo or self._salvaged:
                 break
