@@ -125,6 +125,18 @@ def main() -> None:
         return reduce(tensor, *a, **k)
 
     manager.allreduce = allreduce
+    # What the step's vote decided. Not the step counter's move: a heal loads the source's step
+    # before its heal step is voted on, so a heal step that fails (a vote overruled after a
+    # stall, say) still moves the counter.
+    decisions: list[bool] = []
+    vote = manager.should_commit
+
+    def should_commit(*a: Any, **k: Any) -> bool:
+        decision = vote(*a, **k)
+        decisions.append(decision)
+        return decision
+
+    manager.should_commit = should_commit
     ddp = ft.DistributedDataParallel(manager, model)
     optimizer = ft.Optimizer(manager, inner)
 
@@ -141,6 +153,7 @@ def main() -> None:
             break
         attempt.clear()
         answered.clear()
+        decisions.clear()
         optimizer.zero_grad()
         x, y = batch(group, rank, manager.current_step())
         nn.functional.mse_loss(ddp(x), y).backward()
@@ -149,7 +162,7 @@ def main() -> None:
         optimizer.step()
         after = manager.current_step()
         record = attempt.get("reduce")
-        committed = after > step
+        committed = bool(decisions) and decisions[-1]
         last_full = bool(
             committed and record and record["participating"] and record["divisor"] == groups
         )
