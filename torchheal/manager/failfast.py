@@ -16,9 +16,10 @@ notice cuts the build's connection to the rendezvous store, so the build fails a
 it the step). The lost group may host that store, frozen: it accepts connections and never
 answers, and c10d's store client tries a cut connection again until its timeout. So the notice
 also tells the process group to give up its store connection (``abandon_configure``). A notice
-that came before the build starts fails it before it begins, and one that the build outran aborts the group as soon as it is adopted. Every rank of every surviving group
-is told, so each rank's group for that quorum ends one of these three ways and none is left
-waiting in a rendezvous for a rank that gave up on it.
+that came before the build starts fails it before it begins, and one that the build outran
+aborts the group as soon as it is adopted. Every rank of every surviving group is told, so each
+rank's group for that quorum ends one of these three ways and none is left waiting in a
+rendezvous for a rank that gave up on it.
 """
 
 from __future__ import annotations
