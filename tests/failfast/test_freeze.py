@@ -25,6 +25,12 @@ failure, as one does whose connection was cut just after the last byte). The pee
 frozen group until its heartbeat expires (the join timeout is the reference's 60 s), then redo
 the step without it. Woken, the frozen group holds a complete allreduce and would vote yes: it
 must not commit that step, which its peers committed another way (``standing.py``), but heal.
+
+The third freezes the group that hosts the rendezvous store of the quorum being built: g0 stops
+itself as a killed group rejoins, right after that quorum is answered (the worker's
+``--stop-at-rejoin``), and g0, the first up-to-date group, hosts its store. A frozen host accepts
+connections and never answers, so the others' builds would wait for the store's timeout. They
+must go on without it once the lighthouse drops it.
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ import pytest
 from tests.cluster import lighthouse, url
 from tests.failfast.job import Event, Job
 from tests.failfast.replay import assert_identical, assert_replayed, history
-from tests.failfast.test_kill import START_BOUND_S, all_together
+from tests.failfast.test_kill import START_BOUND_S, all_together, survivors_go_on
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -174,6 +180,63 @@ def test_a_group_frozen_before_its_vote_never_commits_the_step_its_peers_redid(
             assert Job.healed_first(job.events, VICTIM, since=woken_at), (
                 f"g{VICTIM} trained after waking before it healed:\n" + job.describe()
             )
+            states = job.finish()
+            assert_identical(states)
+            assert_replayed(states[0], history(job.events), exact=False)
+        finally:
+            job.close()
+
+
+#: The workers' collective and store timeout in the store-host test: a build that waits for
+#: the frozen store host until this timeout fails the bound below.
+STORE_TIMEOUT_S = 20.0
+#: From the host's freeze to a survivor's commit in a quorum without it: its heartbeat timeout
+#: (2 s), then a quorum and a build. (The rejoining group, which was to heal from the frozen
+#: host, gives up its metadata request at the notice: waiting out its connect timeout, 10 s,
+#: would fail this too, since the survivor's next quorum waits for it.)
+STORE_HOST_BOUND_S = 8.0
+
+
+def test_a_frozen_store_host_holds_the_others_build_only_until_it_is_dropped(
+    tmp_path: Path,
+) -> None:
+    host, victim, survivor = 0, 1, 2
+    with lighthouse(
+        min_replicas=1, join_timeout_ms=100, quorum_tick_ms=100, heartbeat_timeout_ms=2_000
+    ) as lh:
+        job = Job(tmp_path, url(lh), GROUPS, timeout_s=STORE_TIMEOUT_S)
+        try:
+            job.start(host, "--stop-at-rejoin")
+            for g in (victim, survivor):
+                job.start(g)
+            all_together(job, min_commits=3)
+            killed = job.kill(victim)
+            survivors_go_on(job, victim, since=killed)
+            job.start(victim)
+            stopping = job.wait_for(
+                f"g{host} to stop itself as g{victim} rejoins",
+                lambda events: next((e for e in events if e["kind"] == "stopping"), None),
+                START_BOUND_S,
+            )
+
+            def without_the_host(events: list[Event]) -> Event | None:
+                return next(
+                    (
+                        e
+                        for e in Job.commits(events, survivor, since=stopping["time"])
+                        if e["reduce"]["quorum_id"] > stopping["quorum_id"]
+                    ),
+                    None,
+                )
+
+            went_on = job.wait_for(
+                f"g{survivor} to commit in a quorum without the frozen store host",
+                without_the_host,
+                STORE_HOST_BOUND_S,
+            )
+            assert went_on["reduce"]["divisor"] < GROUPS, went_on
+            job.signal(host, signal.SIGCONT)
+            all_together(job, min_commits=3, since=went_on["time"])
             states = job.finish()
             assert_identical(states)
             assert_replayed(states[0], history(job.events), exact=False)

@@ -3,7 +3,8 @@
     python -m tests.failfast.worker --group G --incarnation I --groups N --lighthouse URL \
         --target-file F --out OUT [--impl torchheal|torchft] \
         [--hold-after N] [--die-after N] [--die-before-reducing N] [--die-at-join] \
-        [--fail-reduce N] [--hold-reduced N] [--hold-in-heal] [--fail-heal] [--ballast-mb M] \
+        [--fail-reduce N] [--hold-reduced N] [--hold-in-heal] [--fail-heal] [--stop-at-rejoin] \
+        [--ballast-mb M] \
         [--timeout S] \
         [--host ADDR] [--salvage] [--device cpu|cuda] [--rank R --ranks K --store-port P]
 
@@ -47,6 +48,9 @@ before a SIGKILL are still read):
   a line arrives on its stdin; the test freezes it there, its source's send part way through.
   ``--ballast-mb M`` adds M MiB to every group's state (a tensor the heal carries and nothing
   trains), so that a stream outgrows the socket buffers.
+* ``stopping``: (``--stop-at-rejoin``, torchheal only) a quorum of every group was just answered
+  after one of fewer (a lost group is back); the group SIGSTOPs itself now, before it builds the
+  process group for that quorum. The test SIGCONTs it.
 * ``heal-failing``: (``--fail-heal``, torchheal only) the first heal of this process fails: its
   receive of the source's state raises a connection reset before it reads a byte (the source's
   host went away, say). With ``--ranks K`` the other ranks of the group heal as usual.
@@ -139,6 +143,34 @@ def die_at_join(group: int, groups: int) -> None:
     timeline.addHandler(Die())
 
 
+def stop_at_rejoin(group: int, groups: int) -> None:
+    """SIGSTOPs this process once it is answered a quorum of all ``groups`` groups after one
+    of fewer that followed a full one: a lost group came back, and this one freezes before it builds the process group
+    for that quorum (the others build theirs on the store of the quorum's first up-to-date
+    group, which this one may be). Like ``die_at_join``, on ``quorum.end``."""
+    full = shrunk = False  # (the groups' start, before the first full quorum, is no loss)
+
+    class Stop(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            nonlocal full, shrunk
+            fields = getattr(record, "fields", {})
+            if getattr(record, "phase", None) != "quorum.end":
+                return
+            if fields.get("replicas") != groups:
+                shrunk = full
+            elif not shrunk:
+                full = True
+            elif fields.get("quorum_id") != fields.get("current"):
+                full = shrunk = False
+                emit("stopping", group=group, quorum_id=fields["quorum_id"])
+                os.kill(os.getpid(), signal.SIGSTOP)
+
+    timeline = logging.getLogger("torchheal.timeline")
+    timeline.setLevel(logging.DEBUG)
+    timeline.propagate = False
+    timeline.addHandler(Stop())
+
+
 def hold_in_heal(group: int) -> None:
     """The first heal's receive stops reading after its first MiB until a line arrives on stdin.
 
@@ -207,6 +239,7 @@ def main() -> None:
     p.add_argument("--hold-reduced", type=int, default=-1, help="full commits, then hold reduced")
     p.add_argument("--hold-in-heal", action="store_true", help="hold part way into a heal")
     p.add_argument("--fail-heal", action="store_true", help="the first heal's receive fails")
+    p.add_argument("--stop-at-rejoin", action="store_true", help="SIGSTOP when a group rejoins")
     p.add_argument("--ballast-mb", type=int, default=0, help="MiB of untrained state")
     p.add_argument("--host", default="127.0.0.1", help="address of this group's store")
     p.add_argument("--salvage", action="store_true", help="Manager(salvage_step=True)")
@@ -271,6 +304,8 @@ def main() -> None:
     emit("ready", group=args.group, inc=args.incarnation, pid=os.getpid())
     if first and args.die_at_join:
         die_at_join(args.group, args.groups)
+    if args.stop_at_rejoin:
+        stop_at_rejoin(args.group, args.groups)
 
     attempt: dict[str, Any] = {}
     full_commits = 0

@@ -18,7 +18,7 @@ from torchheal.coordination.plan import Participation, WorldSizeMode
 from torchheal.coordination.types import QuorumResult
 from torchheal.manager.log import ManagerLogger
 from torchheal.manager.quorum_worker import QuorumWorker, StepRequest
-from torchheal.manager.recovery import Recovery
+from torchheal.manager.recovery import Recovery, SourceLostError, metadata_over_grpc
 from torchheal.manager.settings import ManagerSettings
 from torchheal.manager.state import StateRegistry
 from torchheal.manager.step import ExceptionWithTraceback, StepLedger
@@ -262,6 +262,81 @@ def test_a_receive_from_a_source_the_lighthouse_says_is_lost_ends_at_once() -> N
         source.close()
         healer.join(timeout.total_seconds())
         transport.shutdown()
+
+
+class _SilentServer:
+    """A source's manager server whose host froze: its kernel accepts, nothing answers."""
+
+    def __init__(self) -> None:
+        self._sock = socket.create_server(("127.0.0.1", 0))
+        self.address = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
+
+    def close(self) -> None:
+        self._sock.close()
+
+
+def test_a_heal_whose_source_the_lighthouse_says_is_lost_gives_up_its_metadata_request() -> None:
+    """The source froze before it answered the heal's metadata request (the real gRPC
+    request, with the reference's 60 s connect timeout): the request ends at the notice. A heal
+    from a source the lighthouse already said was lost ends at once."""
+    timeout = timedelta(seconds=60)
+    network: dict[tuple[str, int], bytes] = {}
+    grpc_fetch = metadata_over_grpc(timeout)
+    asked: list[str] = []
+
+    def fetch(address: str, rank: int, timeout: timedelta, cancelled: Any = None) -> str:
+        asked.append(address)
+        if address == source.address:
+            return grpc_fetch(address, rank, timeout, cancelled)
+        return "sender"  # the in-memory source of the later heal below
+
+    lines: list[str] = []
+    recovery = Recovery(
+        MemoryTransport(network, "healer"), fetch, group_rank=0, timeout=timeout, log=lines.append
+    )
+    source = _SilentServer()
+    quorum = _quorum(
+        heal=True,
+        quorum_id=7,
+        recover_src_replica_rank=0,
+        recover_src_manager_address=source.address,
+        replica_ids=["g0:source", "g1:healer"],
+    )
+    failed: list[BaseException] = []
+
+    def receive() -> None:
+        try:
+            recovery.receive(quorum)
+        except BaseException as e:
+            failed.append(e)
+
+    healer = threading.Thread(target=receive)
+    try:
+        healer.start()
+        healer.join(0.5)
+        assert healer.is_alive(), f"the request ended before the notice: {failed}"
+        recovery.on_member_lost("g0:source", 7, "heartbeat expired")
+        healer.join(timeout.total_seconds() / 4)
+        assert not healer.is_alive(), "the metadata request waited for its connect timeout"
+        assert len(failed) == 1 and isinstance(failed[0], SourceLostError), failed
+        assert "given up: the lighthouse says its group is lost" in str(failed[0])
+        # The same source again, in the same quorum: given up before it is asked.
+        with pytest.raises(SourceLostError, match="already lost"):
+            recovery.receive(quorum)
+        assert asked == [source.address]
+        # A later quorum may name it again (it was frozen and came back): that heal goes on.
+        MemoryTransport(network, "sender").send_checkpoint([1], 5, {"user": {}, "torchft": {}}, S)
+        later = _quorum(
+            heal=True,
+            quorum_id=8,
+            recover_src_replica_rank=0,
+            recover_src_manager_address="back",
+            replica_ids=["g0:source", "g1:healer"],
+        )
+        assert recovery.receive(later) == {"user": {}, "torchft": {}}
+    finally:
+        source.close()
+        healer.join(timeout.total_seconds())
 
 
 class _InPlaceMemory(MemoryTransport):

@@ -13,9 +13,10 @@ in-memory transport and no servers; :func:`metadata_over_grpc` is the real one.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -29,10 +30,16 @@ from torchheal.coordination.rpc.channels import aio_connect, serialize
 from torchheal.coordination.rpc.errors import rpc_error_to_exception
 from torchheal.coordination.types import QuorumResult
 
-__all__ = ["MetadataFetcher", "Recovery", "metadata_over_grpc"]
+__all__ = ["MetadataFetcher", "Recovery", "SourceLostError", "metadata_over_grpc"]
 
 #: ``(source manager address, this group rank, timeout) -> the source's transport metadata``.
+#: A fetcher that also takes ``cancelled`` (a ``threading.Event``) gives the request up once it
+#: is set: the lighthouse said the source is gone.
 MetadataFetcher = Callable[[str, int, timedelta], str]
+
+
+class SourceLostError(RuntimeError):
+    """The source of a heal was lost while its metadata was being fetched."""
 
 
 def metadata_over_grpc(connect_timeout: timedelta) -> MetadataFetcher:
@@ -47,10 +54,41 @@ def metadata_over_grpc(connect_timeout: timedelta) -> MetadataFetcher:
         connect_timeout: how long to try to reach the source's server.
     """
 
-    def fetch(address: str, group_rank: int, timeout: timedelta) -> str:
-        return asyncio.run(_fetch_metadata(address, group_rank, timeout, connect_timeout))
+    def fetch(
+        address: str,
+        group_rank: int,
+        timeout: timedelta,
+        cancelled: threading.Event | None = None,
+    ) -> str:
+        request = _fetch_metadata(address, group_rank, timeout, connect_timeout)
+        if cancelled is None:
+            return asyncio.run(request)
+        return asyncio.run(_unless(request, cancelled, address))
 
     return fetch
+
+
+#: How often a metadata request looks whether it was given up.
+_CANCEL_POLL_S = 0.02
+#: Lost groups a Recovery remembers (a notice may come before the heal from that group).
+_REMEMBERED_LOST = 16
+
+
+async def _unless(request: Any, cancelled: threading.Event, address: str) -> str:
+    """Awaits ``request`` unless ``cancelled`` is set first. A source that froze accepts the
+    connection and never answers, so its request would last the connect timeout."""
+    task = asyncio.ensure_future(request)
+    while not task.done():
+        if cancelled.is_set():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+            raise SourceLostError(
+                f"the metadata request to {address} was given up: the lighthouse says its "
+                "group is lost"
+            )
+        await asyncio.wait({task}, timeout=_CANCEL_POLL_S)
+    return task.result()
 
 
 async def _fetch_metadata(
@@ -76,12 +114,12 @@ async def _fetch_metadata(
         await channel.close()
 
 
-def _takes_into(method: Callable[..., Any]) -> bool:
+def _takes(method: Callable[..., Any], name: str) -> bool:
     try:
         params = inspect.signature(method).parameters.values()
     except (TypeError, ValueError):  # pragma: no cover - a builtin without a signature
         return False
-    return any(p.name == "into" or p.kind is p.VAR_KEYWORD for p in params)
+    return any(p.name == name or p.kind is p.VAR_KEYWORD for p in params)
 
 
 class Recovery:
@@ -107,16 +145,21 @@ class Recovery:
         self._transport = transport
         # Receiving into this replica's own tensors needs a transport that says it can, and
         # whose recv_checkpoint (a subclass may override it) takes ``into``.
-        self._in_place = getattr(transport, "receives_in_place", False) is True and _takes_into(
-            transport.recv_checkpoint
+        self._in_place = getattr(transport, "receives_in_place", False) is True and _takes(
+            transport.recv_checkpoint, "into"
         )
         self._fetch_metadata = fetch_metadata
+        self._cancellable = _takes(fetch_metadata, "cancelled")
         self._group_rank = group_rank
         self._timeout = timeout
         self._log = log
         self._lock = threading.Lock()
-        # The receive in flight: its quorum's id and its source's replica id.
-        self._receiving: tuple[int, str] | None = None
+        # The heal in flight (its metadata request, then its receive): its quorum's id, its
+        # source's replica id, and what is set when the lighthouse says that source is lost.
+        self._receiving: tuple[int, str, threading.Event] | None = None
+        # The last groups the lighthouse said were lost, with the latest quorum they were lost
+        # from: a heal from one of them that starts after the notice is given up at once.
+        self._lost: dict[str, int] = {}
 
     def send(self, quorum: QuorumResult, state: dict[str, Any]) -> None:
         """Serves ``state`` to the replica ranks ``quorum`` assigned to this replica.
@@ -139,16 +182,41 @@ class Recovery:
 
         Raises:
             RuntimeError: the quorum names no source.
+            SourceLostError: the lighthouse said the source is lost before it answered.
             Exception: whatever the metadata request raised.
         """
-        if quorum.recover_src_replica_rank is None:
-            raise RuntimeError("quorum says heal but names no source replica rank")
+        with self._healing_from(quorum) as lost:
+            return self._fetch(quorum, lost)
+
+    def _fetch(self, quorum: QuorumResult, lost: threading.Event) -> str:
+        address = quorum.recover_src_manager_address
+        if lost.is_set():
+            raise SourceLostError(f"the source of this heal ({address}) is already lost")
         mark("metadata.begin")
-        metadata = self._fetch_metadata(
-            quorum.recover_src_manager_address, self._group_rank, self._timeout
-        )
+        extra = {"cancelled": lost} if self._cancellable else {}
+        metadata = self._fetch_metadata(address, self._group_rank, self._timeout, **extra)
         mark("metadata.end")
         return metadata
+
+    @contextlib.contextmanager
+    def _healing_from(self, quorum: QuorumResult) -> Iterator[threading.Event]:
+        """Registers the heal from ``quorum``'s source for :meth:`on_member_lost`."""
+        source = quorum.recover_src_replica_rank
+        if source is None:
+            raise RuntimeError("quorum says heal but names no source replica rank")
+        ids = quorum.replica_ids
+        lost = threading.Event()
+        with self._lock:
+            before = self._receiving
+            if source < len(ids):
+                self._receiving = (quorum.quorum_id, ids[source], lost)
+                if self._lost.get(ids[source], -1) >= quorum.quorum_id:
+                    lost.set()  # the notice came first
+        try:
+            yield lost
+        finally:
+            with self._lock:
+                self._receiving = before
 
     def receive(
         self, quorum: QuorumResult, metadata: str | None = None, into: Any = None
@@ -173,13 +241,12 @@ class Recovery:
             raise RuntimeError("quorum says heal but names no source replica rank")
         address = quorum.recover_src_manager_address
         self._log(f"healing to step {quorum.max_step} from replica rank {source} ({address})")
-        if metadata is None:
-            metadata = self.fetch_metadata(quorum)
         extra = {"into": into} if into is not None and self._in_place else {}
-        ids = quorum.replica_ids
-        with self._lock:
-            self._receiving = (quorum.quorum_id, ids[source]) if source < len(ids) else None
-        try:
+        with self._healing_from(quorum) as lost:
+            if metadata is None:
+                metadata = self._fetch(quorum, lost)
+            if lost.is_set():
+                raise SourceLostError(f"the source of this heal ({address}) is lost")
             received = self._transport.recv_checkpoint(
                 src_rank=source,
                 metadata=metadata,
@@ -187,16 +254,14 @@ class Recovery:
                 timeout=self._timeout,
                 **extra,
             )
-        finally:
-            with self._lock:
-                self._receiving = None
         if not isinstance(received, dict) or not {"user", "torchft"} <= received.keys():
             raise RuntimeError("received checkpoint lacks the 'user'/'torchft' sections")
         return received
 
     def on_member_lost(self, replica_id: str, quorum_id: int, reason: str) -> None:
-        """The lighthouse says ``replica_id`` of quorum ``quorum_id`` is gone: a receive from
-        it (in that quorum or an earlier one) ends now instead of at its timeout.
+        """The lighthouse says ``replica_id`` of quorum ``quorum_id`` is gone: a heal from it
+        (in that quorum or an earlier one) ends now instead of at its timeout, its metadata
+        request or its receive, and one that starts later ends at once.
 
         Args:
             replica_id: the lost group.
@@ -204,10 +269,14 @@ class Recovery:
             reason: why (for the log).
         """
         with self._lock:
+            self._lost[replica_id] = max(quorum_id, self._lost.get(replica_id, -1))
+            while len(self._lost) > _REMEMBERED_LOST:
+                del self._lost[next(iter(self._lost))]
             receiving = self._receiving
         if receiving is None or receiving[1] != replica_id or receiving[0] > quorum_id:
             return
         self._log(
             f"the source of this heal, {replica_id}, is lost ({reason}): aborting the receive"
         )
+        receiving[2].set()
         self._transport.abort_receives()
