@@ -102,6 +102,40 @@ def test_notice_during_the_build_abandons_the_rendezvous() -> None:
     assert t.tolist() == [1.0, 1.0]
 
 
+def test_a_group_dropped_from_the_quorum_it_builds_abandons_the_build_and_nothing_else() -> None:
+    # Woken after a freeze, a group builds a quorum its peers left when the lighthouse dropped
+    # it: it hears that it was dropped, and stops waiting for them in the rendezvous.
+    store, addr = new_store()
+    job = Job()
+    job.connect(2, ["me"])  # a group in use, which being dropped from quorum 3 leaves alone
+    outcome: list[BaseException | None] = []
+
+    def build() -> None:
+        try:
+            with job.connected.building(3, ["me", "peer"], store.port):
+                job.pg.configure(f"{addr}/q3", "me", 0, 2)  # the peer left: never publishes
+            outcome.append(None)
+        except BaseException as e:
+            outcome.append(e)
+
+    keys = store.num_keys()
+    builder = threading.Thread(target=build, daemon=True)
+    builder.start()
+    deadline = time.monotonic() + BOUND_S
+    while store.num_keys() == keys:
+        assert time.monotonic() < deadline, "the build never reached the rendezvous"
+        time.sleep(0.01)
+    job.connected.on_dropped("me", 2, "heartbeat expired")  # not the quorum being built
+    builder.join(0.5)
+    assert builder.is_alive(), f"a drop from another quorum ended the build: {outcome}"
+    job.connected.on_dropped("me", 3, "heartbeat expired")
+    builder.join(BOUND_S)
+    assert not builder.is_alive(), "the build waited for peers that left"
+    assert isinstance(outcome[0], MemberLostError), outcome
+    assert "me of quorum 3 was lost while its process group was being built" in str(outcome[0])
+    assert job.aborts == 0
+
+
 def test_notice_during_the_build_ends_it_when_the_lost_group_hosts_a_frozen_store() -> None:
     # A frozen store host accepts and never answers; c10d's client would retry its connection
     # for the whole 60 s, cut or not: the notice abandons the configure too.

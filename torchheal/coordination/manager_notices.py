@@ -24,7 +24,7 @@ class NoticeFanout:
     """Who hears a group's lost-member notices: watching ranks and in-process listeners.
 
     Args:
-        replica_id: this group's full id (notices about itself are not passed on).
+        replica_id: this group's full id (a notice about itself says it was dropped).
         log_prefix: prefixes log lines (``[Replica name]``).
     """
 
@@ -42,20 +42,27 @@ class NoticeFanout:
         """The lighthouse says a group of quorum ``lost.quorum_id`` is gone: tell every rank."""
         if lost.replica_id == self._replica_id:
             # About ourselves: the lighthouse dropped this group (it was frozen past its
-            # heartbeat timeout), and the link made it a doubt of the vote (standing.py). The
-            # ranks are not told: an abort of our own group once woken, from this loop, could
-            # block it for the collective's timeout when Gloo has not seen the peers' cut.
-            return
-        # A group that said goodbye finished its job (INFO, as the lighthouse logs it); one that
-        # vanished is a failure (WARNING).
-        logger.log(
-            logging.INFO if lost.reason.startswith("left") else logging.WARNING,
-            "%s lighthouse: replica %s of quorum %d is lost (%s)",
-            self._prefix,
-            lost.replica_id,
-            lost.quorum_id,
-            lost.reason,
-        )
+            # heartbeat timeout); the link made it a doubt of the vote (standing.py). The ranks
+            # are told too, and only abandon a build of that quorum (their peers abandoned it):
+            # an abort of our own group once woken could block for the collective's timeout
+            # when Gloo has not seen the peers' cut.
+            logger.warning(
+                "%s lighthouse: this group was dropped from quorum %d (%s)",
+                self._prefix,
+                lost.quorum_id,
+                lost.reason,
+            )
+        else:
+            # A group that said goodbye finished its job (INFO, as the lighthouse logs it); one
+            # that vanished is a failure (WARNING).
+            logger.log(
+                logging.INFO if lost.reason.startswith("left") else logging.WARNING,
+                "%s lighthouse: replica %s of quorum %d is lost (%s)",
+                self._prefix,
+                lost.replica_id,
+                lost.quorum_id,
+                lost.reason,
+            )
         notice = spb.Notice(lost=lost).SerializeToString()
         for queue in list(self._watchers):
             queue.put_nowait(notice)

@@ -234,6 +234,30 @@ class ConnectedQuorum:
             return
         self._abort(replica_id, quorum_id, reason)
 
+    def on_dropped(self, replica_id: str, quorum_id: int, reason: str) -> None:
+        """The lighthouse dropped this group from quorum ``quorum_id`` (it was frozen past its
+        heartbeat timeout): a build for that quorum is abandoned, as its peers abandoned it.
+
+        Nothing else is aborted: once woken, a collective of ours may wait on peers whose cut
+        Gloo has not seen, and its abort would block; the vote's fence (``standing.py``) keeps
+        such a step from committing.
+
+        Args:
+            replica_id: this group's full id.
+            quorum_id: the quorum it was dropped from.
+            reason: why (for the log).
+        """
+        with self._lock:
+            build = self._build
+            if build is None or build.quorum_id != quorum_id or build.lost is not None:
+                return
+            build.lost = replica_id
+        self._log.warning(
+            f"this group was dropped from quorum {quorum_id} ({reason}) while its "
+            "cross-replica process group was being built: abandoning the build"
+        )
+        threading.Thread(target=build.cancel, name="torchheal-cancel-build", daemon=True).start()
+
     def _abort(self, replica_id: str, quorum_id: int, reason: str) -> None:
         # A peer that said goodbye finished its job: the abort is routine (INFO), as the
         # lighthouse logs it; a peer that vanished is a failure (WARNING).

@@ -225,6 +225,9 @@ class Manager:
 
     def _on_member_lost(self, replica_id: str, quorum_id: int, reason: str) -> None:
         """A lost-member notice: abort what waits on that group (collectives, a receive)."""
+        if replica_id == self._full_replica_id:
+            self._connected.on_dropped(replica_id, quorum_id, reason)  # a build, if any
+            return
         self._recovery.on_member_lost(replica_id, quorum_id, reason)  # a socket shutdown
         self._connected.on_member_lost(replica_id, quorum_id, reason)
 
