@@ -134,6 +134,13 @@ def test_a_group_dropped_from_the_quorum_it_builds_abandons_the_build_and_nothin
     assert isinstance(outcome[0], MemberLostError), outcome
     assert "me of quorum 3 was lost while its process group was being built" in str(outcome[0])
     assert job.aborts == 0
+    # Woken, the notice may also come before the build starts: that build fails at once.
+    job.connected.on_dropped("me", 4, "heartbeat expired")
+    with pytest.raises(MemberLostError, match="me of quorum 4 was lost before"):
+        with job.connected.building(4, ["me", "peer"], store.port):
+            pytest.fail("the build ran although this group was dropped from its quorum")
+    job.connect(5, ["me"])  # the next quorum builds as usual
+    assert job.connected.quorum_id == 5 and job.aborts == 0
 
 
 def test_notice_during_the_build_ends_it_when_the_lost_group_hosts_a_frozen_store() -> None:

@@ -236,7 +236,8 @@ class ConnectedQuorum:
 
     def on_dropped(self, replica_id: str, quorum_id: int, reason: str) -> None:
         """The lighthouse dropped this group from quorum ``quorum_id`` (it was frozen past its
-        heartbeat timeout): a build for that quorum is abandoned, as its peers abandoned it.
+        heartbeat timeout): a build for that quorum is abandoned, as its peers abandoned it,
+        whether it is under way or starts later.
 
         Nothing else is aborted: once woken, a collective of ours may wait on peers whose cut
         Gloo has not seen, and its abort would block; the vote's fence (``standing.py``) keeps
@@ -248,6 +249,10 @@ class ConnectedQuorum:
             reason: why (for the log).
         """
         with self._lock:
+            # A build of that quorum that starts later fails before it begins.
+            self._lost.setdefault(quorum_id, set()).add(replica_id)
+            while len(self._lost) > _REMEMBERED_QUORUMS:
+                del self._lost[min(self._lost)]
             build = self._build
             if build is None or build.quorum_id != quorum_id or build.lost is not None:
                 return

@@ -83,6 +83,9 @@ async def _unless(request: Any, cancelled: threading.Event, address: str) -> str
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
+            # The closed channel's last completion comes from grpc's poller thread: let it land
+            # on this loop, not on a closed one ("Event loop is closed").
+            await asyncio.sleep(_CANCEL_POLL_S)
             raise SourceLostError(
                 f"the metadata request to {address} was given up: the lighthouse says its "
                 "group is lost"

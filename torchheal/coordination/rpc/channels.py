@@ -118,6 +118,11 @@ async def aio_connect(
             f"failed to connect to {addr} within timeout of {timeout_s:g}s; "
             "verify the address and that the server is running"
         ) from None
+    except BaseException:
+        # Cancelled (a heal whose source was lost): a channel left open on a loop that is
+        # about to close would have grpc call into the closed loop later.
+        await channel.close()
+        raise
     return channel
 
 
