@@ -118,6 +118,14 @@ def read_target(path: str) -> int | None:
         return None
 
 
+def on_timeline(handler: logging.Handler) -> None:
+    """Hands ``handler`` every mark of ``torchheal.checkpointing.timeline`` (``quorum.end``)."""
+    timeline = logging.getLogger("torchheal.timeline")
+    timeline.setLevel(logging.DEBUG)
+    timeline.propagate = False
+    timeline.addHandler(handler)
+
+
 def die_at_join(group: int, groups: int) -> None:
     """SIGKILLs this process once it is answered a new quorum of all ``groups`` groups.
 
@@ -137,17 +145,15 @@ def die_at_join(group: int, groups: int) -> None:
                 emit("dying", group=group, quorum_id=fields["quorum_id"])
                 os.kill(os.getpid(), signal.SIGKILL)
 
-    timeline = logging.getLogger("torchheal.timeline")
-    timeline.setLevel(logging.DEBUG)
-    timeline.propagate = False
-    timeline.addHandler(Die())
+    on_timeline(Die())
 
 
 def stop_at_rejoin(group: int, groups: int) -> None:
     """SIGSTOPs this process once it is answered a quorum of all ``groups`` groups after one
-    of fewer that followed a full one: a lost group came back, and this one freezes before it builds the process group
-    for that quorum (the others build theirs on the store of the quorum's first up-to-date
-    group, which this one may be). Like ``die_at_join``, on ``quorum.end``."""
+    of fewer that followed a full one: a lost group came back, and this one freezes before it
+    builds the process group for that quorum (the others build theirs on the store of the
+    quorum's first up-to-date group, which this one may be). Like ``die_at_join``, on
+    ``quorum.end``."""
     full = shrunk = False  # (the groups' start, before the first full quorum, is no loss)
 
     class Stop(logging.Handler):
@@ -165,10 +171,7 @@ def stop_at_rejoin(group: int, groups: int) -> None:
                 emit("stopping", group=group, quorum_id=fields["quorum_id"])
                 os.kill(os.getpid(), signal.SIGSTOP)
 
-    timeline = logging.getLogger("torchheal.timeline")
-    timeline.setLevel(logging.DEBUG)
-    timeline.propagate = False
-    timeline.addHandler(Stop())
+    on_timeline(Stop())
 
 
 def hold_in_heal(group: int) -> None:

@@ -209,9 +209,7 @@ class ConnectedQuorum:
             reason: why (for the log).
         """
         with self._lock:
-            self._lost.setdefault(quorum_id, set()).add(replica_id)
-            while len(self._lost) > _REMEMBERED_QUORUMS:
-                del self._lost[min(self._lost)]
+            self._remember_lost(replica_id, quorum_id)
             build = self._build
             if build is not None and build.quorum_id == quorum_id and replica_id in build.members:
                 if build.lost is not None:
@@ -249,10 +247,7 @@ class ConnectedQuorum:
             reason: why (for the log).
         """
         with self._lock:
-            # A build of that quorum that starts later fails before it begins.
-            self._lost.setdefault(quorum_id, set()).add(replica_id)
-            while len(self._lost) > _REMEMBERED_QUORUMS:
-                del self._lost[min(self._lost)]
+            self._remember_lost(replica_id, quorum_id)  # a build that starts later fails
             build = self._build
             if build is None or build.quorum_id != quorum_id or build.lost is not None:
                 return
@@ -262,6 +257,12 @@ class ConnectedQuorum:
             "cross-replica process group was being built: abandoning the build"
         )
         threading.Thread(target=build.cancel, name="torchheal-cancel-build", daemon=True).start()
+
+    def _remember_lost(self, replica_id: str, quorum_id: int) -> None:
+        """Under the lock: a build of ``quorum_id`` with ``replica_id`` fails before it begins."""
+        self._lost.setdefault(quorum_id, set()).add(replica_id)
+        while len(self._lost) > _REMEMBERED_QUORUMS:
+            del self._lost[min(self._lost)]
 
     def _abort(self, replica_id: str, quorum_id: int, reason: str) -> None:
         # A peer that said goodbye finished its job: the abort is routine (INFO), as the
