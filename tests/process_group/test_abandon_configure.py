@@ -6,6 +6,10 @@ waits on its first reply until the connection is cut, and tries a cut connection
 timeout (60 s here). ``manager.failfast`` both cuts it and calls ``abandon_configure``; these
 tests do the same from a thread of their own. The store host is a real TCPStore in a child
 process that stops itself.
+
+Nobody may abandon it, either (a lighthouse that sends no notices, the reference's): the
+connection then still ends within its timeout, which c10d's client alone does not do (it waits
+for the host's first answer forever).
 """
 
 from __future__ import annotations
@@ -130,6 +134,64 @@ def test_abandoning_outside_a_configure_changes_nothing() -> None:
     pg.abandon_configure()  # no configure in progress (a late notice): the next one is whole
     _store, addr = new_store()
     pg.configure(f"{addr}/q1", "r", 0, 1)
+    t = torch.ones(2)
+    pg.allreduce([t], ReduceOp.SUM).wait()
+    assert t.tolist() == [1.0, 1.0]
+
+
+SHORT = timedelta(seconds=2)  # a timeout that must bound a connection nobody abandons
+#: SHORT, plus the overrun the connection is allowed before it is cut, plus slack for a loaded
+#: machine; without the cut the connection waits until the host wakes (never, here).
+SHORT_BOUND_S = 10.0
+
+
+def ends_within(
+    bound_s: float, connect: Callable[[], object]
+) -> tuple[BaseException | None, float]:
+    """Runs ``connect`` on a thread; returns what it raised and how long it took, failing if it
+    has not ended after ``bound_s``."""
+    outcome: list[BaseException | None] = []
+
+    def run() -> None:
+        try:
+            connect()
+            outcome.append(None)
+        except BaseException as e:
+            outcome.append(e)
+
+    began = time.monotonic()
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(bound_s)
+    assert not thread.is_alive(), f"still connecting to the frozen store host after {bound_s}s"
+    (error,) = outcome
+    return error, time.monotonic() - began
+
+
+@pytest.mark.parametrize("abandonable", [False, True], ids=["one-attempt", "attempts"])
+def test_a_connection_to_a_frozen_store_host_nobody_abandons_ends_with_its_timeout(
+    abandonable: bool,
+) -> None:
+    abandoned = threading.Event() if abandonable else None  # never set
+    with frozen_host() as port:
+        error, took = ends_within(
+            SHORT_BOUND_S,
+            lambda: create_store_client(f"127.0.0.1:{port}/q", SHORT, abandoned=abandoned),
+        )
+    assert error is not None and not isinstance(error, StoreConnectAbandoned), error
+    assert took >= SHORT.total_seconds() * 0.9, f"gave up after {took:.2f}s, before its timeout"
+
+
+def test_a_configure_on_a_frozen_store_host_nobody_abandons_fails_with_its_timeout() -> None:
+    pg = ProcessGroupGloo(timeout=SHORT)
+    with frozen_host() as port:
+        error, _took = ends_within(
+            SHORT_BOUND_S, lambda: pg.configure(f"127.0.0.1:{port}/q1", "survivor", 0, 2)
+        )
+    assert error is not None and not isinstance(error, StoreConnectAbandoned), error
+    # The group is configured again, and works.
+    _store, addr = new_store()
+    pg.configure(f"{addr}/q2", "survivor", 0, 1)
     t = torch.ones(2)
     pg.allreduce([t], ReduceOp.SUM).wait()
     assert t.tolist() == [1.0, 1.0]

@@ -2,16 +2,28 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from datetime import timedelta
 
-from torch.distributed import PrefixStore, Store, TCPStore
+from torch.distributed import DistNetworkError, PrefixStore, Store, TCPStore
+
+from torchheal.process_group.gloo_sockets import PairSockets
+
+logger: logging.Logger = logging.getLogger(__name__)
 
 #: Longest single connection attempt of :func:`create_store_client` when it can be abandoned.
 #: c10d's client retries a connection that failed (one cut to abandon it, say) until its
 #: timeout, so only attempts this short let an abandon take effect soon.
 CONNECT_ATTEMPT_S = 1.0
+#: How long a connection may outlast its timeout before the attempt under way is cut. c10d's
+#: client waits for the answer to its first request with no timeout at all: a host that accepts
+#: and never answers (a frozen process, whose kernel accepts) would hold it forever. A host that
+#: is merely slow to answer (many clients at once) is given the whole timeout, as before.
+OVERRUN_CUT_S = 1.0
+#: How often an overrunning attempt's connection is looked for and cut again, until it ends.
+_RECUT_S = 0.05
 
 
 class StoreConnectAbandoned(RuntimeError):
@@ -66,6 +78,10 @@ def create_store_client(
             :data:`CONNECT_ATTEMPT_S`, and once the event is set the first attempt that fails
             ends it. A connection that succeeds is kept, the event set or not.
 
+    Whatever the host does, the call ends within about ``timeout`` (plus
+    :data:`OVERRUN_CUT_S`): an attempt still waiting for the host's first answer then has its
+    connection cut, which c10d's client does not do.
+
     Returns:
         ``PrefixStore(prefix, TCPStore(host, port, is_master=False, ...))``.
 
@@ -74,13 +90,13 @@ def create_store_client(
         torch.distributed.DistError: no connection within ``timeout``.
     """
     host, port, prefix = parse_store_addr(store_addr)
-    if abandoned is None:
-        return PrefixStore(prefix, _client(host, port, timeout))
     deadline = time.monotonic() + timeout.total_seconds()
+    if abandoned is None:
+        return PrefixStore(prefix, _bounded_client(host, port, timeout.total_seconds(), deadline))
     while True:
         attempt = min(CONNECT_ATTEMPT_S, deadline - time.monotonic())
         try:
-            store = _client(host, port, timedelta(seconds=max(attempt, 0.001)))
+            store = _bounded_client(host, port, max(attempt, 0.001), deadline)
         except Exception as e:
             if abandoned.is_set():
                 raise StoreConnectAbandoned(
@@ -93,7 +109,54 @@ def create_store_client(
         return PrefixStore(prefix, store)
 
 
-def _client(host: str, port: int, timeout: timedelta) -> TCPStore:
-    return TCPStore(
-        host_name=host, port=port, is_master=False, wait_for_workers=False, timeout=timeout
-    )
+def _bounded_client(host: str, port: int, timeout_s: float, deadline: float) -> TCPStore:
+    """A c10d client of ``host:port`` (one attempt of ``timeout_s``), cut soon after ``deadline``.
+
+    A watchdog thread cuts the connections to ``port`` that this process opened since the
+    attempt began (only the attempt's own, then) once the attempt has outlasted the connection's
+    ``deadline`` (monotonic) by :data:`OVERRUN_CUT_S`, and again until it ends: the client then
+    fails, and being past its own timeout, does not try again. Nothing but that Python thread is
+    left running, and it ends with the attempt.
+
+    Raises:
+        torch.distributed.DistNetworkError: no connection within ``timeout_s``, or (naming the
+            frozen host) a connection whose first answer never came.
+    """
+    before = PairSockets.before()
+    ended = threading.Event()
+    cut = threading.Event()
+
+    def watch() -> None:
+        if ended.wait(max(deadline + OVERRUN_CUT_S - time.monotonic(), 0.0)):
+            return
+        cut.set()
+        logger.warning(
+            "the store at %s:%d accepted a connection and has not answered it by the "
+            "connection's timeout (is its host frozen?): cutting the connection",
+            host,
+            port,
+        )
+        while True:
+            PairSockets.to_port(before, port).cut()
+            if ended.wait(_RECUT_S):
+                return
+
+    watchdog = threading.Thread(target=watch, name="torchheal-store-connect", daemon=True)
+    watchdog.start()
+    try:
+        return TCPStore(
+            host_name=host,
+            port=port,
+            is_master=False,
+            wait_for_workers=False,
+            timeout=timedelta(seconds=timeout_s),
+        )
+    except Exception as e:
+        if cut.is_set():
+            raise DistNetworkError(
+                f"the store at {host}:{port} accepted the connection and did not answer it "
+                "by the connection's timeout (is its host frozen?)"
+            ) from e
+        raise
+    finally:
+        ended.set()
