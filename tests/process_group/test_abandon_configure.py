@@ -180,6 +180,8 @@ def test_a_connection_to_a_frozen_store_host_nobody_abandons_ends_with_its_timeo
         )
     assert error is not None and not isinstance(error, StoreConnectAbandoned), error
     assert took >= SHORT.total_seconds() * 0.9, f"gave up after {took:.2f}s, before its timeout"
+    assert f"store at 127.0.0.1:{port} accepted the connection and did not answer" in str(error)
+    assert "frame #" not in str(error), "c10d's C++ stack came along"
 
 
 def test_a_configure_on_a_frozen_store_host_nobody_abandons_fails_with_its_timeout() -> None:

@@ -153,10 +153,12 @@ def _bounded_client(host: str, port: int, timeout_s: float, deadline: float) -> 
         )
     except Exception as e:
         if cut.is_set():
+            # c10d's own message ("Failed to recv, ...") carries a C++ stack of no use here.
+            first_line = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise DistNetworkError(
                 f"the store at {host}:{port} accepted the connection and did not answer it "
-                "by the connection's timeout (is its host frozen?)"
-            ) from e
+                f"by the connection's timeout (is its host frozen?); cut: {first_line}"
+            ) from None
         raise
     finally:
         ended.set()
