@@ -26,6 +26,7 @@ from torchheal.coordination.client import ManagerClient
 from torchheal.coordination.manager_server import ManagerServer
 from torchheal.coordination.rpc.addresses import format_target
 from torchheal.coordination.types import QuorumAsk, QuorumResult
+from torchheal.process_group.store import connect_store
 
 __all__ = ["MANAGER_ADDR_KEY", "REPLICA_ID_KEY", "GroupEndpoints", "open_endpoints"]
 
@@ -180,14 +181,9 @@ def open_endpoints(
     Raises:
         ValueError: group rank 0 has no lighthouse address.
     """
-    # The store client outlives rank 0's server start-up (bounded by connect_timeout).
-    store = TCPStore(
-        host_name=store_host,
-        port=store_port,
-        is_master=False,
-        wait_for_workers=False,
-        timeout=max(timedelta(seconds=300), 2 * connect_timeout),
-    )
+    # The store client outlives rank 0's server start-up (bounded by connect_timeout). Its
+    # connection ends at its timeout even when the store's host is frozen (c10d's own does not).
+    store = connect_store(store_host, store_port, max(timedelta(seconds=300), 2 * connect_timeout))
     server = None
     if group_rank == 0:
         if not lighthouse_addr:

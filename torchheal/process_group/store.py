@@ -90,9 +90,9 @@ def create_store_client(
         torch.distributed.DistError: no connection within ``timeout``.
     """
     host, port, prefix = parse_store_addr(store_addr)
-    deadline = time.monotonic() + timeout.total_seconds()
     if abandoned is None:
-        return PrefixStore(prefix, _bounded_client(host, port, timeout.total_seconds(), deadline))
+        return PrefixStore(prefix, connect_store(host, port, timeout))
+    deadline = time.monotonic() + timeout.total_seconds()
     while True:
         attempt = min(CONNECT_ATTEMPT_S, deadline - time.monotonic())
         try:
@@ -107,6 +107,18 @@ def create_store_client(
             continue
         store.set_timeout(timeout)
         return PrefixStore(prefix, store)
+
+
+def connect_store(host: str, port: int, timeout: timedelta) -> TCPStore:
+    """A c10d client of the TCPStore at ``host:port`` (no prefix), in one attempt that ends
+    within ``timeout`` (plus :data:`OVERRUN_CUT_S`) whatever the host does.
+
+    Raises:
+        torch.distributed.DistNetworkError: no connection within ``timeout``, or (naming the
+            frozen host) a connection whose first answer never came.
+    """
+    timeout_s = timeout.total_seconds()
+    return _bounded_client(host, port, timeout_s, time.monotonic() + timeout_s)
 
 
 def _bounded_client(host: str, port: int, timeout_s: float, deadline: float) -> TCPStore:
