@@ -141,15 +141,16 @@ def _bounded_client(host: str, port: int, timeout_s: float, deadline: float) -> 
     def watch() -> None:
         if ended.wait(max(deadline + OVERRUN_CUT_S - time.monotonic(), 0.0)):
             return
-        cut.set()
-        logger.warning(
-            "the store at %s:%d accepted a connection and has not answered it by the "
-            "connection's timeout (is its host frozen?): cutting the connection",
-            host,
-            port,
-        )
         while True:
-            PairSockets.to_port(before, port).cut()
+            # Nothing to cut: c10d is between two tries of a refused connection, late.
+            if PairSockets.to_port(before, port).cut() and not cut.is_set():
+                cut.set()
+                logger.warning(
+                    "the store at %s:%d accepted a connection and has not answered it by the "
+                    "connection's timeout (is its host frozen?): cut the connection",
+                    host,
+                    port,
+                )
             if ended.wait(_RECUT_S):
                 return
 
