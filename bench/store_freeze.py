@@ -1,0 +1,105 @@
+"""A store connection to a frozen host, torchheal beside the reference (issue 9, goal 2).
+
+A replica group's process group connects to the rendezvous store of each new quorum, hosted by
+one of the groups. When that host is frozen (SIGSTOP, a hung machine), its kernel still accepts
+the connection and nothing answers it. c10d's ``TCPStore`` client then waits for the answer to
+its first request with no timeout at all, whatever timeout it was given. On torchheal's
+lighthouse the notice that the host is gone abandons the connection; on a lighthouse that sends
+no notices (the reference's), only the connection's own timeout can end it.
+
+This calls each implementation's ``create_store_client`` (what its process group's
+``configure`` calls first) on a real TCPStore whose process has stopped itself, with the
+given timeout, and reports how it ended, giving up on it after ``--cap-s``.
+
+    python -m bench.store_freeze [--timeout-s 2] [--cap-s 20] [--impls torchheal,torchft]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import multiprocessing as mp
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+from multiprocessing.connection import Connection
+
+from bench._cluster import reference_available
+
+
+def _frozen_host(conn: Connection) -> None:
+    """Child process: hosts a TCPStore, sends its port, then stops itself."""
+    from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    conn.send(store.port)
+    os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def _is_stopped(pid: int) -> bool:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] == "T"
+
+
+@contextmanager
+def frozen_host() -> Iterator[int]:
+    """The port of a TCPStore whose process is stopped (killed on exit)."""
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    host = ctx.Process(target=_frozen_host, args=(child,), daemon=True)
+    host.start()
+    try:
+        port = parent.recv()
+        while not _is_stopped(host.pid):
+            parent.poll(0.01)
+        yield port
+    finally:
+        os.kill(host.pid, signal.SIGKILL)
+        host.join(10)
+
+
+def connect_once(impl: str, timeout_s: float, cap_s: float) -> tuple[str, float]:
+    """How ``impl``'s ``create_store_client`` ends on a frozen host: (outcome, seconds)."""
+    module = importlib.import_module(
+        "torchft.process_group" if impl == "torchft" else "torchheal.process_group"
+    )
+    outcome: list[tuple[str, float]] = []
+    with frozen_host() as port:
+        began = time.monotonic()
+
+        def run() -> None:
+            try:
+                module.create_store_client(f"127.0.0.1:{port}/q", timedelta(seconds=timeout_s))
+                outcome.append(("connected", time.monotonic() - began))
+            except Exception as e:
+                outcome.append((f"raised {type(e).__name__}", time.monotonic() - began))
+
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        thread.join(cap_s)
+        # The host is killed on exit: a connection still waiting then fails and its thread ends.
+    return outcome[0] if outcome else ("still connecting (given up)", cap_s)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--timeout-s", type=float, default=2.0, help="the connection's timeout")
+    parser.add_argument("--cap-s", type=float, default=20.0, help="when to stop waiting")
+    parser.add_argument("--impls", default="torchheal,torchft")
+    args = parser.parse_args()
+    impls = [i for i in args.impls.split(",") if i != "torchft" or reference_available()]
+    print(f"create_store_client(timeout={args.timeout_s:g}s) on a frozen store host")
+    print(f"{'impl':<10} {'outcome':<28} {'seconds':>8}")
+    for impl in impls:
+        what, seconds = connect_once(impl, args.timeout_s, args.cap_s)
+        print(f"{impl:<10} {what:<28} {seconds:>8.2f}")
+    if "torchft" not in impls:
+        print("(the reference, torchft, is not installed: its row is missing)")
+
+
+if __name__ == "__main__":
+    main()
