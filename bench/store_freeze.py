@@ -40,7 +40,8 @@ def _frozen_host(conn: Connection) -> None:
     os.kill(os.getpid(), signal.SIGSTOP)
 
 
-def _is_stopped(pid: int) -> bool:
+def is_stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped (SIGSTOP)."""
     with open(f"/proc/{pid}/stat") as f:
         return f.read().rsplit(")", 1)[1].split()[0] == "T"
 
@@ -54,7 +55,7 @@ def frozen_host() -> Iterator[int]:
     host.start()
     try:
         port = parent.recv()
-        while not _is_stopped(host.pid):
+        while not is_stopped(host.pid):
             parent.poll(0.01)
         yield port
     finally:

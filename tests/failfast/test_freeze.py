@@ -200,50 +200,61 @@ STORE_HOST_BOUND_S = 8.0
 WOKEN_BOUND_S = 10.0
 
 
+def freeze_the_store_host_at_a_rejoin(
+    job: Job, without_host_bound_s: float, woken_bound_s: float
+) -> None:
+    """The store-host scenario on a job of 3 groups: g0 stops itself as a killed g1 rejoins,
+    right after the quorum its store serves is answered. g2 must commit in a quorum without g0
+    within ``without_host_bound_s`` of the freeze; once g0 is woken, every group must make 3
+    full commits within ``woken_bound_s``; all end bit-identical and on the replayed history."""
+    host, victim, survivor = 0, 1, 2
+    job.start(host, "--stop-at-rejoin")
+    for g in (victim, survivor):
+        job.start(g)
+    all_together(job, min_commits=3)
+    killed = job.kill(victim)
+    survivors_go_on(job, victim, since=killed)
+    job.start(victim)
+    stopping = job.wait_for(
+        f"g{host} to stop itself as g{victim} rejoins",
+        lambda events: next((e for e in events if e["kind"] == "stopping"), None),
+        START_BOUND_S,
+    )
+
+    def without_the_host(events: list[Event]) -> Event | None:
+        return next(
+            (
+                e
+                for e in Job.commits(events, survivor, since=stopping["time"])
+                if e["reduce"]["quorum_id"] > stopping["quorum_id"]
+            ),
+            None,
+        )
+
+    went_on = job.wait_for(
+        f"g{survivor} to commit in a quorum without the frozen store host (the store's "
+        f"timeout is {job.timeout_s:.0f}s)",
+        without_the_host,
+        without_host_bound_s,
+    )
+    assert went_on["reduce"]["divisor"] < GROUPS, went_on
+    woken_at = job.signal(host, signal.SIGCONT)
+    all_together(job, min_commits=3, since=woken_at, bound_s=woken_bound_s)
+    states = job.finish()
+    assert_identical(states)
+    assert_replayed(states[0], history(job.events), exact=False)
+
+
 def test_a_frozen_store_host_holds_the_others_build_only_until_it_is_dropped(
     tmp_path: Path,
 ) -> None:
-    host, victim, survivor = 0, 1, 2
     with lighthouse(
         min_replicas=1, join_timeout_ms=100, quorum_tick_ms=100, heartbeat_timeout_ms=2_000
     ) as lh:
         job = Job(tmp_path, url(lh), GROUPS, timeout_s=STORE_TIMEOUT_S)
         try:
-            job.start(host, "--stop-at-rejoin")
-            for g in (victim, survivor):
-                job.start(g)
-            all_together(job, min_commits=3)
-            killed = job.kill(victim)
-            survivors_go_on(job, victim, since=killed)
-            job.start(victim)
-            stopping = job.wait_for(
-                f"g{host} to stop itself as g{victim} rejoins",
-                lambda events: next((e for e in events if e["kind"] == "stopping"), None),
-                START_BOUND_S,
-            )
-
-            def without_the_host(events: list[Event]) -> Event | None:
-                return next(
-                    (
-                        e
-                        for e in Job.commits(events, survivor, since=stopping["time"])
-                        if e["reduce"]["quorum_id"] > stopping["quorum_id"]
-                    ),
-                    None,
-                )
-
-            went_on = job.wait_for(
-                f"g{survivor} to commit in a quorum without the frozen store host",
-                without_the_host,
-                STORE_HOST_BOUND_S,
-            )
-            assert went_on["reduce"]["divisor"] < GROUPS, went_on
             # Woken, the host hears it was dropped from that quorum and abandons its own build,
             # which waits for peers that left (until the store's timeout, else).
-            woken_at = job.signal(host, signal.SIGCONT)
-            all_together(job, min_commits=3, since=woken_at, bound_s=WOKEN_BOUND_S)
-            states = job.finish()
-            assert_identical(states)
-            assert_replayed(states[0], history(job.events), exact=False)
+            freeze_the_store_host_at_a_rejoin(job, STORE_HOST_BOUND_S, WOKEN_BOUND_S)
         finally:
             job.close()

@@ -16,14 +16,12 @@ equal to the replayed history.
 
 from __future__ import annotations
 
-import signal
 from pathlib import Path
 
 import pytest
 
-from tests.failfast.job import Event, Job
-from tests.failfast.replay import assert_identical, assert_replayed, history
-from tests.failfast.test_kill import START_BOUND_S, all_together, survivors_go_on
+from tests.failfast.job import Job
+from tests.failfast.test_freeze import GROUPS, freeze_the_store_host_at_a_rejoin
 from tests.interop.helpers import loopback
 from tests.reference import import_reference
 
@@ -31,7 +29,6 @@ reference = import_reference("torchft.coordination")
 
 pytestmark = [pytest.mark.slow, pytest.mark.interop, pytest.mark.timeout(300)]
 
-GROUPS = 3
 #: The workers' store and collective timeout: the frozen host costs the others about this.
 STORE_TIMEOUT_S = 8.0
 #: From the host's freeze to the survivor's commit without it: the builds' store timeout (their
@@ -45,7 +42,6 @@ WOKEN_BOUND_S = 3 * STORE_TIMEOUT_S
 def test_a_frozen_store_host_costs_its_peers_one_store_timeout_on_the_reference_lighthouse(
     tmp_path: Path,
 ) -> None:
-    host, victim, survivor = 0, 1, 2
     lh = reference.LighthouseServer(
         "127.0.0.1:0",
         min_replicas=1,
@@ -56,41 +52,7 @@ def test_a_frozen_store_host_costs_its_peers_one_store_timeout_on_the_reference_
     try:
         job = Job(tmp_path, loopback(lh), GROUPS, timeout_s=STORE_TIMEOUT_S)
         try:
-            job.start(host, "--stop-at-rejoin")
-            for g in (victim, survivor):
-                job.start(g)
-            all_together(job, min_commits=3)
-            killed = job.kill(victim)
-            survivors_go_on(job, victim, since=killed)
-            job.start(victim)
-            stopping = job.wait_for(
-                f"g{host} to stop itself as g{victim} rejoins",
-                lambda events: next((e for e in events if e["kind"] == "stopping"), None),
-                START_BOUND_S,
-            )
-
-            def without_the_host(events: list[Event]) -> Event | None:
-                return next(
-                    (
-                        e
-                        for e in Job.commits(events, survivor, since=stopping["time"])
-                        if e["reduce"]["quorum_id"] > stopping["quorum_id"]
-                    ),
-                    None,
-                )
-
-            went_on = job.wait_for(
-                f"g{survivor} to commit in a quorum without the frozen store host (its store "
-                f"timeout is {STORE_TIMEOUT_S:.0f}s)",
-                without_the_host,
-                WITHOUT_HOST_BOUND_S,
-            )
-            assert went_on["reduce"]["divisor"] < GROUPS, went_on
-            woken_at = job.signal(host, signal.SIGCONT)
-            all_together(job, min_commits=3, since=woken_at, bound_s=WOKEN_BOUND_S)
-            states = job.finish()
-            assert_identical(states)
-            assert_replayed(states[0], history(job.events), exact=False)
+            freeze_the_store_host_at_a_rejoin(job, WITHOUT_HOST_BOUND_S, WOKEN_BOUND_S)
         finally:
             job.close()
     finally:

@@ -9,18 +9,17 @@ lighthouse says is gone. Real Gloo groups on a real TCPStore; the lost peer simp
 from __future__ import annotations
 
 import logging
-import multiprocessing as mp
-import os
-import signal
 import threading
 import time
 from datetime import timedelta
 
 import pytest
 import torch
+from torch.distributed import TCPStore
 from torch.distributed.distributed_c10d import ReduceOp
 
-from tests.process_group.helpers import frozen_store_host, new_store, stopped
+from bench.store_freeze import frozen_host
+from tests.process_group.helpers import new_store, on_thread
 from torchheal.manager.failfast import ConnectedQuorum, MemberLostError
 from torchheal.manager.log import ManagerLogger
 from torchheal.process_group import ProcessGroupGloo
@@ -68,27 +67,29 @@ def test_notice_before_the_build_fails_it_before_it_starts() -> None:
     assert job.aborts == 0
 
 
-def test_notice_during_the_build_abandons_the_rendezvous() -> None:
-    store, addr = new_store()
-    job = Job()
-    outcome: list[BaseException | None] = []
+def build_in_rendezvous(
+    job: Job, store: TCPStore, addr: str
+) -> tuple[threading.Thread, list[BaseException | None]]:
+    """Starts the build of quorum 3 with a peer that never publishes its address, on a thread,
+    and returns once the build waits in the rendezvous (our address is published)."""
 
     def build() -> None:
-        try:
-            with job.connected.building(3, ["me", "peer"], store.port):
-                job.pg.configure(f"{addr}/q3", "me", 0, 2)  # the peer never publishes
-            outcome.append(None)
-        except BaseException as e:
-            outcome.append(e)
+        with job.connected.building(3, ["me", "peer"], store.port):
+            job.pg.configure(f"{addr}/q3", "me", 0, 2)
 
     keys = store.num_keys()
-    builder = threading.Thread(target=build, daemon=True)
-    builder.start()
-    # In the rendezvous once our address is published (then it waits for the peer's).
+    builder, outcome = on_thread(build)
     deadline = time.monotonic() + BOUND_S
     while store.num_keys() == keys:
         assert time.monotonic() < deadline, "the build never reached the rendezvous"
         time.sleep(0.01)
+    return builder, outcome
+
+
+def test_notice_during_the_build_abandons_the_rendezvous() -> None:
+    store, addr = new_store()
+    job = Job()
+    builder, outcome = build_in_rendezvous(job, store, addr)  # the peer never publishes
     job.connected.on_member_lost("other", 3, "not a member: ignored")
     job.connected.on_member_lost("peer", 3, "connection ended")
     builder.join(BOUND_S)
@@ -108,23 +109,7 @@ def test_a_group_dropped_from_the_quorum_it_builds_abandons_the_build_and_nothin
     store, addr = new_store()
     job = Job()
     job.connect(2, ["me"])  # a group in use, which being dropped from quorum 3 leaves alone
-    outcome: list[BaseException | None] = []
-
-    def build() -> None:
-        try:
-            with job.connected.building(3, ["me", "peer"], store.port):
-                job.pg.configure(f"{addr}/q3", "me", 0, 2)  # the peer left: never publishes
-            outcome.append(None)
-        except BaseException as e:
-            outcome.append(e)
-
-    keys = store.num_keys()
-    builder = threading.Thread(target=build, daemon=True)
-    builder.start()
-    deadline = time.monotonic() + BOUND_S
-    while store.num_keys() == keys:
-        assert time.monotonic() < deadline, "the build never reached the rendezvous"
-        time.sleep(0.01)
+    builder, outcome = build_in_rendezvous(job, store, addr)  # the peer left: never publishes
     job.connected.on_dropped("me", 2, "heartbeat expired")  # not the quorum being built
     builder.join(0.5)
     assert builder.is_alive(), f"a drop from another quorum ended the build: {outcome}"
@@ -146,27 +131,14 @@ def test_a_group_dropped_from_the_quorum_it_builds_abandons_the_build_and_nothin
 def test_notice_during_the_build_ends_it_when_the_lost_group_hosts_a_frozen_store() -> None:
     # A frozen store host accepts and never answers; c10d's client would retry its connection
     # for the whole 60 s, cut or not: the notice abandons the configure too.
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    host = ctx.Process(target=frozen_store_host, args=(child,), daemon=True)
-    host.start()
-    try:
-        port = parent.recv()
-        while not stopped(host.pid):
-            parent.poll(0.01)
+    with frozen_host() as port:
         job = Job()
-        outcome: list[BaseException | None] = []
 
         def build() -> None:
-            try:
-                with job.connected.building(6, ["host", "me"], port):
-                    job.pg.configure(f"127.0.0.1:{port}/q6", "me", 1, 2)
-                outcome.append(None)
-            except BaseException as e:
-                outcome.append(e)
+            with job.connected.building(6, ["host", "me"], port):
+                job.pg.configure(f"127.0.0.1:{port}/q6", "me", 1, 2)
 
-        builder = threading.Thread(target=build, daemon=True)
-        builder.start()
+        builder, outcome = on_thread(build)
         builder.join(0.5)
         assert builder.is_alive(), f"the build ended before the notice: {outcome}"
         job.connected.on_member_lost("host", 6, "heartbeat expired")
@@ -174,9 +146,6 @@ def test_notice_during_the_build_ends_it_when_the_lost_group_hosts_a_frozen_stor
         assert not builder.is_alive(), "the build waited on the frozen store host"
         assert isinstance(outcome[0], MemberLostError), outcome
         assert "store at 127.0.0.1" in str(outcome[0]) and "was abandoned" in str(outcome[0])
-    finally:
-        os.kill(host.pid, signal.SIGKILL)
-        host.join(10)
 
 
 def test_notice_the_build_outran_aborts_the_group_at_adoption() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
@@ -120,15 +121,18 @@ def victim_main(
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def frozen_store_host(conn: Connection) -> None:
-    """Child process: hosts a TCPStore, sends its port on ``conn``, then SIGSTOPs itself (a
-    frozen host: its kernel accepts connections, nothing answers them)."""
-    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    conn.send(store.port)
-    os.kill(os.getpid(), signal.SIGSTOP)
+def on_thread(fn: Callable[[], object]) -> tuple[threading.Thread, list[BaseException | None]]:
+    """Starts ``fn`` on a daemon thread. Returns the thread and a list that receives, once
+    ``fn`` ends, what it raised (None when it returned)."""
+    outcome: list[BaseException | None] = []
 
+    def run() -> None:
+        try:
+            fn()
+            outcome.append(None)
+        except BaseException as e:
+            outcome.append(e)
 
-def stopped(pid: int) -> bool:
-    """Whether process ``pid`` is stopped (SIGSTOP)."""
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()[0] == "T"
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, outcome

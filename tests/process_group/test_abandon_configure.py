@@ -14,20 +14,17 @@ for the host's first answer forever).
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import os
-import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from datetime import timedelta
 
 import pytest
 import torch
 from torch.distributed.distributed_c10d import ReduceOp
 
-from tests.process_group.helpers import frozen_store_host, new_store, stopped
+from bench.store_freeze import frozen_host
+from tests.process_group.helpers import new_store, on_thread
 from torchheal.process_group import ProcessGroupGloo
 from torchheal.process_group.gloo_sockets import PairSockets
 from torchheal.process_group.store import StoreConnectAbandoned, create_store_client
@@ -37,40 +34,13 @@ LONG = timedelta(seconds=60)  # the store's and the group's timeout: far beyond 
 BOUND_S = 15.0  # a connection that is tried again until the timeout fails this
 
 
-@contextmanager
-def frozen_host() -> Iterator[int]:
-    """The port of a TCPStore whose process is stopped."""
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    host = ctx.Process(target=frozen_store_host, args=(child,), daemon=True)
-    host.start()
-    try:
-        port = parent.recv()
-        while not stopped(host.pid):
-            parent.poll(0.01)  # a bounded pause: the host stops itself right after sending
-        yield port
-    finally:
-        os.kill(host.pid, signal.SIGKILL)
-        host.join(10)
-
-
 def give_up_while_connecting(
     port: int, connect: Callable[[], object], abandon: Callable[[], None]
 ) -> BaseException | None:
     """Runs ``connect`` on a thread; once it waits on the frozen host, abandons it and cuts its
     connection, again and again as ``manager.failfast`` does. Returns what ``connect`` raised."""
     before = PairSockets.before()
-    outcome: list[BaseException | None] = []
-
-    def run() -> None:
-        try:
-            connect()
-            outcome.append(None)
-        except BaseException as e:
-            outcome.append(e)
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
+    thread, outcome = on_thread(connect)
     thread.join(0.5)
     assert thread.is_alive(), f"the connection ended before it was given up: {outcome}"
     deadline = time.monotonic() + BOUND_S
@@ -150,18 +120,8 @@ def ends_within(
 ) -> tuple[BaseException | None, float]:
     """Runs ``connect`` on a thread; returns what it raised and how long it took, failing if it
     has not ended after ``bound_s``."""
-    outcome: list[BaseException | None] = []
-
-    def run() -> None:
-        try:
-            connect()
-            outcome.append(None)
-        except BaseException as e:
-            outcome.append(e)
-
     began = time.monotonic()
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
+    thread, outcome = on_thread(connect)
     thread.join(bound_s)
     assert not thread.is_alive(), f"still connecting to the frozen store host after {bound_s}s"
     (error,) = outcome

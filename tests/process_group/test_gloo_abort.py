@@ -18,7 +18,8 @@ import pytest
 import torch
 from torch.distributed.distributed_c10d import ReduceOp
 
-from tests.process_group.helpers import new_store, stopped
+from bench.store_freeze import is_stopped
+from tests.process_group.helpers import new_store
 from torchheal.process_group import ProcessGroupGloo
 
 LONG = timedelta(seconds=60)  # the collective's own timeout: far beyond the test's bounds
@@ -54,7 +55,7 @@ def test_abort_interrupts_a_collective_blocked_on_a_stopped_peer() -> None:
         pg.allreduce([t], ReduceOp.SUM).wait()
         assert t.tolist() == [2.0] * 4
         assert parent.poll(60) and parent.recv() == "stopping"
-        while not stopped(stopper.pid):
+        while not is_stopped(stopper.pid):
             threading.Event().wait(0.01)
 
         work = pg.allreduce([torch.full((4,), 5.0)], ReduceOp.SUM)
