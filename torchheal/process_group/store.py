@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import socket
 import threading
 import time
 from datetime import timedelta
@@ -25,9 +24,6 @@ CONNECT_ATTEMPT_S = 1.0
 OVERRUN_CUT_S = 1.0
 #: How often an overrunning attempt's connection is looked for and cut again, until it ends.
 _RECUT_S = 0.05
-#: The first and the longest pause between two tries of a store host that refuses connections.
-_FIRST_PAUSE_S = 0.01
-_MAX_PAUSE_S = 0.1
 
 
 class StoreConnectAbandoned(RuntimeError):
@@ -84,8 +80,7 @@ def create_store_client(
 
     Whatever the host does, the call ends within about ``timeout`` (plus
     :data:`OVERRUN_CUT_S`): an attempt still waiting for the host's first answer then has its
-    connection cut, which c10d's client does not do. A host that refuses connections (not
-    started yet, or gone) is tried again quietly until it listens or the timeout ends.
+    connection cut, which c10d's client does not do.
 
     Returns:
         ``PrefixStore(prefix, TCPStore(host, port, is_master=False, ...))``.
@@ -95,72 +90,35 @@ def create_store_client(
         torch.distributed.DistError: no connection within ``timeout``.
     """
     host, port, prefix = parse_store_addr(store_addr)
-    timeout_s = timeout.total_seconds()
-    attempt_s = timeout_s if abandoned is None else CONNECT_ATTEMPT_S
-    store = _connect(host, port, timeout_s, attempt_s, abandoned)
-    store.set_timeout(timeout)
-    return PrefixStore(prefix, store)
+    if abandoned is None:
+        return PrefixStore(prefix, connect_store(host, port, timeout))
+    deadline = time.monotonic() + timeout.total_seconds()
+    while True:
+        attempt = min(CONNECT_ATTEMPT_S, deadline - time.monotonic())
+        try:
+            store = _bounded_client(host, port, max(attempt, 0.001), deadline)
+        except Exception as e:
+            if abandoned.is_set():
+                raise StoreConnectAbandoned(
+                    f"the connection to the store at {host}:{port} was abandoned"
+                ) from e
+            if time.monotonic() >= deadline:
+                raise
+            continue
+        store.set_timeout(timeout)
+        return PrefixStore(prefix, store)
 
 
 def connect_store(host: str, port: int, timeout: timedelta) -> TCPStore:
-    """A c10d client of the TCPStore at ``host:port`` (no prefix), made within ``timeout``
-    (plus :data:`OVERRUN_CUT_S`) whatever the host does.
+    """A c10d client of the TCPStore at ``host:port`` (no prefix), in one attempt that ends
+    within ``timeout`` (plus :data:`OVERRUN_CUT_S`) whatever the host does.
 
     Raises:
-        torch.distributed.DistNetworkError: no connection within ``timeout``, naming the frozen
-            host when one accepted the connection and never answered it.
+        torch.distributed.DistNetworkError: no connection within ``timeout``, or (naming the
+            frozen host) a connection whose first answer never came.
     """
     timeout_s = timeout.total_seconds()
-    return _connect(host, port, timeout_s, timeout_s, None)
-
-
-def _connect(
-    host: str, port: int, timeout_s: float, attempt_s: float, abandoned: threading.Event | None
-) -> TCPStore:
-    """A c10d client of ``host:port`` within ``timeout_s``, in c10d attempts of ``attempt_s``.
-
-    c10d's client is handed the connection only once the host accepts one: while it refuses
-    (not started yet, or gone), a plain socket tries again, pausing from :data:`_FIRST_PAUSE_S`
-    up to :data:`_MAX_PAUSE_S`. c10d's own retries would log an error with a C++ stack at each
-    try, and end a refused connection only at about twice its timeout (a random pause, then a
-    second try of the whole timeout).
-    """
-    deadline = time.monotonic() + timeout_s
-    pause = _FIRST_PAUSE_S
-    while True:
-        try:
-            remaining = deadline - time.monotonic()
-            socket.create_connection((host, port), timeout=max(remaining, 0.001)).close()
-        except OSError as e:
-            _give_up_if(abandoned, host, port, e)
-            if time.monotonic() >= deadline:
-                raise DistNetworkError(
-                    f"no store at {host}:{port} accepted a connection within {timeout_s:g}s "
-                    f"(last try: {e})"
-                ) from None
-            logger.debug("the store at %s:%d: %s; trying again", host, port, e)
-        else:
-            try:
-                return _bounded_client(host, port, max(min(attempt_s, remaining), 0.001), deadline)
-            except Exception as e:
-                _give_up_if(abandoned, host, port, e)
-                if time.monotonic() >= deadline:
-                    raise
-        wait_s = max(min(pause, deadline - time.monotonic()), 0.0)
-        if abandoned is None:
-            time.sleep(wait_s)
-        else:
-            abandoned.wait(wait_s)
-        pause = min(2 * pause, _MAX_PAUSE_S)
-
-
-def _give_up_if(
-    abandoned: threading.Event | None, host: str, port: int, cause: BaseException
-) -> None:
-    if abandoned is not None and abandoned.is_set():
-        raise StoreConnectAbandoned(
-            f"the connection to the store at {host}:{port} was abandoned"
-        ) from cause
+    return _bounded_client(host, port, timeout_s, time.monotonic() + timeout_s)
 
 
 def _bounded_client(host: str, port: int, timeout_s: float, deadline: float) -> TCPStore:
