@@ -141,7 +141,7 @@ def main() -> None:
         for impl in impls:
             what, seconds, lines = connect_once(impl, host, args.timeout_s, args.cap_s)
             print(f"{impl:<10} {host:<7} {what:<28} {seconds:>8.2f} {lines:>15}")
-    if "torchft" not in impls:
+    if "torchft" in args.impls.split(",") and "torchft" not in impls:
         print("(the reference, torchft, is not installed: its row is missing)")
 
 
