@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import struct
+import sys
 import zlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -46,14 +47,14 @@ DTYPE_NAMES: dict[torch.dtype, str] = {d: n for n, d in DTYPES.items()}
 
 
 def dtensor_type() -> type | None:
-    """Returns the DTensor class when torch.distributed provides it (imported lazily)."""
-    if not torch.distributed.is_available():
-        return None
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - old torch
-        return None
-    return DTensor
+    """Returns the DTensor class, or None while nothing in this process has imported it.
+
+    No object can be a DTensor before its module is imported, and importing it costs about
+    1.1 s on a 2-core machine (it pulls in sympy): a first checkpoint staged or received in a
+    process without DTensors (a survivor serving its first healer, mid-step) must not pay that.
+    """
+    module = sys.modules.get("torch.distributed.tensor")
+    return getattr(module, "DTensor", None) if module is not None else None
 
 
 def byte_view(buf: torch.Tensor) -> memoryview:
