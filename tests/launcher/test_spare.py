@@ -391,8 +391,16 @@ def test_launch_rejects_a_negative_number_of_spares() -> None:
 POLICIES = textwrap.dedent(
     """
     import json, os
+
+    def policy(tid):
+        try:
+            return os.sched_getscheduler(tid)
+        except ProcessLookupError:  # a thread that ended since the listing
+            return None
+
     tids = [int(t) for t in os.listdir("/proc/self/task")]
-    print(json.dumps(sorted({os.sched_getscheduler(t) for t in tids})), flush=True)
+    policies = {policy(t) for t in tids} - {None}
+    print(json.dumps(sorted(policies)), flush=True)
     """
 )
 
