@@ -105,6 +105,32 @@ def test_report_lists_failures_oldest_first_and_drops_the_end_of_the_job() -> No
     assert "job step               n/a" in render_report(None, [], 1.0, None)
 
 
+def test_a_group_that_finished_before_a_late_starter_is_not_a_failure() -> None:
+    # g0 trained alone, finished and said goodbye; g1, started late, went on without it.
+    left = {
+        "group": "g0",
+        "cause": "left: shutdown",
+        "state": "down",
+        "last_in_quorum": 10.0,
+        "noticed": 10.1,
+        "went_on": 11.0,
+        "returned": None,
+        "healed": None,
+        "lost_s": 0.9,
+    }
+    # A group that said goodbye (a crash's clean exit) and came back is a failure all the same.
+    back = {**left, "group": "g1", "state": "healed", "returned": 20.0, "healed": 21.0}
+    doc = _doc([("h:1", 20)], failures=[back, left])
+    groups = [GroupReport(0, 1, 0, 0, True), GroupReport(1, 2, 0, 1, True)]
+    text = render_report(doc, groups, 30.0, None, finished=True)
+    assert "failures seen          1 (by the lighthouse)" in text
+    assert "g1 (left: shutdown)" in text and "g0 (left: shutdown)" not in text
+    assert "seconds lost           0.90s" in text
+    # A job that did not finish keeps it: the group may have left for good mid-run.
+    unfinished = render_report(doc, groups, 30.0, "gave up", finished=False)
+    assert "failures seen          2" in unfinished
+
+
 def test_live_line_on_a_pipe_prints_progress_at_intervals() -> None:
     now = [0.0]
     out = io.StringIO()

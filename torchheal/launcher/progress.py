@@ -187,13 +187,12 @@ def render_report(
         wall_s: the launch's duration.
         error: why the launch gave up, if it did.
         finished: every group finished its work: then groups that fell silent without the
-            others going on without them were leaving at the end, not failing.
+            others going on without them, or that said goodbye and never came back, were
+            leaving at the end, not failing.
     """
     lines = ["", "== torchheal launch summary =="]
     job = (doc or {}).get("job") or {}
-    failures = [
-        f for f in (doc or {}).get("failures") or [] if not (finished and f.get("went_on") is None)
-    ]
+    failures = [f for f in (doc or {}).get("failures") or [] if not (finished and _left_at_end(f))]
     step = job.get("step")
     lines.append(
         f"job step               {step if step is not None else 'n/a'} (at the last quorum)"
@@ -218,6 +217,16 @@ def render_report(
     if error:
         lines.append(f"gave up                {error.splitlines()[0]}")
     return "\n".join(lines)
+
+
+def _left_at_end(f: Mapping[str, Any]) -> bool:
+    """In a job whose groups finished, whether this "failure" was a group ending its work:
+    nobody went on without it, or it said goodbye itself and never came back (a group that
+    started later than the others trains on after it, so they go on without it)."""
+    if f.get("went_on") is None:
+        return True
+    said_goodbye = str(f.get("cause", "")).startswith("left")
+    return said_goodbye and f.get("returned") is None and f.get("healed") is None
 
 
 def _failure_story(f: Mapping[str, Any]) -> str:
