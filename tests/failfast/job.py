@@ -1,8 +1,8 @@
 """The fail-fast tests' job: replica groups as processes the test kills, freezes and restarts.
 
 The test process plays the scheduler. It runs the lighthouse (``tests.cluster.lighthouse``),
-starts each group as ``python -m tests.failfast.worker`` and reads the workers' event lines as
-they come, so it can act at a precise point (kill a group after a step, freeze one inside its
+starts each group as ``python -m tests.failfast.worker`` (warm, forked from a template that
+imported torch once: ``tests/warm.py``) and reads the workers' event lines as they come, so it can act at a precise point (kill a group after a step, freeze one inside its
 comm hook) and hold a restart back until the survivors have shown they go on without it.
 
 Every wait polls a condition with a deadline; only processes this job started are ever signalled,
@@ -25,7 +25,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -36,6 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tests import warm
 from tests.failfast.worker import PREFIX
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -55,6 +55,7 @@ class Proc:
     started: float
     rank: int = 0
     killed: bool = False  # the test SIGKILLed it (or it was told to kill itself)
+    release: Path | None = None  # the FIFO it reads a line from where it holds
     reader: threading.Thread | None = field(default=None, repr=False)
     others: list[Proc] = field(default_factory=list)
 
@@ -136,10 +137,9 @@ class Job:
         name = f"g{group}i{incarnation}" + (f"r{rank}" if rank else "")
         log = self.tmp / f"{name}.log"
         out = self.tmp / f"{name}.pt"
-        cmd = [
-            sys.executable,
-            "-m",
-            "tests.failfast.worker",
+        release = self.tmp / f"{name}.release"
+        os.mkfifo(release)
+        args = [
             "--impl",
             self.impl,
             "--group",
@@ -156,21 +156,14 @@ class Job:
             str(out),
             "--timeout",
             str(self.timeout_s),
+            "--release",
+            str(release),
             *(["--device", self.device] if self.device != "cpu" else []),
             *flags,
         ]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "RUST_LOG": "warn"}
-        with open(log, "w") as err:
-            popen = subprocess.Popen(
-                cmd,
-                cwd=ROOT,
-                env=env,
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=err,
-                text=True,
-            )
-        proc = Proc(group, incarnation, popen, log, out, time.time(), rank=rank)
+        log.touch()
+        popen = warm.start("tests.failfast.worker", args)
+        proc = Proc(group, incarnation, popen, log, out, time.time(), rank=rank, release=release)
         proc.reader = threading.Thread(target=self._read, args=(proc,), daemon=True)
         proc.reader.start()
         return proc
@@ -179,19 +172,29 @@ class Job:
         return self.procs[group][-1]
 
     def _read(self, proc: Proc) -> None:
+        """Takes the worker's events as they come; the rest of its output (its stderr is
+        merged in) goes to its log."""
         assert proc.popen.stdout is not None
-        for line in proc.popen.stdout:
-            if line.startswith(PREFIX):
-                event = json.loads(line[len(PREFIX) :])
-                event.setdefault("group", proc.group)
-                event.setdefault("inc", proc.incarnation)
-                event["rank"] = proc.rank
-                with self._cond:
-                    (self.rank_events if proc.rank else self.events).append(event)
-                    if event["kind"] not in ("step", "reduce"):
-                        self._cond.notify_all()  # a marker a test may act on at once
+        with open(proc.log, "a", encoding="utf-8") as log:
+            self._read_lines(proc, log)
         with self._cond:
             self._cond.notify_all()  # its exit may be what a waiter looks for
+
+    def _read_lines(self, proc: Proc, log: Any) -> None:
+        assert proc.popen.stdout is not None
+        for line in proc.popen.stdout:
+            if not line.startswith(PREFIX):
+                log.write(line)
+                log.flush()
+                continue
+            event = json.loads(line[len(PREFIX) :])
+            event.setdefault("group", proc.group)
+            event.setdefault("inc", proc.incarnation)
+            event["rank"] = proc.rank
+            with self._cond:
+                (self.rank_events if proc.rank else self.events).append(event)
+                if event["kind"] not in ("step", "reduce"):
+                    self._cond.notify_all()  # a marker a test may act on at once
 
     def signal(self, group: int, sig: signal.Signals) -> float:
         """Sends ``sig`` to every rank of ``group``'s current incarnation that still runs (rank
@@ -220,10 +223,14 @@ class Job:
 
     def release(self, group: int, rank: int = 0) -> None:
         """Lets a group (one rank of it) that holds in its comm hook (``--hold-after``) go on."""
-        stdin = self.current(group).ranks()[rank].popen.stdin
-        assert stdin is not None
-        stdin.write("go\n")
-        stdin.flush()
+        proc = self.current(group).ranks()[rank]
+        # The worker holds its FIFO open for reading from its start: this never waits, and
+        # fails (ENXIO) only when the worker is gone.
+        fd = os.open(proc.release, os.O_WRONLY | os.O_NONBLOCK)
+        try:
+            os.write(fd, b"go\n")
+        finally:
+            os.close(fd)
 
     def expect_death(self, group: int) -> None:
         """The group's current process will SIGKILL itself (``--die-after``); its other ranks,

@@ -5,7 +5,7 @@
         [--hold-after N] [--die-after N] [--die-before-reducing N] [--die-at-join] \
         [--fail-reduce N] [--hold-reduced N] [--hold-in-heal] [--fail-heal] [--stop-at-rejoin] \
         [--ballast-mb M] \
-        [--timeout S] \
+        [--timeout S] [--release FIFO] \
         [--host ADDR] [--salvage] [--device cpu|cuda] [--rank R --ranks K --store-port P]
 
 With ``--ranks K`` (K > 1) the process is rank R of a group of K ranks, each its own process,
@@ -21,6 +21,11 @@ and momentum (the momentum buffers are optimizer state a healing group must rece
 manager name used exists in torchheal and in the reference (torchft), so ``--impl torchft`` runs
 the same job on the reference's Manager.
 
+Where a marker below says the worker holds "until a line arrives", the line is read from the
+FIFO ``--release`` names (opened at start-up, read and write, so that neither end ever waits for
+the other to open it), else from stdin: a worker the tests start warm has no stdin of its own
+(``tests/warm.py``).
+
 It prints one ``@ff {json}`` line per event on stdout (flushed, so the lines a process wrote
 before a SIGKILL are still read):
 
@@ -29,7 +34,7 @@ before a SIGKILL are still read):
   ``participating`` (False: this group heals and sends zeros) and ``divisor`` (what the sum is
   divided by). A test replays the job's history from these lines.
 * ``reducing``: (``--hold-after N``) the group is inside its comm hook, in the step after its
-  N-th full commit, and will not contribute until a line arrives on its stdin; the test freezes
+  N-th full commit, and will not contribute until a line arrives; the test freezes
   it there, while the other groups wait in the collective for its data.
 * ``dying``: (``--die-after N``) in the step after its N-th full commit, the group started the
   allreduce and SIGKILLs itself now, from inside backward.
@@ -40,12 +45,12 @@ before a SIGKILL are still read):
   group for that quorum, while the other groups build theirs and wait for its address.
 * ``reduced``: (``--hold-reduced N``) in the step after its N-th full commit, the group's
   allreduce completed (with every group's data) and the group holds in its comm hook, before
-  its vote, until a line arrives on its stdin. With ``--fail-reduce N`` (torchheal only) that
+  its vote, until a line arrives. With ``--fail-reduce N`` (torchheal only) that
   allreduce completes but reports a failure (``FakeProcessGroupWrapper``), as a collective does
   whose peer reset the connection just after the last byte.
 * ``receiving``: (``--hold-in-heal``, torchheal only) the group's first heal has received its
   first MiB of the source's state and stops reading, inside the HTTP transport's receive, until
-  a line arrives on its stdin; the test freezes it there, its source's send part way through.
+  a line arrives; the test freezes it there, its source's send part way through.
   ``--ballast-mb M`` adds M MiB to every group's state (a tensor the heal carries and nothing
   trains), so that a stream outgrows the socket buffers.
 * ``stopping``: (``--stop-at-rejoin``, torchheal only) a quorum of every group was just answered
@@ -175,7 +180,7 @@ def stop_at_rejoin(group: int, groups: int) -> None:
 
 
 def hold_in_heal(group: int) -> None:
-    """The first heal's receive stops reading after its first MiB until a line arrives on stdin.
+    """The first heal's receive stops reading after its first MiB until a line arrives.
 
     It wraps the HTTP transport's reads of the data (``read_segments``'s ``readinto``): the real
     client, held part way through the stream.
@@ -250,7 +255,10 @@ def main() -> None:
     p.add_argument("--rank", type=int, default=0, help="this process's rank in its group")
     p.add_argument("--ranks", type=int, default=1, help="the group's rank count")
     p.add_argument("--store-port", type=int, default=0, help="the group's store (--ranks > 1)")
+    p.add_argument("--release", help="a FIFO the test writes a line to where we hold")
     args = p.parse_args()
+    if args.release:
+        sys.stdin = open(os.open(args.release, os.O_RDWR), encoding="utf-8")
     if args.ranks > 1 and not args.store_port:
         p.error("--ranks > 1 needs --store-port: the group's ranks meet in that store")
     first = args.incarnation == 0
