@@ -16,7 +16,6 @@ Every wait is bounded; only processes this harness started are ever killed.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import multiprocessing.connection
 import os
 import signal
@@ -32,6 +31,7 @@ from typing import Any, TypeVar
 import torch
 from torch.distributed import TCPStore
 
+from tests import warm
 from torchheal.coordination.lighthouse import LighthouseServer
 from torchheal.manager import Manager
 from torchheal.process_group.gloo import ProcessGroupGloo
@@ -242,7 +242,7 @@ def supervise(
         AssertionError: the run did not finish in time, a rank died unplanned (its exit code is
             in the message), or a group restarted too often.
     """
-    ctx = mp.get_context("spawn")
+    ctx = warm.mp_context()
     groups = {launch.group: _Running(launch) for launch in launches}
     t0 = time.monotonic()
 
@@ -314,7 +314,7 @@ def run_processes(
         calls: what each process runs.
         deadline_s: bound on the whole run.
     """
-    ctx = mp.get_context("spawn")
+    ctx = warm.mp_context()
     procs = [ctx.Process(target=target, args=args, daemon=True) for target, args in calls]
     deadline = time.monotonic() + deadline_s
     try:

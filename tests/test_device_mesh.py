@@ -17,6 +17,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests import warm
+
 WORLD = 2
 
 
@@ -149,7 +151,7 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def observations() -> dict[int, dict[str, Any]]:
-    ctx = multiprocessing.get_context("spawn")
+    ctx = warm.mp_context()
     queue = ctx.Queue()
     port = _free_port()
     procs = [ctx.Process(target=_worker, args=(r, port, queue), daemon=True) for r in range(WORLD)]

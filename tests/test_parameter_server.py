@@ -16,6 +16,7 @@ from datetime import timedelta
 import pytest
 import torch
 
+from tests import warm
 from torchheal.parameter_server import ParameterServer
 from torchheal.process_group.base import ProcessGroup
 from torchheal.process_group.gloo import ProcessGroupGloo
@@ -152,7 +153,7 @@ def _dying_client(address: str, ready: multiprocessing.synchronize.Event) -> Non
 
 
 def test_dead_client_ends_only_its_session(server: AddServer) -> None:
-    ctx = multiprocessing.get_context("spawn")
+    ctx = warm.mp_context()
     ready = ctx.Event()
     proc = ctx.Process(target=_dying_client, args=(server.address(), ready), daemon=True)
     proc.start()

@@ -7,7 +7,6 @@ rank outside a mesh sees.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import queue
 import zlib
 from collections.abc import Iterator
@@ -20,6 +19,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
+from tests import warm
 from tests.checkpointing.test_serialization import _doc, _frame, _tensor
 from torchheal.checkpointing import CheckpointError
 from torchheal.checkpointing.deserialization import decode_bytes
@@ -154,7 +154,7 @@ def _rank(rank: int, port: int, transport: str, out: Any) -> None:
 
 @pytest.mark.parametrize("transport", ["pg", "http"])
 def test_dtensor_reaches_another_rank_whole(transport: str) -> None:
-    ctx = mp.get_context("spawn")
+    ctx = warm.mp_context()
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     out = ctx.Queue()
     procs = [

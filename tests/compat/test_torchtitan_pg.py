@@ -9,13 +9,13 @@ spawned processes with their own default (world-1) group, against a real lightho
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import queue
 from datetime import timedelta
 from typing import Any
 
 import pytest
 
+from tests import warm
 from torchheal.coordination.lighthouse import LighthouseServer
 
 pytestmark = pytest.mark.timeout(120)
@@ -82,7 +82,7 @@ def _replica(index: int, lighthouse: str, results: Any) -> None:
 
 def test_registered_managed_group_serves_avg_sum_and_max() -> None:
     lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=2)
-    ctx = mp.get_context("spawn")
+    ctx = warm.mp_context()
     results = ctx.Queue()
     procs = [ctx.Process(target=_replica, args=(i, lighthouse.address(), results)) for i in (0, 1)]
     try:

@@ -6,12 +6,11 @@ must heal live and end with exactly the weights of the groups that never failed.
 
 from __future__ import annotations
 
-import multiprocessing as mp
-
 import pytest
 import torch
 import torch.distributed as dist
 
+from tests import warm
 from tests.integration.jobs import GroupPlan, JobSpec, run_job
 from tests.integration.workers import failure_free, train_ddp, train_plain_ddp
 
@@ -118,7 +117,7 @@ def test_matches_plain_torch_ddp_without_failures(tmp_path):
         tmp_path,
     )
 
-    ctx = mp.get_context("spawn")
+    ctx = warm.mp_context()
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     procs = [
         ctx.Process(

@@ -3,7 +3,6 @@ SIGKILLed peer (a real process) with an error instead of a hang."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import time
 from datetime import timedelta
 
@@ -11,6 +10,7 @@ import pytest
 import torch
 from torch.distributed.distributed_c10d import ReduceOp, ReduceScatterOptions
 
+from tests import warm
 from tests.process_group.helpers import collective_matrix, new_store, run_ranks, victim_main
 from torchheal.process_group import ProcessGroupGloo
 
@@ -76,7 +76,7 @@ def test_with_resiliency_sigkilled_peer() -> None:
     """3 ranks (rank 2 in its own process); rank 2 is SIGKILLed; survivors must error within
     their timeout, then reconfigure as a world of 2 and allreduce correctly."""
     _store, addr = new_store()
-    ctx = mp.get_context("spawn")
+    ctx = warm.mp_context()
     parent_conn, child_conn = ctx.Pipe()
     victim = ctx.Process(
         target=victim_main, args=("gloo", f"{addr}/gen1", 2, 3, 30.0, child_conn), daemon=True

@@ -7,7 +7,6 @@ at once and a peer that resumes later cannot complete it into our buffers.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import signal
 import threading
@@ -19,6 +18,7 @@ import torch
 from torch.distributed.distributed_c10d import ReduceOp
 
 from bench.store_freeze import is_stopped
+from tests import warm
 from tests.process_group.helpers import new_store
 from torchheal.process_group import ProcessGroupGloo
 
@@ -43,7 +43,7 @@ def _stopper(store_addr: str, conn: Connection) -> None:
 
 def test_abort_interrupts_a_collective_blocked_on_a_stopped_peer() -> None:
     _store, addr = new_store()
-    ctx = mp.get_context("spawn")
+    ctx = warm.mp_context()
     parent, child = ctx.Pipe()
     stopper = ctx.Process(target=_stopper, args=(f"{addr}/g1", child), daemon=True)
     stopper.start()
