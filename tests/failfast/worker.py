@@ -74,6 +74,12 @@ at the first step >= target whose commit was *full* (all ``--groups`` groups con
 divisor was the group count). Every group sees the same full commit, so all stop at the same step
 with the same weights; a group that lagged behind (left out of a round, healing) keeps going with
 the others until such a commit. Injected failures apply to the first incarnation only.
+
+The injected failures count *full commits* otherwise: the commits of a step whose divisor was the
+group count (a quorum of every group), whether or not this group contributed. A group that healed
+in such a step (its first quorum with the others, at ``init_sync``) counts it as the others do,
+so that every group's N-th full commit is the same step: groups that start together and make
+their first quorum at once would otherwise fail, hold or die one step apart.
 """
 
 from __future__ import annotations
@@ -410,7 +416,7 @@ def main() -> None:
             and record["participating"]
             and record["divisor"] == args.groups
         )
-        full_commits += last_full
+        full_commits += committed and record is not None and record["divisor"] == args.groups
         fields = {"before": step, "after": after, "committed": committed, "reduce": record}
         emit("step", group=args.group, inc=args.incarnation, **fields)
         if trace is not None:
