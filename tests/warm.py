@@ -20,6 +20,9 @@ Tests that run a function in a process of its own (``multiprocessing``) take
 instead of the spawn start method, which began a fresh interpreter each time. A child takes on
 the environment its parent had at ``Process.start`` (a forkserver's children would otherwise
 inherit the server's), but for what only a fresh interpreter reads.
+
+``TORCHHEAL_TESTS_COLD=1`` starts every worker cold and takes spawn for ``multiprocessing``:
+the tests then run at the pace of a fresh interpreter, as jobs without warm spares restart.
 """
 
 from __future__ import annotations
@@ -44,6 +47,9 @@ ROOT = Path(__file__).resolve().parents[1]
 #: What every worker's environment starts from (its one-thread pools are read at start-up).
 BASE_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "RUST_LOG": "warn"}
 
+#: Set to "1": every worker a fresh interpreter (see the module docstring).
+COLD = os.environ.get("TORCHHEAL_TESTS_COLD", "") == "1"
+
 _lock = threading.Lock()
 _pool: SparePool | None = None
 
@@ -54,7 +60,7 @@ def _session_pool() -> SparePool:
         if _pool is None:
             _pool = SparePool(
                 [sys.executable, "-m", "tests"],
-                size=1,
+                size=0 if COLD else 1,
                 env=BASE_ENV,
                 cwd=str(ROOT),
                 stdout=subprocess.PIPE,
@@ -107,5 +113,7 @@ _CONTEXT = _Context()
 def mp_context() -> multiprocessing.context.BaseContext:
     """multiprocessing's forkserver, whose server imports torch and torchheal once; each child
     runs in the environment its parent had when it started it (as with spawn)."""
+    if COLD:
+        return multiprocessing.get_context("spawn")
     _CONTEXT.set_forkserver_preload(list(DEFAULT_PRELOAD))  # read when the server starts
     return _CONTEXT
