@@ -40,12 +40,12 @@ from pathlib import Path
 from torchheal.launcher.local import take_environment
 from torchheal.launcher.spare import DEFAULT_PRELOAD, SparePool
 
-__all__ = ["BASE_ENV", "mp_context", "start"]
+__all__ = ["WORKER_ENV", "mp_context", "start"]
 
 ROOT = Path(__file__).resolve().parents[1]
 
-#: What every worker's environment starts from (its one-thread pools are read at start-up).
-BASE_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "RUST_LOG": "warn"}
+#: What the workers' environment adds to this process's (one-thread pools, read at start-up).
+WORKER_ENV = {"OMP_NUM_THREADS": "1", "RUST_LOG": "warn"}
 
 #: Set to "1": every worker a fresh interpreter (see the module docstring).
 COLD = os.environ.get("TORCHHEAL_TESTS_COLD", "") == "1"
@@ -61,7 +61,7 @@ def _session_pool() -> SparePool:
             _pool = SparePool(
                 [sys.executable, "-m", "tests"],
                 size=0 if COLD else 1,
-                env=BASE_ENV,
+                env={**os.environ, **WORKER_ENV},
                 cwd=str(ROOT),
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
@@ -80,12 +80,13 @@ def start(
     Args:
         module: the module run as ``__main__``.
         args: its arguments.
-        env: its environment (default :data:`BASE_ENV`).
+        env: its environment (default: this process's now, with :data:`WORKER_ENV`).
     """
     pool = _session_pool()
     with _lock:
         proc = pool.spawn(
-            [sys.executable, "-m", module, *args], dict(BASE_ENV if env is None else env)
+            [sys.executable, "-m", module, *args],
+            {**os.environ, **WORKER_ENV} if env is None else dict(env),
         )
         pool.fill()  # the next one forked now, off the next start's path
     return proc
