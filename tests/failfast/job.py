@@ -2,8 +2,9 @@
 
 The test process plays the scheduler. It runs the lighthouse (``tests.cluster.lighthouse``),
 starts each group as ``python -m tests.failfast.worker`` (warm, forked from a template that
-imported torch once: ``tests/warm.py``) and reads the workers' event lines as they come, so it can act at a precise point (kill a group after a step, freeze one inside its
-comm hook) and hold a restart back until the survivors have shown they go on without it.
+imported torch once: ``tests/warm.py``) and reads the workers' event lines as they come, so it
+can act at a precise point (kill a group after a step, freeze one inside its comm hook) and hold
+a restart back until the survivors have shown they go on without it.
 
 Every wait polls a condition with a deadline; only processes this job started are ever signalled,
 by their own pid. A worker that exits in a way the test did not cause fails the wait at once, with
@@ -176,25 +177,21 @@ class Job:
         merged in) goes to its log."""
         assert proc.popen.stdout is not None
         with open(proc.log, "a", encoding="utf-8") as log:
-            self._read_lines(proc, log)
+            for line in proc.popen.stdout:
+                if not line.startswith(PREFIX):
+                    log.write(line)
+                    log.flush()
+                    continue
+                event = json.loads(line[len(PREFIX) :])
+                event.setdefault("group", proc.group)
+                event.setdefault("inc", proc.incarnation)
+                event["rank"] = proc.rank
+                with self._cond:
+                    (self.rank_events if proc.rank else self.events).append(event)
+                    if event["kind"] not in ("step", "reduce"):
+                        self._cond.notify_all()  # a marker a test may act on at once
         with self._cond:
             self._cond.notify_all()  # its exit may be what a waiter looks for
-
-    def _read_lines(self, proc: Proc, log: Any) -> None:
-        assert proc.popen.stdout is not None
-        for line in proc.popen.stdout:
-            if not line.startswith(PREFIX):
-                log.write(line)
-                log.flush()
-                continue
-            event = json.loads(line[len(PREFIX) :])
-            event.setdefault("group", proc.group)
-            event.setdefault("inc", proc.incarnation)
-            event["rank"] = proc.rank
-            with self._cond:
-                (self.rank_events if proc.rank else self.events).append(event)
-                if event["kind"] not in ("step", "reduce"):
-                    self._cond.notify_all()  # a marker a test may act on at once
 
     def signal(self, group: int, sig: signal.Signals) -> float:
         """Sends ``sig`` to every rank of ``group``'s current incarnation that still runs (rank
