@@ -10,8 +10,10 @@ from torchheal.coordination.quorum import (
     forget_stale_heartbeats,
     heartbeat,
     join,
+    left_out,
     quorum_compute,
     requeue,
+    session_opened,
     tick,
 )
 from torchheal.coordination.types import Quorum, QuorumMember, Timestamp
@@ -386,3 +388,36 @@ def test_forget_stale_heartbeats_rejects_unsafe_age() -> None:
     with pytest.raises(ValueError, match="older_than_s"):
         forget_stale_heartbeats(state, 10.0, 0)
     assert state.heartbeats == {"a": 0.0}
+
+
+def test_left_out_names_the_live_members_that_a_newer_quorum_left_out_while_they_worked() -> None:
+    # a, b and c have torchheal sessions; d and e are reference peers (no session).
+    config = LighthouseConfig(min_replicas=1)
+    state = LighthouseState()
+    for rid in "abc":
+        session_opened(state, rid, 0.0)
+    for rid in "abcde":
+        join(state, member(rid), 0.0)
+    first, _ = tick(state, config, 0.0, WALL)
+    assert first is not None and ids(first.participants) == ["a", "b", "c", "d", "e"]
+    assert left_out(state, None, first) == []
+    # a, b and d come back from the step; c is still at work in quorum 1 (alive: its session
+    # lasts), e too. After the wait for late members, quorum 2 goes on without them.
+    for rid in "abd":
+        join(state, member(rid), 1.0)
+    second = None
+    now = 1.0
+    while second is None:
+        assert now < 4.0, "no quorum without the late members within their grace"
+        heartbeat(state, "c", now)
+        heartbeat(state, "e", now)
+        second, _ = tick(state, config, now, WALL)
+        now += 0.1
+    assert ids(second.participants) == ["a", "b", "d"]
+    # c is told its quorum is over; e has no session to be told on (as the reference).
+    assert left_out(state, first, second) == ["c"]
+    # A member that is asking was put back by the issue: it left quorum 1 already.
+    requeue(state, member("c"), now)
+    assert left_out(state, first, second) == []
+    # The same quorum issued again (same id) leaves nobody out.
+    assert left_out(state, second, second) == []

@@ -378,3 +378,37 @@ def test_sessions_travel_on_the_direct_lane_else_the_grpc_stream(
     victim.proc.kill()
     assert notices.get(timeout=20) == ("b:1", 1, "connection ended")
     assert _quorum(survivor, 6).join().replica_world_size == 1
+
+
+def test_a_live_group_left_out_of_a_newer_quorum_is_told_and_no_one_else(
+    make_lighthouse, make_manager
+):
+    # c stays at work in quorum 1 (a long step, a build waiting on a peer that gave it up)
+    # while a and b go on: once the lighthouse issues quorum 2 without it, it must hear that
+    # quorum 1 is over, or it waits there for its own timeout. Its heartbeats never expire.
+    lighthouse = make_lighthouse(heartbeat_timeout_ms=60_000)
+    servers = {rid: make_manager(loopback(lighthouse), replica_id=f"{rid}:1") for rid in "abc"}
+    heard: dict[str, queue.Queue] = {rid: queue.Queue() for rid in servers}
+    for rid, server in servers.items():
+        server.add_lost_listener(lambda *notice, q=heard[rid]: q.put(notice))
+    first = [_quorum(server, 5) for server in servers.values()]
+    assert {r.join().quorum_id for r in first} == {1}
+    assert servers["c"]._doubt() is None
+
+    ra, rb = _quorum(servers["a"], 6), _quorum(servers["b"], 6)
+    assert (ra.join().quorum_id, rb.join().replica_world_size) == (2, 2)
+    replica_id, quorum_id, reason = heard["c"].get(timeout=20)
+    assert (replica_id, quorum_id) == ("c:1", 1)
+    assert reason.startswith("not in quorum 2")
+    # The step c was at work in may have been redone without it: its vote would be overruled.
+    why = servers["c"]._doubt()
+    assert why is not None and "left it out of quorum 2" in why
+    # The notice went to c alone: a and b are not told about a group that is alive.
+    assert heard["a"].empty() and heard["b"].empty()
+
+    # c asks again and is let back in; what it saw before its request no longer counts.
+    rc = _quorum(servers["c"], 6)
+    ra, rb = _quorum(servers["a"], 7), _quorum(servers["b"], 7)
+    assert {r.join().quorum_id for r in (ra, rb, rc)} == {3}
+    assert servers["c"]._doubt() is None
+    assert heard["a"].empty() and heard["b"].empty()

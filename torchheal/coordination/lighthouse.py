@@ -157,6 +157,7 @@ class LighthouseServer:
         except StoreError as e:
             raise RuntimeError(f"lighthouse: {e}") from e
         self._sessions = SessionRegistry(self._rounds, self._notify, observed)
+        self._rounds.on_issued = self._sessions.on_issued
         # The state and its lock, under the names tests and tools have read them by.
         self._state = self._rounds.state
         self._lock = self._rounds.lock

@@ -627,10 +627,26 @@ class LighthouseLink:
             await asyncio.sleep(self._interval_s)
 
     def _dropped(self, lost: spb.MemberLost) -> None:
-        """The lighthouse says this group is lost (its heartbeat expired while it was frozen)."""
+        """The lighthouse says this group is lost (its heartbeat expired while it was frozen),
+        or was left out of a newer quorum (``superseded_by``) while it had not asked."""
         last = self._last_quorum
         if last is not None and lost.quorum_id < last.quorum_id:
             return  # about a quorum before the one we now train in
+        if lost.superseded_by:
+            if last is not None and last.quorum_id >= lost.superseded_by:
+                return  # we were answered that quorum or a newer one since
+            with self._standing_lock:
+                doubted = self._standing.left_out(
+                    lost.quorum_id, lost.superseded_by, asking=bool(self._pending)
+                )
+            logger.info(  # (the notice's forwarding logs the warning)
+                "%s the lighthouse issued quorum %d without this group, still in quorum %d%s",
+                self._prefix,
+                lost.superseded_by,
+                lost.quorum_id,
+                "" if doubted else " (our request for the next one crossed the notice)",
+            )
+            return
         logger.warning(
             "%s the lighthouse dropped this group from quorum %d (%s)",
             self._prefix,

@@ -10,8 +10,12 @@ lost, so the other groups can abort a collective they are blocked in with it:
 * on the lighthouse's periodic tick when its heartbeat expired (a frozen process keeps its
   connection but stops heartbeating; reference peers have no session at all).
 
-Each member is announced once per quorum id. The observer also hears about expired heartbeats
-from here. Loop thread only.
+Each member is announced once per quorum id. A member that is alive but was left out of the
+next quorum (it had not asked for it within the wait for late members: a long step, or a
+process-group build that waits for a peer which gave that build up) is told so itself, and only
+itself (``MemberLost.superseded_by``): its peers have left the quorum it is still at work in, so
+it stops waiting there now instead of at its own timeout. The observer also hears about expired
+heartbeats from here. Loop thread only.
 """
 
 from __future__ import annotations
@@ -24,7 +28,8 @@ from typing import Protocol
 from torchheal._wire import session_pb2 as spb
 from torchheal._wire import torchft_pb2 as pb
 from torchheal.coordination.lighthouse_rounds import QuorumRounds
-from torchheal.coordination.quorum import lost_members, session_ended, session_opened
+from torchheal.coordination.quorum import left_out, lost_members, session_ended, session_opened
+from torchheal.coordination.types import Quorum
 
 __all__ = ["Peer", "SessionRegistry"]
 
@@ -116,6 +121,38 @@ class SessionRegistry:
                 self._announce(replica_id, prev.quorum_id, "heartbeat expired", now)
         if self._observed:
             self._report_expired(now)
+
+    def on_issued(self, before: Quorum | None, issued: Quorum) -> None:
+        """A quorum was just issued (and delivered): tell each member of the one ``before`` it
+        that was left out, alive and not asking, that its quorum is over (``left_out``)."""
+        rounds = self._rounds
+        with rounds.lock:
+            left = left_out(rounds.state, before, issued)
+        if not left or before is None:
+            return
+        announced_id, announced = self._announced
+        for replica_id in left:
+            peer = self._sessions.get(replica_id)
+            if peer is None or (announced_id == before.quorum_id and replica_id in announced):
+                continue  # (already told, with everyone, that it was lost from that quorum)
+            reason = f"not in quorum {issued.quorum_id}: it had not asked for it in time"
+            logger.warning(
+                "Replica %s of quorum %d is alive but was left out of quorum %d (it had not "
+                "asked for it within the wait for late members); telling it",
+                replica_id,
+                before.quorum_id,
+                issued.quorum_id,
+            )
+            peer.send(
+                spb.SessionEvent(
+                    lost=spb.MemberLost(
+                        replica_id=replica_id,
+                        quorum_id=before.quorum_id,
+                        reason=reason,
+                        superseded_by=issued.quorum_id,
+                    )
+                ).SerializeToString()
+            )
 
     def _announce(self, replica_id: str, quorum_id: int, reason: str, now: float) -> None:
         announced_id, announced = self._announced

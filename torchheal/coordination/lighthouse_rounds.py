@@ -147,6 +147,9 @@ class QuorumRounds:
         self._last_reason: str | None = None
         self._last_prune = 0.0
         self._loop: asyncio.AbstractEventLoop | None = None
+        #: Called on the loop with (the quorum before, the quorum just issued) once each
+        #: issued quorum was delivered (the lighthouse's sessions, to tell who was left out).
+        self.on_issued: Callable[[Quorum | None, Quorum], None] | None = None
 
     # ------------------------------------------------------------------------------------------
     # Heartbeats and requests
@@ -326,6 +329,7 @@ class QuorumRounds:
         self._due = False
         now = time.monotonic()
         with self.lock:
+            before = self.state.prev_quorum
             quorum, reason = tick(self.state, self.config, now, Timestamp.from_float(time.time()))
             if reason != self._last_reason:
                 # Ticks run every 100 ms; repeating an unchanged reason would flood the log.
@@ -353,6 +357,8 @@ class QuorumRounds:
             # Participants were cleared by tick(); their messages go with the issued quorum.
             self._entries = {}
         self._deliver(quorum, entries, now)
+        if self.on_issued is not None:
+            self.on_issued(before, quorum)
         if self._observed:
             self._notify("quorum_issued", quorum, reason, round_s, now)
 

@@ -26,6 +26,7 @@ __all__ = [
     "forget_stale_heartbeats",
     "heartbeat",
     "join",
+    "left_out",
     "lost_members",
     "quorum_compute",
     "requeue",
@@ -221,6 +222,38 @@ def lost_members(state: LighthouseState, config: LighthouseConfig, now: float) -
         if seen is None or now - seen >= timeout_s:
             lost.append(member.replica_id)
     return sorted(lost)
+
+
+def left_out(state: LighthouseState, before: Quorum | None, issued: Quorum) -> list[str]:
+    """Members of ``before`` that ``issued`` left out while they are alive and not asking.
+
+    Such a member is still at work in ``before`` (a long step, or a process-group build that
+    waits for a peer's address), but its peers have left that quorum for ``issued``: nothing it
+    waits on there will ever complete, and without a word it would wait for its own timeout. A
+    member is alive while its torchheal session lasts; one that is asking (a request the issue
+    put back) already left ``before`` and will be answered the next quorum. A reference peer
+    has no session and is never told (the reference tells nobody anything).
+
+    Call it after ``issued`` was delivered (its left-out requesters put back).
+
+    Args:
+        state: the lighthouse state.
+        before: the quorum issued before ``issued`` (None: there was none).
+        issued: the quorum just issued.
+
+    Returns:
+        Their replica ids, sorted.
+    """
+    if before is None or before.quorum_id == issued.quorum_id:
+        return []
+    kept = {m.replica_id for m in issued.participants}
+    return sorted(
+        m.replica_id
+        for m in before.participants
+        if m.replica_id not in kept
+        and m.replica_id in state.sessions
+        and m.replica_id not in state.participants
+    )
 
 
 def requeue(state: LighthouseState, member: QuorumMember, joined_at: float) -> None:

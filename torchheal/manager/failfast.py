@@ -234,8 +234,9 @@ class ConnectedQuorum:
 
     def on_dropped(self, replica_id: str, quorum_id: int, reason: str) -> None:
         """The lighthouse dropped this group from quorum ``quorum_id`` (it was frozen past its
-        heartbeat timeout): a build for that quorum is abandoned, as its peers abandoned it,
-        whether it is under way or starts later.
+        heartbeat timeout, or a newer quorum was issued without it while it was still at work
+        in this one): a build for that quorum is abandoned, as its peers abandoned it, whether
+        it is under way or starts later.
 
         Nothing else is aborted: once woken, a collective of ours may wait on peers whose cut
         Gloo has not seen, and its abort would block; the vote's fence (``standing.py``) keeps
