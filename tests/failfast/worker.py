@@ -4,6 +4,7 @@
         --target-file F --out OUT [--impl torchheal|torchft] \
         [--hold-after N] [--die-after N] [--die-before-reducing N] [--die-at-join] \
         [--fail-reduce N] [--hold-reduced N] [--hold-in-heal] [--fail-heal] [--stop-at-rejoin] \
+        [--fail-build-at-join] \
         [--ballast-mb M] \
         [--timeout S] [--release FIFO] \
         [--host ADDR] [--salvage] [--device cpu|cuda] [--rank R --ranks K --store-port P]
@@ -53,6 +54,11 @@ before a SIGKILL are still read):
   a line arrives; the test freezes it there, its source's send part way through.
   ``--ballast-mb M`` adds M MiB to every group's state (a tensor the heal carries and nothing
   trains), so that a stream outgrows the socket buffers.
+* ``build-failing``: (``--fail-build-at-join``, torchheal only) the group's first quorum with
+  every group of the job in it was just answered; its build of the process group for that
+  quorum raises before it publishes the group's address, as a build whose connection to the
+  rendezvous store was cut does. The other groups building it wait for that address. The group
+  goes on as usual: its step fails, and it asks for the next quorum.
 * ``stopping``: (``--stop-at-rejoin``, torchheal only) a quorum of every group was just answered
   after one of fewer (a lost group is back); the group SIGSTOPs itself now, before it builds the
   process group for that quorum. The test SIGCONTs it.
@@ -85,6 +91,7 @@ their first quorum at once would otherwise fail, hold or die one step apart.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import json
 import logging
@@ -185,6 +192,40 @@ def stop_at_rejoin(group: int, groups: int) -> None:
     on_timeline(Stop())
 
 
+def fail_build_at_join(group: int, groups: int, pg: Any) -> None:
+    """The build for the first quorum of all ``groups`` groups raises before it starts.
+
+    Armed on ``quorum.end`` (as ``die_at_join``), on the quorum thread just before it builds
+    the process group for that quorum; the wrapped ``configure`` is the one the build calls.
+    """
+    armed = done = False
+    configure = pg.configure
+
+    class Arm(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            nonlocal armed
+            fields = getattr(record, "fields", {})
+            if (
+                not done
+                and getattr(record, "phase", None) == "quorum.end"
+                and fields.get("replicas") == groups
+                and fields.get("quorum_id") != fields.get("current")
+            ):
+                armed = True
+
+    @functools.wraps(configure)  # its signature: the Manager passes the quorum's keywords
+    def failing(*a: Any, **k: Any) -> Any:
+        nonlocal armed, done
+        if armed:
+            armed, done = False, True
+            emit("build-failing", group=group, quorum_id=k.get("quorum_id"))
+            raise ConnectionResetError("injected: the rendezvous store's connection was cut")
+        return configure(*a, **k)
+
+    pg.configure = failing
+    on_timeline(Arm())
+
+
 def hold_in_heal(group: int) -> None:
     """The first heal's receive stops reading after its first MiB until a line arrives.
 
@@ -254,6 +295,9 @@ def main() -> None:
     p.add_argument("--hold-in-heal", action="store_true", help="hold part way into a heal")
     p.add_argument("--fail-heal", action="store_true", help="the first heal's receive fails")
     p.add_argument("--stop-at-rejoin", action="store_true", help="SIGSTOP when a group rejoins")
+    p.add_argument(
+        "--fail-build-at-join", action="store_true", help="the first full build fails at once"
+    )
     p.add_argument("--ballast-mb", type=int, default=0, help="MiB of untrained state")
     p.add_argument("--host", default="127.0.0.1", help="address of this group's store")
     p.add_argument("--salvage", action="store_true", help="Manager(salvage_step=True)")
@@ -323,6 +367,8 @@ def main() -> None:
         die_at_join(args.group, args.groups)
     if args.stop_at_rejoin:
         stop_at_rejoin(args.group, args.groups)
+    if first and args.fail_build_at_join:
+        fail_build_at_join(args.group, args.groups, pg)
 
     attempt: dict[str, Any] = {}
     full_commits = 0
