@@ -31,6 +31,8 @@ Script commands (one per line; ``#`` starts a comment; names are replica ids):
 ``expect reason "text"`` the last tick's reason contains ``text``.
 ``expect waiting a,c``   the requests still waiting (``-`` for none).
 ``expect lost c``        the members of the last quorum that are gone or expired (``-``: none).
+``expect told c``        the members of the quorum before that the last tick's quorum left out
+                         while alive and not asking: told their quorum is over (``-``: none).
 ``expect plan a g=0 init_sync=true rank=0 heal=false src=- dst=1,2 max_step=3 store=a``
                          a's result for the quorum a last received; ``g``/``init_sync``
                          (default 0/true) are inputs, every other key is checked: ``rank``,
@@ -52,6 +54,7 @@ from torchheal.coordination.quorum import (
     LighthouseState,
     heartbeat,
     join,
+    left_out,
     lost_members,
     requeue,
     restore,
@@ -127,6 +130,8 @@ class Cluster:
     last_reason: str | None = None
     # The last quorum the lighthouse issued (what its state file would hold).
     last_issued: Quorum | None = None
+    # Who the last tick's quorum left out alive (the lighthouse tells them; ``left_out``).
+    told: list[str] = field(default_factory=list)
 
     @property
     def now(self) -> float:
@@ -142,8 +147,10 @@ class Cluster:
 
     def tick(self) -> None:
         wall = Timestamp.from_float(WALL_EPOCH_S + self.now)
+        before = self.state.prev_quorum
         quorum, reason = tick(self.state, self.config, self.now, wall)
         self.last_quorum, self.last_reason = quorum, reason
+        self.told = []
         if quorum is None:
             return
         self.last_issued = quorum
@@ -155,6 +162,7 @@ class Cluster:
             else:
                 # As the server does: a requester left out keeps waiting for the next quorum.
                 requeue(self.state, request, self.now)
+        self.told = left_out(self.state, before, quorum)
 
 
 def run_command(cluster: Cluster, words: list[str]) -> None:
@@ -266,6 +274,10 @@ def check_expectation(cluster: Cluster, args: list[str]) -> None:
         got = lost_members(cluster.state, cluster.config, cluster.now)
         if got != want:
             raise ScriptError(f"expected lost {want}, got {got}")
+    elif what == "told":
+        want = sorted(parse_names(rest[0]))
+        if cluster.told != want:
+            raise ScriptError(f"expected told {want}, got {cluster.told}")
     elif what == "plan":
         check_plan(cluster, rest)
     else:
