@@ -36,32 +36,40 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 REJOIN_BOUND_S = 20.0
 
 
+def give_up_a_build(job: Job) -> tuple[int, float]:
+    """Starts g0 and g1, then g2; g1 and g2 give up the build of the quorum of all three.
+
+    Returns:
+        That quorum's id, and the wall time the second of them gave it up.
+    """
+    job.start(0)
+    job.start(1, "--fail-build-at-join")
+    job.wait_for(
+        "g0 and g1 to commit together",
+        lambda events: all(
+            any(e["reduce"]["divisor"] == 2 for e in Job.commits(events, g)) for g in (0, 1)
+        ),
+        START_BOUND_S,
+    )
+    job.start(2, "--fail-build-at-join")
+
+    def both_failed(events: list[Event]) -> list[Event] | None:
+        failing = [e for e in events if e["kind"] == "build-failing"]
+        return failing if len(failing) == 2 else None
+
+    failing = job.wait_for("g1 and g2 to give up their build", both_failed, START_BOUND_S)
+    assert sorted(e["group"] for e in failing) == [1, 2]
+    assert failing[0]["quorum_id"] == failing[1]["quorum_id"] is not None
+    return failing[0]["quorum_id"], max(e["time"] for e in failing)
+
+
 def test_a_group_whose_peers_gave_up_its_build_is_not_left_waiting(tmp_path: Path) -> None:
     with lighthouse(
         min_replicas=1, join_timeout_ms=100, quorum_tick_ms=100, heartbeat_timeout_ms=60_000
     ) as lh:
         job = Job(tmp_path, url(lh), 3, timeout_s=60.0)
         try:
-            job.start(0)
-            job.start(1, "--fail-build-at-join")
-            job.wait_for(
-                "g0 and g1 to commit together",
-                lambda events: all(
-                    any(e["reduce"]["divisor"] == 2 for e in Job.commits(events, g)) for g in (0, 1)
-                ),
-                START_BOUND_S,
-            )
-            job.start(2, "--fail-build-at-join")
-
-            def both_failed(events: list[Event]) -> list[Event] | None:
-                failing = [e for e in events if e["kind"] == "build-failing"]
-                return failing if len(failing) == 2 else None
-
-            failing = job.wait_for("g1 and g2 to give up their build", both_failed, START_BOUND_S)
-            assert sorted(e["group"] for e in failing) == [1, 2]
-            assert failing[0]["quorum_id"] == failing[1]["quorum_id"] is not None
-            given_up = failing[0]["quorum_id"]
-            since = max(e["time"] for e in failing)
+            given_up, since = give_up_a_build(job)
             all_together(job, min_commits=2, since=since, bound_s=REJOIN_BOUND_S)
             assert all(
                 e["reduce"]["quorum_id"] > given_up for e in Job.commits(job.events, 0, since=since)
