@@ -92,7 +92,10 @@ def test_describe_announces_the_lane_and_none_when_it_is_off(make_lighthouse):
         code, payload = raw_call(loopback(server), methods.LIGHTHOUSE_DESCRIBE.path, b"", timeout=5)
         assert code == grpc.StatusCode.OK
         description = spb.Description.FromString(payload)
-        assert (description.protocol, description.session_port) == (1, expected)
+        assert (description.protocol, description.session_port) == (
+            methods.SESSION_PROTOCOL,
+            expected,
+        )
     assert with_lane.direct_port() > 0
 
 

@@ -25,6 +25,7 @@ from torchheal._wire import methods
 from torchheal._wire import session_pb2 as spb
 from torchheal._wire import torchft_pb2 as pb
 from torchheal.coordination import LighthouseServer, ManagerServer
+from torchheal.coordination.client import ManagerClient
 from torchheal.coordination.types import QuorumAsk
 
 LONG = timedelta(seconds=30)
@@ -406,9 +407,65 @@ def test_a_live_group_left_out_of_a_newer_quorum_is_told_and_no_one_else(
     # The notice went to c alone: a and b are not told about a group that is alive.
     assert heard["a"].empty() and heard["b"].empty()
 
-    # c asks again and is let back in; what it saw before its request no longer counts.
+    # c asks again and is let back in; what it saw before its request no longer counts. (Its
+    # request must be in before a's and b's: theirs alone would complete quorum 2 again.)
     rc = _quorum(servers["c"], 6)
+    wait_until(lambda: lighthouse.status()["waiting"] == ["c:1"], what="c's request")
     ra, rb = _quorum(servers["a"], 7), _quorum(servers["b"], 7)
     assert {r.join().quorum_id for r in (ra, rb, rc)} == {3}
     assert servers["c"]._doubt() is None
     assert heard["a"].empty() and heard["b"].empty()
+
+
+def test_a_group_that_gives_up_a_build_is_announced_to_the_others_only(
+    make_lighthouse, make_manager
+):
+    # b's build of quorum 1 failed on its own (not for a lost peer): a, which waits in that
+    # build for b's address, must hear of it now, not at its own timeout. b is alive (no
+    # session ends, no heartbeat expires), and is not told about itself.
+    lighthouse = make_lighthouse(heartbeat_timeout_ms=60_000)
+    servers = {rid: make_manager(loopback(lighthouse), replica_id=f"{rid}:1") for rid in "ab"}
+    heard: dict[str, queue.Queue] = {rid: queue.Queue() for rid in servers}
+    for rid, server in servers.items():
+        server.add_lost_listener(lambda *notice, q=heard[rid]: q.put(notice))
+    first = [_quorum(server, 5) for server in servers.values()]
+    assert {r.join().quorum_id for r in first} == {1}
+
+    servers["b"].report_gave_up(7, "not the latest quorum: ignored")
+    servers["b"].report_gave_up(1, "ConnectionResetError: the store went away")
+    replica_id, quorum_id, reason = heard["a"].get(timeout=20)
+    assert (replica_id, quorum_id) == ("b:1", 1)
+    assert reason == (
+        "gave up building its process group: ConnectionResetError: the store went away"
+    )
+    assert heard["b"].empty() and servers["b"]._doubt() is None
+    # Both ask again and train on together.
+    ra, rb = _quorum(servers["a"], 5), _quorum(servers["b"], 5)
+    assert ra.join().replica_world_size == rb.join().replica_world_size == 2
+    assert heard["a"].empty()
+
+
+def test_a_rank_other_than_0_reports_a_build_it_gave_up_through_its_server(
+    make_lighthouse, make_manager
+):
+    lighthouse = make_lighthouse(heartbeat_timeout_ms=60_000)
+    a = make_manager(loopback(lighthouse), replica_id="a:1")
+    b = make_manager(loopback(lighthouse), replica_id="b:1", world_size=2)
+    notices: queue.Queue = queue.Queue()
+    a.add_lost_listener(lambda *notice: notices.put(notice))
+    ra = _quorum(a, 3)
+    rb = [Background(lambda r=r: b.quorum_in_process(_ask(r, 3, LONG))) for r in (0, 1)]
+    assert ra.join().quorum_id == 1 and {r.join().quorum_id for r in rb} == {1}
+
+    client = ManagerClient(loopback(b), timedelta(seconds=10))
+    try:
+        with pytest.raises(RuntimeError, match="quorum_id must be > 0"):
+            client._gave_up(0, "bad", timedelta(seconds=10))
+        client._gave_up(1, "RuntimeError: rank 1's own failure", timedelta(seconds=10))
+    finally:
+        client.close()
+    assert notices.get(timeout=20) == (
+        "b:1",
+        1,
+        "gave up building its process group: RuntimeError: rank 1's own failure",
+    )

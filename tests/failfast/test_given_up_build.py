@@ -81,3 +81,36 @@ def test_a_group_whose_peers_gave_up_its_build_is_not_left_waiting(tmp_path: Pat
             assert_replayed(states[0], steps, exact=False)
         finally:
             job.close()
+
+
+def test_one_of_two_groups_gives_up_its_build(tmp_path: Path) -> None:
+    """The common case: one group's build fails, and the other, alive in the rendezvous,
+    cannot be left out of a quorum (one group of two is no majority). Only the failing group's
+    own report (``ConnectedQuorum.building`` -> ``GaveUp``) ends the other's wait: the
+    lighthouse tells it, as if the group were lost from that quorum. Compared exactly: no step
+    has more than two contributions."""
+    with lighthouse(
+        min_replicas=1, join_timeout_ms=100, quorum_tick_ms=100, heartbeat_timeout_ms=60_000
+    ) as lh:
+        job = Job(tmp_path, url(lh), 2, timeout_s=60.0)
+        try:
+            job.start(0)
+            job.wait_for(
+                "g0 to commit",
+                lambda events: bool(Job.commits(events, 0)),
+                START_BOUND_S,
+            )
+            job.start(1, "--fail-build-at-join")
+            failing = job.wait_for(
+                "g1 to give up its build",
+                lambda events: next((e for e in events if e["kind"] == "build-failing"), None),
+                START_BOUND_S,
+            )
+            all_together(job, min_commits=2, since=failing["time"], bound_s=REJOIN_BOUND_S)
+            states = job.finish()
+            assert_identical(states)
+            steps = history(job.events)
+            assert [e["step"] for e in job.events if e["kind"] == "done"] == [len(steps)] * 2
+            assert_replayed(states[0], steps, exact=True)
+        finally:
+            job.close()

@@ -40,6 +40,7 @@ from tests.fuzz.grpc_inputs import (
 )
 from tests.fuzz.runner import ACCEPTED, REJECTED, UNCLEAR, Outcome
 from torchheal._wire import methods
+from torchheal._wire import session_pb2 as spb
 from torchheal._wire import torchft_pb2 as pb
 from torchheal._wire.methods import Method
 from torchheal.coordination import LighthouseClient, LighthouseServer, ManagerClient, ManagerServer
@@ -674,6 +675,21 @@ class ManagerKillTarget(GrpcTarget):
         self.lighthouse.shutdown()
 
 
+class ManagerGaveUpTarget(_ManagerTarget):
+    """``ManagerNotices/ReportGaveUp`` (passed on to the lighthouse, which ignores a quorum it
+    did not issue last)."""
+
+    def __init__(self) -> None:
+        super().__init__("manager ReportGaveUp", methods.MANAGER_GAVE_UP, grpc_inputs(spb.GaveUp))
+
+    def normal(self) -> str | None:
+        try:
+            self.client._gave_up(1, "normal", T)
+        except Exception as e:
+            return str(e)
+        return None
+
+
 def all_targets() -> dict[str, Any]:
     """Constructors of every gRPC target, by table name."""
     return {
@@ -683,6 +699,7 @@ def all_targets() -> dict[str, Any]:
         "manager CheckpointMetadata": ManagerCheckpointMetadataTarget,
         "manager ShouldCommit": ManagerShouldCommitTarget,
         "manager Kill": ManagerKillTarget,
+        "manager ReportGaveUp": ManagerGaveUpTarget,
     }
 
 

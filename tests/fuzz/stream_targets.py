@@ -68,6 +68,7 @@ def session_messages(replica_id: str = "fuzz:session") -> dict[str, bytes]:
             quorum=spb.QuorumRequest(request_id=7, requester=member, timeout_ms=1000)
         ),
         "goodbye": _message(goodbye=spb.Goodbye(reason="done")),
+        "gave_up": _message(gave_up=spb.GaveUp(quorum_id=1, reason="fuzz")),
     }
 
 

@@ -72,10 +72,12 @@ MANAGER_SHOULD_COMMIT = Method(
 MANAGER_KILL = Method(MANAGER_SERVICE, "Kill", pb.KillRequest, pb.KillResponse)
 
 # torchheal's own services (session.proto). Bump SESSION_PROTOCOL on an incompatible change.
-SESSION_PROTOCOL = 1
+#: 2: ``SessionRequest.gave_up`` (a lighthouse of protocol 1 ends a session that sends it).
+SESSION_PROTOCOL = 2
 SESSION_SERVICE = "torchheal.LighthouseSession"
 NOTICES_SERVICE = "torchheal.ManagerNotices"
 
 LIGHTHOUSE_SESSION = Method(SESSION_SERVICE, "Session", spb.SessionRequest, spb.SessionEvent)
 LIGHTHOUSE_DESCRIBE = Method(SESSION_SERVICE, "Describe", spb.DescribeRequest, spb.Description)
 MANAGER_WATCH = Method(NOTICES_SERVICE, "Watch", spb.WatchRequest, spb.Notice)
+MANAGER_GAVE_UP = Method(NOTICES_SERVICE, "ReportGaveUp", spb.GaveUp, spb.GaveUpAck)

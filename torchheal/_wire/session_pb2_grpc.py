@@ -173,6 +173,11 @@ class ManagerNoticesStub:
                 request_serializer=torchheal_dot___wire_dot_session__pb2.WatchRequest.SerializeToString,
                 response_deserializer=torchheal_dot___wire_dot_session__pb2.Notice.FromString,
                 _registered_method=True)
+        self.ReportGaveUp = channel.unary_unary(
+                '/torchheal.ManagerNotices/ReportGaveUp',
+                request_serializer=torchheal_dot___wire_dot_session__pb2.GaveUp.SerializeToString,
+                response_deserializer=torchheal_dot___wire_dot_session__pb2.GaveUpAck.FromString,
+                _registered_method=True)
 
 
 class ManagerNoticesServicer:
@@ -187,6 +192,13 @@ class ManagerNoticesServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportGaveUp(self, request, context):
+        """a rank gave up a build: tell the lighthouse
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ManagerNoticesServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -194,6 +206,11 @@ def add_ManagerNoticesServicer_to_server(servicer, server):
                     servicer.Watch,
                     request_deserializer=torchheal_dot___wire_dot_session__pb2.WatchRequest.FromString,
                     response_serializer=torchheal_dot___wire_dot_session__pb2.Notice.SerializeToString,
+            ),
+            'ReportGaveUp': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportGaveUp,
+                    request_deserializer=torchheal_dot___wire_dot_session__pb2.GaveUp.FromString,
+                    response_serializer=torchheal_dot___wire_dot_session__pb2.GaveUpAck.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -226,6 +243,33 @@ class ManagerNotices:
             '/torchheal.ManagerNotices/Watch',
             torchheal_dot___wire_dot_session__pb2.WatchRequest.SerializeToString,
             torchheal_dot___wire_dot_session__pb2.Notice.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportGaveUp(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/torchheal.ManagerNotices/ReportGaveUp',
+            torchheal_dot___wire_dot_session__pb2.GaveUp.SerializeToString,
+            torchheal_dot___wire_dot_session__pb2.GaveUpAck.FromString,
             options,
             channel_credentials,
             insecure,

@@ -308,6 +308,7 @@ class ManagerClient:
         self._metadata_call = UnaryCaller(self._channel, methods.MANAGER_CHECKPOINT_METADATA, addr)
         self._commit_call = UnaryCaller(self._channel, methods.MANAGER_SHOULD_COMMIT, addr)
         self._kill_call = UnaryCaller(self._channel, methods.MANAGER_KILL, addr)
+        self._gave_up_call = UnaryCaller(self._channel, methods.MANAGER_GAVE_UP, addr)
         self._watches: list[Any] = []
 
     def _quorum(
@@ -414,6 +415,17 @@ class ManagerClient:
             RuntimeError: the call failed (the process may still have exited).
         """
         self._kill_call(pb.KillRequest(msg=msg), timeout)
+
+    def _gave_up(self, quorum_id: int, reason: str, timeout: timedelta) -> None:
+        """Tell the manager server that this rank gave up building quorum ``quorum_id``'s
+        process group; the server tells the lighthouse, which tells the other groups. torchheal
+        only: a reference manager server does not serve it.
+
+        Raises:
+            TimeoutError: no answer within ``timeout``.
+            RuntimeError: the call failed.
+        """
+        self._gave_up_call(spb.GaveUp(quorum_id=quorum_id, reason=reason), timeout)
 
     def _watch(self, group_rank: int) -> Iterator[spb.MemberLost]:
         """The lighthouse's lost-member notices, as the manager server forwards them.

@@ -356,6 +356,10 @@ class LighthouseServer:
         """A group's session ended: the group is gone now (unless a newer session replaced it)."""
         self._sessions.end(replica_id, peer, reason)
 
+    def gave_up(self, replica_id: str, peer: Peer, quorum_id: int, reason: str) -> None:
+        """A group gave up building quorum ``quorum_id``'s process group: tell the others."""
+        self._sessions.gave_up(replica_id, peer, quorum_id, reason)
+
     def wait_for_quorum(
         self,
         member: QuorumMember,

@@ -197,6 +197,7 @@ class LighthouseLink:
         # lighthouse must never issue an id that goes backwards or repeats (quorum.restore).
         self._last_quorum: pb.Quorum | None = None
         self._call: Any = None  # the live session stream, or None while it is (re)opening
+        self._protocol = 0  # the session protocol of the lighthouse's last welcome
         self._pending: dict[int, asyncio.Future[pb.Quorum]] = {}
         self._ids = itertools.count(1)
         self._closing = False
@@ -391,6 +392,30 @@ class LighthouseLink:
         finally:
             self._pending.pop(request_id, None)
 
+    async def gave_up(self, quorum_id: int, reason: str) -> bool:
+        """Tell the lighthouse that the group gave up building quorum ``quorum_id``'s process
+        group (``GaveUp``), so that it tells the other groups waiting in that build.
+
+        Best effort: nothing is sent without a live session, or to a lighthouse older than
+        session protocol 2 (which would end the session).
+
+        Returns:
+            Whether it was sent.
+        """
+        call = self._call
+        if not self.session_mode or call is None or self._protocol < 2:
+            return False
+        try:
+            await self._write(
+                call, spb.SessionRequest(gave_up=spb.GaveUp(quorum_id=quorum_id, reason=reason))
+            )
+        except (grpc.aio.AioRpcError, StreamClosed, RuntimeError) as e:
+            logger.info(
+                "%s could not tell the lighthouse of the given-up build: %s", self._prefix, e
+            )
+            return False
+        return True
+
     async def _unary_quorum_call(self, requester: pb.QuorumMember, timeout_s: float) -> pb.Quorum:
         try:
             response = await asyncio.wait_for(
@@ -459,6 +484,7 @@ class LighthouseLink:
         if event is grpc.aio.EOF or event.WhichOneof("kind") != "welcome":
             call.cancel()
             raise LinkError(grpc.StatusCode.INTERNAL, f"expected a welcome, got {event!r}")
+        self._protocol = event.welcome.protocol
         if self.first_welcome_quorum_id is None:
             self.first_welcome_quorum_id = event.welcome.quorum_id
         if event.welcome.heartbeat_timeout_ms > 0:

@@ -154,7 +154,39 @@ class SessionRegistry:
                 ).SerializeToString()
             )
 
-    def _announce(self, replica_id: str, quorum_id: int, reason: str, now: float) -> None:
+    def gave_up(self, replica_id: str, peer: Peer, quorum_id: int, reason: str) -> None:
+        """A group gave up building the process group of quorum ``quorum_id`` (``GaveUp``).
+
+        The other members wait for its address in that build until their timeout: they are
+        told, as if it were lost from that quorum, and abandon it (or abort the group, if their
+        build outran the news). It is not told itself: its step failed already, and a notice
+        about itself would be a doubt of its next vote. Only about the latest quorum, and only
+        from the group's live session; anything else is stale and ignored.
+        """
+        if self._sessions.get(replica_id) is not peer:
+            return  # a stale session of the group
+        with self._rounds.lock:
+            prev = self._rounds.state.prev_quorum
+        if prev is None or prev.quorum_id != quorum_id:
+            logger.info(
+                "Replica %s gave up building quorum %d, which is not the latest: ignored",
+                replica_id,
+                quorum_id,
+            )
+            return
+        if all(m.replica_id != replica_id for m in prev.participants):
+            return
+        self._announce(
+            replica_id,
+            quorum_id,
+            f"gave up building its process group: {reason}",
+            time.monotonic(),
+            skip=replica_id,
+        )
+
+    def _announce(
+        self, replica_id: str, quorum_id: int, reason: str, now: float, skip: str | None = None
+    ) -> None:
         announced_id, announced = self._announced
         if announced_id != quorum_id:
             announced = set()
@@ -173,8 +205,9 @@ class SessionRegistry:
         event = spb.SessionEvent(
             lost=spb.MemberLost(replica_id=replica_id, quorum_id=quorum_id, reason=reason)
         ).SerializeToString()
-        for peer in list(self._sessions.values()):
-            peer.send(event)
+        for rid, peer in list(self._sessions.items()):
+            if rid != skip:
+                peer.send(event)
         if self._observed:
             self._notify("lost", replica_id, reason, now)
 

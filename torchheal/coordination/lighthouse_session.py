@@ -53,6 +53,8 @@ logger: logging.Logger = logging.getLogger("torchheal.coordination.lighthouse.se
 
 #: Longest replica id accepted (a uuid-suffixed name is ~50 bytes; this only stops abuse).
 MAX_REPLICA_ID_BYTES = 1024
+#: What is kept of a ``GaveUp``'s reason (it is logged and passed on to every group).
+MAX_REASON_CHARS = 500
 
 # SessionEvent field 5 (HeartbeatAck), length-delimited.
 _ACK_TAG = varint(5 << 3 | 2)
@@ -81,6 +83,8 @@ class _Lighthouse(Protocol):
     ) -> int: ...
 
     def end_session(self, replica_id: str, peer: Peer, reason: str) -> None: ...
+
+    def gave_up(self, replica_id: str, peer: Peer, quorum_id: int, reason: str) -> None: ...
 
     def wait_for_quorum(
         self,
@@ -198,6 +202,8 @@ class SessionProtocol:
         elif kind == "goodbye":
             self.reason = f"left: {request.goodbye.reason}" if request.goodbye.reason else "left"
             return False
+        elif kind == "gave_up":
+            self._gave_up(request.gave_up)
         elif kind == "hello":
             raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, "hello sent twice")
         else:
@@ -239,6 +245,17 @@ class SessionProtocol:
                 )
             ).SerializeToString()
         )
+
+    def _gave_up(self, gave_up: spb.GaveUp) -> None:
+        if self.detached or self.replica_id is None:
+            return  # it speaks for no group: there is nobody to announce
+        if gave_up.quorum_id <= 0:
+            raise StatusError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"gave_up.quorum_id must be > 0, got {gave_up.quorum_id}",
+            )
+        reason = gave_up.reason[:MAX_REASON_CHARS]
+        self._lighthouse.gave_up(self.replica_id, self._peer, gave_up.quorum_id, reason)
 
     def _heartbeat(self, heartbeat: spb.Heartbeat) -> None:
         replica_id = heartbeat.replica_id

@@ -180,6 +180,7 @@ class ManagerServer:
                 },
                 methods.NOTICES_SERVICE: {
                     "Watch": unary_stream_handler(methods.MANAGER_WATCH, self._watch),
+                    "ReportGaveUp": unary_handler(methods.MANAGER_GAVE_UP, self._gave_up_rpc),
                 },
             },
             startup=self._connect_lighthouse,
@@ -252,6 +253,17 @@ class ManagerServer:
             self._notices.add_listener(listener)
 
         self._server.submit(add()).result()
+
+    def report_gave_up(self, quorum_id: int, reason: str) -> None:
+        """A rank of this group gave up building quorum ``quorum_id``'s process group: tell the
+        lighthouse (a torchheal session of protocol >= 2 only), which tells the other groups
+        waiting in that build. Any thread; does not wait for the lighthouse."""
+        if self._link is None:
+            return
+        try:
+            self._server.submit(self._link.gave_up(quorum_id, reason))
+        except RuntimeError:  # shut down: nobody to tell
+            pass
 
     def quorum_in_process(self, ask: QuorumAsk) -> QuorumResult:
         """The ``Quorum`` call of a rank living in this process, without the gRPC round trip.
@@ -399,6 +411,17 @@ class ManagerServer:
 
     # ---------------------------------------------------------------------------------------
     # Lost-member notices
+
+    async def _gave_up_rpc(
+        self, request: spb.GaveUp, context: grpc.aio.ServicerContext
+    ) -> spb.GaveUpAck:
+        if request.quorum_id <= 0:
+            raise StatusError(
+                grpc.StatusCode.INVALID_ARGUMENT, f"quorum_id must be > 0, got {request.quorum_id}"
+            )
+        if self._link is not None:
+            await self._link.gave_up(request.quorum_id, request.reason[:500])
+        return spb.GaveUpAck()
 
     async def _watch(
         self, request: spb.WatchRequest, context: grpc.aio.ServicerContext

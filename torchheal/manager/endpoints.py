@@ -34,6 +34,8 @@ logger: logging.Logger = logging.getLogger(__name__)
 
 #: A rank whose watch of its manager server broke waits this long before watching again.
 WATCH_RETRY_S = 0.5
+#: How long a rank's report of a build it gave up may take (it is best effort).
+GAVE_UP_TIMEOUT = timedelta(seconds=5)
 
 MANAGER_ADDR_KEY: str = "manager_addr"
 REPLICA_ID_KEY: str = "replica_id"
@@ -110,6 +112,26 @@ class GroupEndpoints:
         else:
             call = self.client._vote
         return call(group_rank, step, should_commit, salvageable, timeout)
+
+    def gave_up(self, quorum_id: int, reason: str) -> None:
+        """This rank gave up building quorum ``quorum_id``'s process group: the lighthouse
+        tells the other groups, whose builds wait for this rank's address (a torchheal
+        lighthouse only). Best effort: a failure is logged, and the others then wait for their
+        timeout, as before.
+
+        Args:
+            quorum_id: the quorum whose build failed.
+            reason: why (passed on to the other groups' logs).
+        """
+        if not self.session_mode:
+            return
+        try:
+            if self.server is not None:
+                self.server.report_gave_up(quorum_id, reason)
+            else:
+                self.client._gave_up(quorum_id, reason, GAVE_UP_TIMEOUT)
+        except Exception as e:
+            logger.warning(f"could not report the build of quorum {quorum_id} given up: {e}")
 
     def watch_lost(self, group_rank: int, listener: Callable[[str, int, str], None]) -> None:
         """Calls ``listener(replica_id, quorum_id, reason)`` for every lost-member notice.

@@ -20,6 +20,12 @@ that came before the build starts fails it before it begins, and one that the bu
 aborts the group as soon as it is adopted. Every rank of every surviving group is told, so each
 rank's group for that quorum ends one of these three ways and none is left waiting in a
 rendezvous for a rank that gave up on it.
+
+A build can also fail on its own (its store connection failed, a local error): the other groups
+would wait in the rendezvous for this rank's address until their timeout, and nobody is lost.
+:meth:`ConnectedQuorum.building` then reports it (``gave_up``): the lighthouse tells the other
+groups, as if this one were lost from that quorum, and their builds end one of the three ways
+above.
 """
 
 from __future__ import annotations
@@ -99,12 +105,20 @@ class ConnectedQuorum:
             when it has one).
         log: the Manager's prefixed logger.
         aborted: told after each abort (a counter).
+        gave_up: told ``(quorum_id, reason)`` when a build fails on its own (not abandoned for
+            a notice): the other groups wait in it for this rank's address, so the lighthouse
+            must tell them (``GroupEndpoints.gave_up``).
     """
 
     def __init__(
-        self, process_group: Callable[[], Any], log: ManagerLogger, aborted: Callable[[], None]
+        self,
+        process_group: Callable[[], Any],
+        log: ManagerLogger,
+        aborted: Callable[[], None],
+        gave_up: Callable[[int, str], None] | None = None,
     ) -> None:
         self._process_group = process_group
+        self._gave_up = gave_up
         self._log = log
         self._aborted = aborted
         self._lock = threading.Lock()
@@ -161,6 +175,9 @@ class ConnectedQuorum:
                     f"replica group {build.lost} of quorum {quorum_id} was lost while its "
                     f"process group was being built (the build was abandoned: {e})"
                 ) from e
+            # Given up for a reason of its own: the other groups wait for our address.
+            if self._gave_up is not None:
+                self._gave_up(quorum_id, f"{type(e).__name__}: {e}")
             raise
         finally:
             with self._lock:

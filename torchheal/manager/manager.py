@@ -215,7 +215,10 @@ class Manager:
         )
 
         self._connected = ConnectedQuorum(
-            lambda: self._pg, self._logger, self._telemetry.process_group_aborted
+            lambda: self._pg,
+            self._logger,
+            self._telemetry.process_group_aborted,
+            gave_up=self._endpoints.gave_up,
         )
         self._batches_committed = 0
         # This step's contributors, as seen from this replica; None before the first quorum.
