@@ -417,12 +417,13 @@ def test_a_live_group_left_out_of_a_newer_quorum_is_told_and_no_one_else(
     assert heard["a"].empty() and heard["b"].empty()
 
 
-def test_a_group_that_gives_up_a_build_is_announced_to_the_others_only(
+def test_a_group_that_gives_up_a_build_is_announced_without_a_doubt_of_its_vote(
     make_lighthouse, make_manager
 ):
     # b's build of quorum 1 failed on its own (not for a lost peer): a, which waits in that
     # build for b's address, must hear of it now, not at its own timeout. b is alive (no
-    # session ends, no heartbeat expires), and is not told about itself.
+    # session ends, no heartbeat expires). b hears it too (its other ranks may wait in a
+    # collective of quorum 1), without a doubt of its vote: the rank that gave up votes no.
     lighthouse = make_lighthouse(heartbeat_timeout_ms=60_000)
     servers = {rid: make_manager(loopback(lighthouse), replica_id=f"{rid}:1") for rid in "ab"}
     heard: dict[str, queue.Queue] = {rid: queue.Queue() for rid in servers}
@@ -438,11 +439,12 @@ def test_a_group_that_gives_up_a_build_is_announced_to_the_others_only(
     assert reason == (
         "gave up building its process group: ConnectionResetError: the store went away"
     )
-    assert heard["b"].empty() and servers["b"]._doubt() is None
+    assert heard["b"].get(timeout=20) == (replica_id, quorum_id, reason)
+    assert servers["b"]._doubt() is None
     # Both ask again and train on together.
     ra, rb = _quorum(servers["a"], 5), _quorum(servers["b"], 5)
     assert ra.join().replica_world_size == rb.join().replica_world_size == 2
-    assert heard["a"].empty()
+    assert heard["a"].empty() and heard["b"].empty()
 
 
 def test_a_rank_other_than_0_reports_a_build_it_gave_up_through_its_server(

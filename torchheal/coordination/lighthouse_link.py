@@ -43,6 +43,7 @@ from torchheal._wire import methods
 from torchheal._wire import session_pb2 as spb
 from torchheal._wire import torchft_pb2 as pb
 from torchheal.coordination.link_tcp import DirectStream, StreamClosed
+from torchheal.coordination.quorum import GAVE_UP_REASON
 from torchheal.coordination.rpc.addresses import parse_address
 from torchheal.coordination.rpc.channels import aio_connect, serialize
 from torchheal.coordination.rpc.errors import rpc_error_to_exception
@@ -673,6 +674,8 @@ class LighthouseLink:
                 "" if doubted else " (our request for the next one crossed the notice)",
             )
             return
+        if lost.reason.startswith(GAVE_UP_REASON):
+            return  # a rank of ours gave that build up: it votes no, the step cannot commit
         logger.warning(
             "%s the lighthouse dropped this group from quorum %d (%s)",
             self._prefix,

@@ -28,7 +28,13 @@ from typing import Protocol
 from torchheal._wire import session_pb2 as spb
 from torchheal._wire import torchft_pb2 as pb
 from torchheal.coordination.lighthouse_rounds import QuorumRounds
-from torchheal.coordination.quorum import left_out, lost_members, session_ended, session_opened
+from torchheal.coordination.quorum import (
+    GAVE_UP_REASON,
+    left_out,
+    lost_members,
+    session_ended,
+    session_opened,
+)
 from torchheal.coordination.types import Quorum
 
 __all__ = ["Peer", "SessionRegistry"]
@@ -159,9 +165,10 @@ class SessionRegistry:
 
         The other members wait for its address in that build until their timeout: they are
         told, as if it were lost from that quorum, and abandon it (or abort the group, if their
-        build outran the news). It is not told itself: its step failed already, and a notice
-        about itself would be a doubt of its next vote. Only about the latest quorum, and only
-        from the group's live session; anything else is stale and ignored.
+        build outran the news). The group itself is told too (:data:`GAVE_UP_REASON`): its other
+        ranks may have built their group for that quorum and wait in a collective with peers
+        that abandoned theirs. Only about the latest quorum, and only from the group's live
+        session; anything else is stale and ignored.
         """
         if self._sessions.get(replica_id) is not peer:
             return  # a stale session of the group
@@ -176,17 +183,9 @@ class SessionRegistry:
             return
         if all(m.replica_id != replica_id for m in prev.participants):
             return
-        self._announce(
-            replica_id,
-            quorum_id,
-            f"gave up building its process group: {reason}",
-            time.monotonic(),
-            skip=replica_id,
-        )
+        self._announce(replica_id, quorum_id, f"{GAVE_UP_REASON}: {reason}", time.monotonic())
 
-    def _announce(
-        self, replica_id: str, quorum_id: int, reason: str, now: float, skip: str | None = None
-    ) -> None:
+    def _announce(self, replica_id: str, quorum_id: int, reason: str, now: float) -> None:
         announced_id, announced = self._announced
         if announced_id != quorum_id:
             announced = set()
@@ -205,9 +204,8 @@ class SessionRegistry:
         event = spb.SessionEvent(
             lost=spb.MemberLost(replica_id=replica_id, quorum_id=quorum_id, reason=reason)
         ).SerializeToString()
-        for rid, peer in list(self._sessions.items()):
-            if rid != skip:
-                peer.send(event)
+        for peer in list(self._sessions.values()):
+            peer.send(event)
         if self._observed:
             self._notify("lost", replica_id, reason, now)
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from torchheal.coordination.types import Quorum, QuorumMember, Timestamp
 
 __all__ = [
+    "GAVE_UP_REASON",
     "LighthouseConfig",
     "LighthouseState",
     "forget_stale_heartbeats",
@@ -222,6 +223,12 @@ def lost_members(state: LighthouseState, config: LighthouseConfig, now: float) -
         if seen is None or now - seen >= timeout_s:
             lost.append(member.replica_id)
     return sorted(lost)
+
+
+#: How a ``MemberLost`` notice about a group that gave up building its quorum's process group
+#: begins (``SessionRequest.gave_up``). It is alive: the group's own ranks abort their group for
+#: that quorum like any other rank, and its vote needs no doubt (the rank that gave up votes no).
+GAVE_UP_REASON = "gave up building its process group"
 
 
 def left_out(state: LighthouseState, before: Quorum | None, issued: Quorum) -> list[str]:
