@@ -4,9 +4,10 @@ The scenario of ``tests/failfast/test_given_up_build.py`` (3 groups of the fail-
 worker, ``min_replicas=1``, join and tick 100 ms, the Managers' 60 s timeout, a 60 s heartbeat
 timeout so that nobody expires): g1 and g2 give up their build of the quorum in which g2 joins
 g0 and g1, and g0, alive, is left in that build's rendezvous. Reported per run: seconds from
-the second give-up to each group's next commit. g0 comes back once the lighthouse has issued a
-quorum without it and told it so; without that notice it waited for its 60 s timeout (60.10 s
-at stop 35, this scenario on the previous lighthouse).
+the second give-up to each group's next commit. g0 comes back once told: by g1's or g2's report
+of the build it gave up (``GaveUp``), or by the lighthouse once it issued a quorum without g0.
+Without either notice it waited for its 60 s timeout (60.10 s, this scenario on the lighthouse
+of stop 34).
 
 The reference is not run: the torchft installed here builds its process groups from handles
 exchanged through its lighthouse, and has no ``configure`` to fail.
