@@ -419,8 +419,8 @@ class ManagerServer:
             raise StatusError(
                 grpc.StatusCode.INVALID_ARGUMENT, f"quorum_id must be > 0, got {request.quorum_id}"
             )
-        if self._link is not None:
-            await self._link.gave_up(request.quorum_id, request.reason[:500])
+        if self._link is not None:  # (the reason is passed on as is: the lighthouse bounds it)
+            await self._link.gave_up(request.quorum_id, request.reason)
         return spb.GaveUpAck()
 
     async def _watch(
