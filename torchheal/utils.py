@@ -7,12 +7,14 @@ machine the stream context is a no-op.
 
 from __future__ import annotations
 
+import sys
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
 
 __all__ = [
+    "dtensor_type",
     "extract_trailing_digits",
     "get_stream_context",
     "quorum_global_ranks",
@@ -96,3 +98,14 @@ def quorum_global_ranks(
     if not indices or len(set(indices)) != len(indices):
         return None
     return [i * group_world_size + group_rank for i in indices]
+
+
+def dtensor_type() -> type | None:
+    """Returns the DTensor class, or None while nothing in this process has imported it.
+
+    No object can be a DTensor before its module is imported, and importing it costs about
+    1.1 s on a 2-core machine (it pulls in sympy): a first checkpoint staged or received in a
+    process without DTensors (a survivor serving its first healer, mid-step) must not pay that.
+    """
+    module = sys.modules.get("torch.distributed.tensor")
+    return getattr(module, "DTensor", None) if module is not None else None

@@ -381,6 +381,20 @@ def test_sessions_travel_on_the_direct_lane_else_the_grpc_stream(
     assert _quorum(survivor, 6).join().replica_world_size == 1
 
 
+def _in_quorum_1(
+    lighthouse: LighthouseServer, make_manager: Callable[..., ManagerServer], names: str
+) -> tuple[dict[str, ManagerServer], dict[str, queue.Queue]]:
+    """A manager server per name (``"{name}:1"``), each with a queue of the notices it hears,
+    all in quorum 1."""
+    servers = {rid: make_manager(loopback(lighthouse), replica_id=f"{rid}:1") for rid in names}
+    heard: dict[str, queue.Queue] = {rid: queue.Queue() for rid in servers}
+    for rid, server in servers.items():
+        server.add_lost_listener(lambda *notice, q=heard[rid]: q.put(notice))
+    first = [_quorum(server, 5) for server in servers.values()]
+    assert {r.join().quorum_id for r in first} == {1}
+    return servers, heard
+
+
 def test_a_live_group_left_out_of_a_newer_quorum_is_told_and_no_one_else(
     make_lighthouse, make_manager
 ):
@@ -388,12 +402,7 @@ def test_a_live_group_left_out_of_a_newer_quorum_is_told_and_no_one_else(
     # while a and b go on: once the lighthouse issues quorum 2 without it, it must hear that
     # quorum 1 is over, or it waits there for its own timeout. Its heartbeats never expire.
     lighthouse = make_lighthouse(heartbeat_timeout_ms=60_000)
-    servers = {rid: make_manager(loopback(lighthouse), replica_id=f"{rid}:1") for rid in "abc"}
-    heard: dict[str, queue.Queue] = {rid: queue.Queue() for rid in servers}
-    for rid, server in servers.items():
-        server.add_lost_listener(lambda *notice, q=heard[rid]: q.put(notice))
-    first = [_quorum(server, 5) for server in servers.values()]
-    assert {r.join().quorum_id for r in first} == {1}
+    servers, heard = _in_quorum_1(lighthouse, make_manager, "abc")
     assert servers["c"]._doubt() is None
 
     ra, rb = _quorum(servers["a"], 6), _quorum(servers["b"], 6)
@@ -425,12 +434,7 @@ def test_a_group_that_gives_up_a_build_is_announced_without_a_doubt_of_its_vote(
     # session ends, no heartbeat expires). b hears it too (its other ranks may wait in a
     # collective of quorum 1), without a doubt of its vote: the rank that gave up votes no.
     lighthouse = make_lighthouse(heartbeat_timeout_ms=60_000)
-    servers = {rid: make_manager(loopback(lighthouse), replica_id=f"{rid}:1") for rid in "ab"}
-    heard: dict[str, queue.Queue] = {rid: queue.Queue() for rid in servers}
-    for rid, server in servers.items():
-        server.add_lost_listener(lambda *notice, q=heard[rid]: q.put(notice))
-    first = [_quorum(server, 5) for server in servers.values()]
-    assert {r.join().quorum_id for r in first} == {1}
+    servers, heard = _in_quorum_1(lighthouse, make_manager, "ab")
 
     servers["b"].report_gave_up(7, "not the latest quorum: ignored")
     servers["b"].report_gave_up(1, "ConnectionResetError: the store went away")

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import ctypes
 import struct
-import sys
 import zlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -44,17 +43,6 @@ DTYPES: dict[str, torch.dtype] = {
     if isinstance(getattr(torch, n, None), torch.dtype)
 }
 DTYPE_NAMES: dict[torch.dtype, str] = {d: n for n, d in DTYPES.items()}
-
-
-def dtensor_type() -> type | None:
-    """Returns the DTensor class, or None while nothing in this process has imported it.
-
-    No object can be a DTensor before its module is imported, and importing it costs about
-    1.1 s on a 2-core machine (it pulls in sympy): a first checkpoint staged or received in a
-    process without DTensors (a survivor serving its first healer, mid-step) must not pay that.
-    """
-    module = sys.modules.get("torch.distributed.tensor")
-    return getattr(module, "DTensor", None) if module is not None else None
 
 
 def byte_view(buf: torch.Tensor) -> memoryview:

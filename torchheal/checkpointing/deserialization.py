@@ -35,11 +35,11 @@ from torchheal.checkpointing._format import (
     Segment,
     byte_view,
     crc32,
-    dtensor_type,
     segments_of,
     storage_bytes,
 )
 from torchheal.checkpointing.transport import CheckpointError
+from torchheal.utils import dtensor_type
 
 
 @dataclass(frozen=True)

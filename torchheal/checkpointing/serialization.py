@@ -45,7 +45,6 @@ from torchheal.checkpointing._format import (
     Segment,
     byte_view,
     crc32,
-    dtensor_type,
     segments_of,
     split_chunks,
     storage_bytes,
@@ -64,6 +63,7 @@ from torchheal.checkpointing.deserialization import (
     verify_segment,
 )
 from torchheal.checkpointing.transport import CheckpointError
+from torchheal.utils import dtensor_type
 
 __all__ = [
     "DEFAULT_BLOCK_BYTES",

@@ -11,7 +11,6 @@ healing peer must never receive half-updated weights).
 
 from __future__ import annotations
 
-import sys
 from types import TracebackType
 from typing import Any, Protocol, TypeVar
 
@@ -21,6 +20,7 @@ from torch.distributed import Work
 from torch.utils.hooks import RemovableHandle
 
 from torchheal._base.salvage_guard import refuse_salvage
+from torchheal.utils import dtensor_type
 
 __all__ = ["LocalSGD", "OptimizerStepHooks", "SyncManager", "extract_local_tensor"]
 
@@ -51,8 +51,7 @@ def is_dtensor(t: torch.Tensor) -> bool:
     object can be a DTensor while nothing in this process has imported it, so plain models never
     pay for it.
     """
-    module = sys.modules.get("torch.distributed.tensor")
-    dtensor = getattr(module, "DTensor", None) if module is not None else None
+    dtensor = dtensor_type()
     return dtensor is not None and isinstance(t, dtensor)
 
 
