@@ -85,17 +85,3 @@ def test_the_limit_may_change_and_must_stay_positive() -> None:
             standing.limit_s = bad
     with pytest.raises(ValueError, match="limit_s must be > 0"):
         Standing(limit_s=0.0, now=0.0)
-
-
-def test_being_left_out_of_a_newer_quorum_is_doubted_unless_the_group_is_asking() -> None:
-    standing = Standing(limit_s=1.0, now=0.0)
-    standing.asked()
-    # Its request crossed the notice: the step it was left out of was voted on before it asked.
-    assert not standing.left_out(4, 5, asking=True)
-    assert standing.doubt(0.1) is None
-    # Not asking: still at work in quorum 4, whose step its peers may have redone without it.
-    assert standing.left_out(4, 5, asking=False)
-    why = standing.doubt(0.2)
-    assert why is not None and "left it out of quorum 5 while it was in quorum 4" in why
-    standing.asked()
-    assert standing.doubt(0.3) is None

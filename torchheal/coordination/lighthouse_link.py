@@ -660,18 +660,15 @@ class LighthouseLink:
         if last is not None and lost.quorum_id < last.quorum_id:
             return  # about a quorum before the one we now train in
         if lost.superseded_by:
-            if last is not None and last.quorum_id >= lost.superseded_by:
-                return  # we were answered that quorum or a newer one since
-            with self._standing_lock:
-                doubted = self._standing.left_out(
-                    lost.quorum_id, lost.superseded_by, asking=bool(self._pending)
-                )
-            logger.info(  # (the notice's forwarding logs the warning)
-                "%s the lighthouse issued quorum %d without this group, still in quorum %d%s",
+            # Left out of a newer quorum while still at work in this one: a build of it is
+            # abandoned (the notice's listeners), nothing else. No doubt of the vote: before
+            # this notice the group committed such a step as its peers did, and a doubt made
+            # start-ups, where a slow group is often left out once, heal for nothing.
+            logger.info(
+                "%s the lighthouse issued quorum %d without this group, still in quorum %d",
                 self._prefix,
                 lost.superseded_by,
                 lost.quorum_id,
-                "" if doubted else " (our request for the next one crossed the notice)",
             )
             return
         if lost.reason.startswith(GAVE_UP_REASON):

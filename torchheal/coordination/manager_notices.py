@@ -43,7 +43,7 @@ class NoticeFanout:
         if lost.replica_id == self._replica_id:
             # About ourselves: the lighthouse dropped this group (it was frozen past its
             # heartbeat timeout, or it issued a newer quorum without it while it was still at
-            # work in this one); the link made it a doubt of the vote (standing.py). The ranks
+            # work in this one); the link made a freeze a doubt of the vote (standing.py). The ranks
             # are told too, and only abandon a build of that quorum (their peers abandoned it):
             # an abort of our own group once woken could block for the collective's timeout
             # when Gloo has not seen the peers' cut.

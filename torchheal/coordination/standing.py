@@ -16,11 +16,7 @@ quorum, and :meth:`Standing.doubt` says whether that is enough to have been drop
   half the lighthouse's heartbeat timeout, so that network delay cannot turn a shorter gap into
   an expiry;
 * the same gap still open now: the process has just woken, and its loop has not run yet;
-* the lighthouse's own notice that this group is lost;
-* its notice that it issued a newer quorum without this group, alive but not asking: its peers
-  may have failed the step and redone it without this group. Not while the group is asking:
-  its request crossed the notice, so the step it was left out of was voted on before it asked,
-  and the request will be answered a newer quorum that counts it alive.
+* the lighthouse's own notice that this group is lost.
 
 What is not counted: the lighthouse being unreachable (it restarts, a standby takes over, the
 network fails), and the group's session ending with it. Such an outage is not a stall of the
@@ -115,24 +111,6 @@ class Standing:
     def lost(self, quorum_id: int, reason: str) -> None:
         """The lighthouse says this group is lost from quorum ``quorum_id``."""
         self._note(f"the lighthouse dropped it from quorum {quorum_id} ({reason})")
-
-    def left_out(self, quorum_id: int, newer_id: int, asking: bool) -> bool:
-        """The lighthouse issued quorum ``newer_id`` without this group, in ``quorum_id`` then.
-
-        Args:
-            quorum_id: the quorum the group was a member of.
-            newer_id: the quorum issued without it.
-            asking: the group's request for a quorum is on its way (sent, not answered).
-
-        Returns:
-            Whether it is doubted (not while asking).
-        """
-        if asking:
-            return False
-        self._note(
-            f"the lighthouse left it out of quorum {newer_id} while it was in quorum {quorum_id}"
-        )
-        return True
 
     def doubt(self, now: float) -> str | None:
         """Why the lighthouse may have dropped the group since it last asked, or None.
