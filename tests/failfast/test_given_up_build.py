@@ -11,9 +11,10 @@ for its address, which never comes. Two notices end their wait:
 
 * the group's own report (``ConnectedQuorum.building`` -> ``GaveUp``): the lighthouse tells
   every group, as if it were lost from that quorum. The only way out with one group of two (no
-  majority can leave the other out). (A rank other than 0 reports through its manager server:
-  ``tests/coordination_io/test_session.py``. With several ranks per group, a peer rank that
-  had reached Gloo's pair connect with the rank that gave up may still wait for its timeout.)
+  majority can leave the other out). A rank other than 0 reports through its manager server
+  (the two-rank test; ``tests/coordination_io/test_session.py`` too), and a peer rank past the
+  rendezvous, whose pair waits to be connected by a rank that abandoned the build, stops
+  waiting (``end_pair_connects``).
 * the lighthouse's word to a live group that a newer quorum went on without it
   (``SessionRegistry.on_issued``), where a majority gave the build up: g1 and g2 of three.
   Either notice frees g0 there (the reports usually first); the word alone does it with a
@@ -37,6 +38,7 @@ from tests.cluster import lighthouse, url
 from tests.failfast.job import Event, Job
 from tests.failfast.replay import assert_identical, assert_replayed, history
 from tests.failfast.test_kill import START_BOUND_S, all_together
+from tests.failfast.test_salvage import assert_every_rank_on_its_history
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -124,5 +126,36 @@ def test_one_of_two_groups_gives_up_its_build(tmp_path: Path) -> None:
             )
             all_together(job, min_commits=2, since=failing["time"], bound_s=REJOIN_BOUND_S)
             finish_and_check(job, exact=True)
+        finally:
+            job.close()
+
+
+def test_a_rank_of_a_two_rank_group_gives_up_its_build(tmp_path: Path) -> None:
+    """Two groups of two ranks; rank 1 of g1 gives up its build (it reports through its manager
+    server, ``ManagerNotices/ReportGaveUp``). Every rank of both groups abandons the build of
+    that quorum, the ranks 0 too, whose own build may have been past its rendezvous by then:
+    one of a pair waits to be connected by the other, which gave up (``end_pair_connects``;
+    before it, 2 of 8 runs sat out the timeout there). Each rank ends on its own history,
+    exactly."""
+    with lighthouse(
+        min_replicas=1, join_timeout_ms=100, quorum_tick_ms=100, heartbeat_timeout_ms=60_000
+    ) as lh:
+        job = Job(tmp_path, url(lh), 2, ranks=2, timeout_s=60.0)
+        try:
+            job.start(0)
+            job.wait_for("g0 to commit", lambda events: bool(Job.commits(events, 0)), START_BOUND_S)
+            job.start(1, per_rank={1: ("--fail-build-at-join",)})
+            failing = job.wait_for(
+                "g1's rank 1 to give up its build",
+                lambda _events: next(
+                    (e for e in job.rank_events if e["kind"] == "build-failing"), None
+                ),
+                START_BOUND_S,
+            )
+            all_together(job, min_commits=2, since=failing["time"], bound_s=REJOIN_BOUND_S)
+            states = job.finish()
+            assert_identical(states)
+            assert_replayed(states[0], history(job.events), exact=True)
+            assert_every_rank_on_its_history(job)
         finally:
             job.close()

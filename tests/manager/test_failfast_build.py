@@ -15,11 +15,12 @@ from datetime import timedelta
 
 import pytest
 import torch
+import torch.distributed.distributed_c10d as c10d
 from torch.distributed import TCPStore
 from torch.distributed.distributed_c10d import ReduceOp
 
 from bench.store_freeze import frozen_host
-from tests.process_group.helpers import new_store, on_thread
+from tests.process_group.helpers import new_store, on_thread, run_ranks
 from torchheal.manager.failfast import ConnectedQuorum, MemberLostError
 from torchheal.manager.log import ManagerLogger
 from torchheal.process_group import ProcessGroupGloo
@@ -146,6 +147,69 @@ def test_notice_during_the_build_ends_it_when_the_lost_group_hosts_a_frozen_stor
         assert not builder.is_alive(), "the build waited on the frozen store host"
         assert isinstance(outcome[0], MemberLostError), outcome
         assert "store at 127.0.0.1" in str(outcome[0]) and "was abandoned" in str(outcome[0])
+
+
+def address_of_a_gone_peer(world_size: int) -> bytes:
+    """What the last rank of a Gloo group of ``world_size`` publishes, from a peer now gone.
+
+    It comes from a real build of a scratch group, the peer's device on 127.0.0.2, above our
+    127.0.0.1: of each pair of ours with it, ours is the end that listens and waits to be
+    connected. The scratch groups are then dropped, so the listening socket it names is closed.
+    """
+    store, _addr = new_store()
+    peer = world_size - 1
+    groups: dict[int, c10d.ProcessGroupGloo] = {}
+
+    def build(r: int) -> None:
+        options = c10d.ProcessGroupGloo._Options()
+        options._timeout = LONG
+        host = "127.0.0.2" if r == peer else "127.0.0.1"
+        options._devices = [c10d.ProcessGroupGloo.create_device(hostname=host)]
+        client = TCPStore("127.0.0.1", store.port, is_master=False)
+        groups[r] = c10d.ProcessGroupGloo(c10d.PrefixStore("s", client), r, world_size, options)
+
+    run_ranks(world_size, build)
+    (key,) = [k for k in store.list_keys() if k.startswith("s/") and k.endswith(f"/{peer}")]
+    groups.clear()
+    return store.get(key)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_notice_ends_a_build_whose_pair_waits_for_a_peer_gone_after_the_rendezvous(
+    world_size: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The peer published its address and is gone (it gave the build up, or died): the
+    # rendezvous completes and our pair with it waits to be connected, for Gloo's connect
+    # timeout (five times the group's: 300 s here). No store connection is left to cut.
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")  # our device on 127.0.0.1
+    gone = address_of_a_gone_peer(world_size)
+    store, addr = new_store()
+    job = Job()
+    members = ["me", *[f"peer{r}" for r in range(1, world_size)]]
+
+    def build() -> None:
+        with job.connected.building(3, members, store.port):
+            job.pg.configure(f"{addr}/q3", "me", 0, world_size)
+
+    builder, outcome = on_thread(build)
+    deadline = time.monotonic() + BOUND_S
+    while not (ours := [k for k in store.list_keys() if k.endswith("/0")]):
+        assert time.monotonic() < deadline, "the build never published its address"
+        time.sleep(0.01)
+    for r in range(1, world_size):  # every peer's address: the same gone one (it never connects)
+        store.set(ours[0][: -len("/0")] + f"/{r}", gone)
+    builder.join(0.5)
+    assert builder.is_alive(), f"the build ended before the notice: {outcome}"
+    job.connected.on_member_lost(f"peer{world_size - 1}", 3, "gave up the build")
+    builder.join(BOUND_S)
+    assert not builder.is_alive(), "the build waited on for a peer that will never connect"
+    assert isinstance(outcome[0], MemberLostError), outcome
+    assert "while its process group was being built" in str(outcome[0])
+    # The group is usable again at the next quorum.
+    job.pg.configure(f"{addr}/q4", "me", 0, 1)
+    t = torch.ones(2)
+    job.pg.allreduce([t], ReduceOp.SUM).wait()
+    assert t.tolist() == [1.0, 1.0]
 
 
 def test_notice_the_build_outran_aborts_the_group_at_adoption() -> None:

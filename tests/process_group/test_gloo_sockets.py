@@ -11,6 +11,7 @@ import pytest
 
 from torchheal.process_group.gloo_sockets import (
     PairSockets,
+    end_pair_connects,
     mark_foreign,
     socket_inodes,
     unmark_foreign,
@@ -135,3 +136,36 @@ def test_a_connection_marked_foreign_is_never_a_pair(marked: str) -> None:
         unmark_foreign(inode)
         for s in (peer, source, pair, fetch, *ends):
             s.close()
+
+
+def test_only_the_builds_own_listeners_are_reached_each_once_with_every_sequence() -> None:
+    """``end_pair_connects`` connects to the listening sockets opened since the build began
+    (Gloo's), never to an older server of ours, writes each sequence number below the group's
+    size and hangs up; a listener handled once is not reached again."""
+    ours = socket.create_server(("127.0.0.1", 0))  # one of this process's servers
+    before = PairSockets.before()
+    group = socket.create_server(("127.0.0.1", 0))  # the group's own listener
+    done: set[int] = set()
+    try:
+        assert end_pair_connects(before, 3, done) == 1
+        assert done == {group.getsockname()[1]}
+        group.settimeout(5)
+        received = []
+        for _ in range(3):
+            conn, _addr = group.accept()
+            with conn:
+                conn.settimeout(5)
+                data = b""
+                while chunk := conn.recv(16):  # then the end: it hung up
+                    data += chunk
+                received.append(int.from_bytes(data, sys.byteorder))
+        assert received == [0, 1, 2]
+        assert end_pair_connects(before, 3, done) == 0  # handled already
+        ours.setblocking(False)
+        group.setblocking(False)
+        for server in (ours, group):
+            with pytest.raises(BlockingIOError):
+                server.accept()  # nothing more came
+    finally:
+        ours.close()
+        group.close()

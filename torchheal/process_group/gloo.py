@@ -2,7 +2,8 @@
 
 ``abort()`` interrupts an operation in flight by cutting the group's connections
 (``gloo_sockets.py``): Gloo's own abort does not, and a collective blocked on a frozen peer would
-otherwise wait out its whole timeout.
+otherwise wait out its whole timeout. ``abandon_configure()`` likewise ends a build's waits for
+peers that will not connect (``end_pair_connects``) besides giving up its store connection.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import ProcessGroupGloo as _C10dGloo
 
-from torchheal.process_group.gloo_sockets import PairSockets
+from torchheal.process_group.gloo_sockets import PairSockets, end_pair_connects
 from torchheal.process_group.wrappers import ProcessGroupWrapper
 
 logger = logging.getLogger(__name__)
@@ -65,14 +66,31 @@ class ProcessGroupGloo(ProcessGroupWrapper):
     def __init__(self, timeout: timedelta = timedelta(seconds=60)) -> None:
         super().__init__(timeout=timeout)
         self._pair_sockets: PairSockets | None = None
+        # The build in progress (the sockets before it, its size, the listeners it hung up on),
+        # for abandon_configure on another thread.
+        self._building: tuple[frozenset[int], int, set[int]] | None = None
 
     def _create_pg(self, store: dist.Store, rank: int, world_size: int) -> dist.ProcessGroup:
         before = PairSockets.before()
-        pg = create_gloo_pg(
-            store, rank, world_size, self._timeout, self._c10d_group_name, self._global_ranks
-        )
+        self._building = (before, world_size, set())
+        try:
+            pg = create_gloo_pg(
+                store, rank, world_size, self._timeout, self._c10d_group_name, self._global_ranks
+            )
+        finally:
+            self._building = None
         self._pair_sockets = PairSockets.after(before, world_size)
         return pg
+
+    def abandon_configure(self) -> None:
+        """See :meth:`ProcessGroup.abandon_configure`; a build past its store exchange, whose
+        pairs wait for peers that gave it up, fails at once too (``end_pair_connects``)."""
+        super().abandon_configure()
+        building = self._building
+        if building is not None:
+            before, world_size, done = building
+            if end_pair_connects(before, world_size, done):
+                logger.info("abandoning the Gloo group's build: its pending connects were ended")
 
     def abort(self, errored: bool = True) -> None:
         """Aborts the group: an operation in flight fails at once, and the group is dropped.

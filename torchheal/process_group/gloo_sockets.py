@@ -33,17 +33,22 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import struct
 import sys
 import threading
 from dataclasses import dataclass
 
-__all__ = ["PairSockets", "mark_foreign", "socket_inodes", "unmark_foreign"]
+__all__ = ["PairSockets", "end_pair_connects", "mark_foreign", "socket_inodes", "unmark_foreign"]
 
 logger: logging.Logger = logging.getLogger(__name__)
 
 # tcpi_state, the first byte of TCP_INFO (the kernel's TCP_ESTABLISHED and TCP_LISTEN).
 _ESTABLISHED = 1
 _LISTEN = 10
+# A Gloo sequence number on the wire: what a connecting peer writes first (a native uint64).
+_SEQUENCE = struct.Struct("=Q")
+#: Longest wait to connect to one of our own listening sockets (it answers at once).
+_HANG_UP_CONNECT_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -51,6 +56,7 @@ class _Tcp:
     state: int
     local_port: int
     remote_port: int
+    local_host: str = ""
 
 
 _foreign_lock = threading.Lock()
@@ -120,17 +126,77 @@ def _tcp_table(sockets: dict[int, int]) -> dict[int, _Tcp]:
             if sock.type != socket.SOCK_STREAM:
                 continue
             state = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 8)[0]
-            local = sock.getsockname()[1]
+            host, local = sock.getsockname()[:2]
             try:
                 remote = sock.getpeername()[1]
             except OSError:
                 remote = 0  # not connected (listening)
-            table[inode] = _Tcp(state, local, remote)
+            table[inode] = _Tcp(state, local, remote, host)
         except OSError:
             continue
         finally:
             sock.close()
     return table
+
+
+def end_pair_connects(before: frozenset[int], world_size: int, done: set[int]) -> int:
+    """Ends at once the waits of a Gloo group being built for peers that will not connect.
+
+    Of the two ranks of a pair, Gloo makes the one with the lower address listen and the other
+    connect and write a sequence number the listener told it (through the store), by which the
+    listener hands the connection to the pair that waits for it. A listening pair waits for its
+    peer until Gloo's connect timeout (five times the group's timeout, measured with torch 2.13:
+    20 s for a group of 4 s, so 300 s for the Manager's 60 s), and nothing else ends that wait:
+    cutting connections cannot, there is none yet. Its peer may never come: it gave the build up
+    (its store connection was cut) or died after it published its address.
+
+    So, for a build being abandoned, this process connects to each listening socket that
+    appeared since ``before`` (the build's: Gloo listens on one socket per group), writes every
+    sequence number the group can use (Gloo's are below ``world_size``) and hangs up at once.
+    Each waiting pair is handed a connection its "peer" closed: its wait ends, and the build
+    fails ("Connection closed by peer") or completes with a group whose first collective fails
+    (which the Manager aborts: it was told the build is over). A pair that starts waiting later
+    is handed a closed one too. Never for a build that is to go on.
+
+    Args:
+        before: :meth:`PairSockets.before` taken as the build started.
+        world_size: the group's size.
+        done: ports already handled (updated): call this again as the build goes on, a listener
+            may appear later.
+
+    Returns:
+        how many listening sockets were handled now.
+    """
+    if not sys.platform.startswith("linux"):
+        return 0
+    foreign = _foreign_inodes()
+    sockets = {i: fd for i, fd in socket_inodes().items() if i not in before and i not in foreign}
+    listeners = [
+        t for t in _tcp_table(sockets).values() if t.state == _LISTEN and t.local_port not in done
+    ]
+    for listener in listeners:
+        done.add(listener.local_port)
+        host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(listener.local_host, listener.local_host)
+        for sequence in range(max(world_size, 1)):
+            _hang_up_on(host, listener.local_port, sequence)
+    return len(listeners)
+
+
+def _hang_up_on(host: str, port: int, sequence: int) -> None:
+    """Connects to ``host:port``, writes a Gloo sequence number and closes the connection."""
+    try:
+        conn = socket.create_connection((host, port), timeout=_HANG_UP_CONNECT_S)
+    except OSError as e:
+        logger.debug("could not reach our own Gloo listener %s:%d: %s", host, port, e)
+        return
+    inode = mark_foreign(conn)  # never one of a group's pair sockets, even for an instant
+    try:
+        conn.sendall(_SEQUENCE.pack(sequence))
+    except OSError:
+        pass  # the listener went away: nothing waits on it any more
+    finally:
+        conn.close()
+        unmark_foreign(inode)
 
 
 class PairSockets:
