@@ -43,7 +43,6 @@ from torchheal._wire import methods
 from torchheal._wire import session_pb2 as spb
 from torchheal._wire import torchft_pb2 as pb
 from torchheal.coordination.link_tcp import DirectStream, StreamClosed
-from torchheal.coordination.quorum import GAVE_UP_REASON
 from torchheal.coordination.rpc.addresses import parse_address
 from torchheal.coordination.rpc.channels import aio_connect, serialize
 from torchheal.coordination.rpc.errors import rpc_error_to_exception
@@ -671,7 +670,7 @@ class LighthouseLink:
                 lost.quorum_id,
             )
             return
-        if lost.reason.startswith(GAVE_UP_REASON):
+        if lost.gave_up:
             return  # a rank of ours gave that build up: it votes no, the step cannot commit
         logger.warning(
             "%s the lighthouse dropped this group from quorum %d (%s)",

@@ -165,7 +165,7 @@ class SessionRegistry:
 
         The other members wait for its address in that build until their timeout: they are
         told, as if it were lost from that quorum, and abandon it (or abort the group, if their
-        build outran the news). The group itself is told too (:data:`GAVE_UP_REASON`): its other
+        build outran the news). The group itself is told too (``MemberLost.gave_up``): its other
         ranks may have built their group for that quorum and wait in a collective with peers
         that abandoned theirs. Only about the latest quorum, and only from the group's live
         session; anything else is stale and ignored.
@@ -183,9 +183,13 @@ class SessionRegistry:
             return
         if all(m.replica_id != replica_id for m in prev.participants):
             return
-        self._announce(replica_id, quorum_id, f"{GAVE_UP_REASON}: {reason}", time.monotonic())
+        self._announce(
+            replica_id, quorum_id, f"{GAVE_UP_REASON}: {reason}", time.monotonic(), gave_up=True
+        )
 
-    def _announce(self, replica_id: str, quorum_id: int, reason: str, now: float) -> None:
+    def _announce(
+        self, replica_id: str, quorum_id: int, reason: str, now: float, *, gave_up: bool = False
+    ) -> None:
         announced_id, announced = self._announced
         if announced_id != quorum_id:
             announced = set()
@@ -202,7 +206,9 @@ class SessionRegistry:
             len(self._sessions),
         )
         event = spb.SessionEvent(
-            lost=spb.MemberLost(replica_id=replica_id, quorum_id=quorum_id, reason=reason)
+            lost=spb.MemberLost(
+                replica_id=replica_id, quorum_id=quorum_id, reason=reason, gave_up=gave_up
+            )
         ).SerializeToString()
         for peer in list(self._sessions.values()):
             peer.send(event)

@@ -32,15 +32,25 @@ class NoticeFanout:
         self._replica_id = replica_id
         self._prefix = log_prefix
         self._watchers: set[asyncio.Queue[bytes]] = set()
-        self._listeners: list[Callable[[str, int, str], None]] = []
+        self._listeners: list[Callable[[str, int, str, bool], None]] = []
 
-    def add_listener(self, listener: Callable[[str, int, str], None]) -> None:
-        """Also call ``listener(replica_id, quorum_id, reason)`` for every notice (loop thread)."""
+    def add_listener(self, listener: Callable[[str, int, str, bool], None]) -> None:
+        """Also call ``listener(replica_id, quorum_id, reason, gave_up)`` for every notice (on
+        the loop thread; ``gave_up``: the group gave that quorum's build up, it is not gone)."""
         self._listeners.append(listener)
 
     def forward(self, lost: spb.MemberLost) -> None:
         """The lighthouse says a group of quorum ``lost.quorum_id`` is gone: tell every rank."""
-        if lost.replica_id == self._replica_id:
+        if lost.replica_id == self._replica_id and lost.gave_up:
+            # A rank of ours gave that quorum's build up: every rank ends its build or group
+            # for that quorum (the peers end theirs).
+            logger.warning(
+                "%s lighthouse: this group gave up building quorum %d (%s)",
+                self._prefix,
+                lost.quorum_id,
+                lost.reason,
+            )
+        elif lost.replica_id == self._replica_id:
             # About ourselves: the lighthouse dropped this group (it was frozen past its
             # heartbeat timeout, or it issued a newer quorum without it while it was still at
             # work in this one); the link made a freeze a doubt of the vote (standing.py). The ranks
@@ -69,7 +79,7 @@ class NoticeFanout:
             queue.put_nowait(notice)
         for listener in list(self._listeners):
             try:
-                listener(lost.replica_id, lost.quorum_id, lost.reason)
+                listener(lost.replica_id, lost.quorum_id, lost.reason, lost.gave_up)
             except Exception:
                 logger.exception("%s a lost-member listener failed", self._prefix)
 

@@ -225,9 +225,10 @@ def lost_members(state: LighthouseState, config: LighthouseConfig, now: float) -
     return sorted(lost)
 
 
-#: How a ``MemberLost`` notice about a group that gave up building its quorum's process group
-#: begins (``SessionRequest.gave_up``). It is alive: the group's own ranks abort their group for
-#: that quorum like any other rank, and its vote needs no doubt (the rank that gave up votes no).
+#: How the reason of a ``MemberLost`` notice about a group that gave up building its quorum's
+#: process group (``SessionRequest.gave_up``) begins, for the logs; the notice says so in its
+#: ``gave_up`` field. The group is alive: its own ranks abort their group for that quorum like
+#: any other rank, and its vote needs no doubt (the rank that gave up votes no).
 GAVE_UP_REASON = "gave up building its process group"
 
 

@@ -133,8 +133,9 @@ class GroupEndpoints:
         except Exception as e:
             logger.warning(f"could not report the build of quorum {quorum_id} given up: {e}")
 
-    def watch_lost(self, group_rank: int, listener: Callable[[str, int, str], None]) -> None:
-        """Calls ``listener(replica_id, quorum_id, reason)`` for every lost-member notice.
+    def watch_lost(self, group_rank: int, listener: Callable[[str, int, str, bool], None]) -> None:
+        """Calls ``listener(replica_id, quorum_id, reason, gave_up)`` for every lost-member
+        notice (``gave_up``: the group gave that quorum's build up, it is not gone).
 
         The lighthouse sends a notice when a group of the current quorum is gone (its session
         ended, or its heartbeat expired). Group rank 0 hears it in-process from its server;
@@ -153,7 +154,7 @@ class GroupEndpoints:
             while not self._closed.is_set():
                 try:
                     for lost in self.client._watch(group_rank):
-                        listener(lost.replica_id, lost.quorum_id, lost.reason)
+                        listener(lost.replica_id, lost.quorum_id, lost.reason, lost.gave_up)
                 except Exception as e:
                     if self._closed.is_set():
                         return

@@ -41,7 +41,6 @@ from torch.distributed import ReduceOp
 from torchheal._base import config
 from torchheal.checkpointing import CheckpointTransport, HTTPTransport
 from torchheal.coordination.plan import Participation, WorldSizeMode
-from torchheal.coordination.quorum import GAVE_UP_REASON
 from torchheal.coordination.vote import local_vote, retry_limit_error
 from torchheal.futures import timed_then
 from torchheal.manager.allreduce import IS_TRITON_AVAILABLE, averaging, start_allreduce
@@ -227,10 +226,10 @@ class Manager:
         self._worker.guard_builds(self._connected.building)
         self._endpoints.watch_lost(self._group_rank, self._on_member_lost)
 
-    def _on_member_lost(self, replica_id: str, quorum_id: int, reason: str) -> None:
+    def _on_member_lost(self, replica_id: str, quorum_id: int, reason: str, gave_up: bool) -> None:
         """A lost-member notice: abort what waits on that group (collectives, a receive)."""
         if replica_id == self._full_replica_id:
-            if reason.startswith(GAVE_UP_REASON):
+            if gave_up:
                 # A rank of ours gave that build up: ours for that quorum, built or not, will
                 # never run with it (the peers abandon theirs too).
                 self._connected.on_member_lost(replica_id, quorum_id, reason)
