@@ -27,13 +27,16 @@ from torchheal.process_group import ProcessGroupGloo
 
 LONG = timedelta(seconds=60)  # the rendezvous's own timeout: far beyond the test's bounds
 BOUND_S = 20.0
+SHORT = timedelta(seconds=3)  # a group timeout that must bound a build nobody abandons
+#: SHORT plus slack for a loaded machine, well below Gloo's own wait (five times SHORT).
+SHORT_BOUND_S = 10.0
 
 
 class Job:
     """One Manager's view: its process group and the connected quorum that guards it."""
 
-    def __init__(self) -> None:
-        self.pg = ProcessGroupGloo(timeout=LONG)
+    def __init__(self, timeout: timedelta = LONG) -> None:
+        self.pg = ProcessGroupGloo(timeout=timeout)
         self.aborts = 0
         self.connected = ConnectedQuorum(
             lambda: self.pg, ManagerLogger(lambda: 0, "me", 0), self._aborted
@@ -212,6 +215,38 @@ def test_notice_ends_a_build_whose_pair_waits_for_a_peer_gone_after_the_rendezvo
     assert t.tolist() == [1.0, 1.0]
 
 
+def test_a_build_whose_pair_waits_for_a_gone_peer_ends_at_its_timeout_unannounced(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The same wait with no notice (a reference lighthouse sends none): Gloo alone would sit
+    # five times the group's timeout (15 s for 3 s); the build gives up at its timeout.
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    gone = address_of_a_gone_peer(2)
+    store, addr = new_store()
+    job = Job(timeout=SHORT)
+
+    def build() -> None:
+        with job.connected.building(3, ["me", "peer"], store.port):
+            job.pg.configure(f"{addr}/q3", "me", 0, 2)
+
+    began = time.monotonic()
+    builder, outcome = on_thread(build)
+    deadline = began + BOUND_S
+    while not (ours := [k for k in store.list_keys() if k.endswith("/0")]):
+        assert time.monotonic() < deadline, "the build never published its address"
+        time.sleep(0.01)
+    store.set(ours[0][: -len("/0")] + "/1", gone)
+    builder.join(SHORT_BOUND_S)
+    took = time.monotonic() - began
+    assert not builder.is_alive(), f"the build waited on past {SHORT_BOUND_S}s"
+    assert outcome[0] is not None and not isinstance(outcome[0], MemberLostError), outcome
+    assert took >= SHORT.total_seconds() * 0.9, f"gave up after {took:.2f}s, before its timeout"
+    job.pg.configure(f"{addr}/q4", "me", 0, 1)  # and the group is configured again
+    t = torch.ones(2)
+    job.pg.allreduce([t], ReduceOp.SUM).wait()
+    assert t.tolist() == [1.0, 1.0]
+
+
 def test_notice_the_build_outran_aborts_the_group_at_adoption() -> None:
     store, addr = new_store()
     job = Job()
@@ -240,19 +275,22 @@ def test_a_failed_step_waits_for_the_notice_that_explains_it() -> None:
     job.connect(3, ["me"])
     assert job.connected.wait_aborted(0.0) is None
 
+    notice = threading.Thread(
+        target=job.connected.on_member_lost, args=("me", 3, "connection ended")
+    )
+
     class NoticeDuringTheWait(threading.Event):
         """The lighthouse's notice is sent only once the step has begun to wait for it."""
 
         def wait(self, timeout: float | None = None) -> bool:
-            threading.Thread(
-                target=job.connected.on_member_lost, args=("me", 3, "connection ended")
-            ).start()
+            notice.start()
             return super().wait(timeout)
 
     job.connected._aborted_event = NoticeDuringTheWait()
     assert "me of quorum 3 is lost (connection ended)" in (
         job.connected.wait_aborted(BOUND_S) or ""
     )
+    notice.join(BOUND_S)  # (its log line, after the wait ended, belongs to this test)
 
 
 @pytest.mark.parametrize(

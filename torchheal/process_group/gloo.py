@@ -3,19 +3,22 @@
 ``abort()`` interrupts an operation in flight by cutting the group's connections
 (``gloo_sockets.py``): Gloo's own abort does not, and a collective blocked on a frozen peer would
 otherwise wait out its whole timeout. ``abandon_configure()`` likewise ends a build's waits for
-peers that will not connect (``end_pair_connects``) besides giving up its store connection.
+peers that will not connect (``end_pair_connects``) besides giving up its store connection, and
+a build that outlasts the group's timeout does the same by itself: Gloo alone would wait five
+times as long for a peer that published its address and never connected.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import ProcessGroupGloo as _C10dGloo
 
-from torchheal.process_group.gloo_sockets import PairSockets, end_pair_connects
+from torchheal.process_group.gloo_sockets import PairSockets, end_pair_connects, new_listeners
 from torchheal.process_group.wrappers import ProcessGroupWrapper
 
 logger = logging.getLogger(__name__)
@@ -56,6 +59,31 @@ def create_gloo_pg(
     return pg
 
 
+class _Build:
+    """A Gloo group being built: its pairs' waits may be ended from any thread."""
+
+    def __init__(self, before: frozenset[int], world_size: int) -> None:
+        self.before = before
+        self.world_size = world_size
+        #: Why its pairs' waits were ended (None: they were not): the group built is broken.
+        self.ended: str | None = None
+        self._done: set[int] = set()  # the listening ports handled
+        self._lock = threading.Lock()
+
+    def end_connects(self, why: str) -> bool:
+        """Ends its pairs' waits for peers (``end_pair_connects``); whether any listener was
+        handled now."""
+        with self._lock:
+            listeners = [a for a in new_listeners(self.before) if a[1] not in self._done]
+            if not listeners:
+                return False
+            # Said before the first hang-up: the build may complete on it at once.
+            self.ended = self.ended or why
+            self._done.update(port for _host, port in listeners)
+            end_pair_connects(listeners, self.world_size)
+            return True
+
+
 class ProcessGroupGloo(ProcessGroupWrapper):
     """A Gloo process group rebuilt from scratch on every ``configure``.
 
@@ -66,31 +94,45 @@ class ProcessGroupGloo(ProcessGroupWrapper):
     def __init__(self, timeout: timedelta = timedelta(seconds=60)) -> None:
         super().__init__(timeout=timeout)
         self._pair_sockets: PairSockets | None = None
-        # The build in progress (the sockets before it, its size, the listeners it hung up on),
-        # for abandon_configure on another thread.
-        self._building: tuple[frozenset[int], int, set[int]] | None = None
+        self._building: _Build | None = None  # for abandon_configure on another thread
 
     def _create_pg(self, store: dist.Store, rank: int, world_size: int) -> dist.ProcessGroup:
-        before = PairSockets.before()
-        self._building = (before, world_size, set())
+        build = _Build(PairSockets.before(), world_size)
+        self._building = build
+        # Gloo waits for a pair's peer to connect for five times the group's timeout: past
+        # the timeout, nobody told or not, the build stops waiting (its rendezvous in the store
+        # is bounded by the store client's timeout already).
+        watchdog = threading.Timer(self._timeout.total_seconds(), self._overran, args=(build,))
+        watchdog.daemon = True
+        watchdog.start()
         try:
             pg = create_gloo_pg(
                 store, rank, world_size, self._timeout, self._c10d_group_name, self._global_ranks
             )
         finally:
+            watchdog.cancel()
             self._building = None
-        self._pair_sockets = PairSockets.after(before, world_size)
+        if build.ended is not None:
+            # A pair may have taken a connection we hung up and completed: the group is broken.
+            raise RuntimeError(f"the Gloo group's build was given up: {build.ended}")
+        self._pair_sockets = PairSockets.after(build.before, world_size)
         return pg
+
+    def _overran(self, build: _Build) -> None:
+        if self._building is build and build.end_connects("it outlasted its timeout"):
+            logger.warning(
+                "the Gloo group's build outlasted its timeout (%.0f s) waiting for a peer to "
+                "connect: it fails now (Gloo would wait five times as long)",
+                self._timeout.total_seconds(),
+            )
 
     def abandon_configure(self) -> None:
         """See :meth:`ProcessGroup.abandon_configure`; a build past its store exchange, whose
         pairs wait for peers that gave it up, fails at once too (``end_pair_connects``)."""
         super().abandon_configure()
-        building = self._building
-        if building is not None:
-            before, world_size, done = building
-            if end_pair_connects(before, world_size, done):
-                logger.info("abandoning the Gloo group's build: its pending connects were ended")
+        build = self._building
+        if build is not None and build.end_connects("abandoned"):
+            logger.info("abandoning the Gloo group's build: its pending connects were ended")
 
     def abort(self, errored: bool = True) -> None:
         """Aborts the group: an operation in flight fails at once, and the group is dropped.

@@ -38,7 +38,14 @@ import sys
 import threading
 from dataclasses import dataclass
 
-__all__ = ["PairSockets", "end_pair_connects", "mark_foreign", "socket_inodes", "unmark_foreign"]
+__all__ = [
+    "PairSockets",
+    "end_pair_connects",
+    "mark_foreign",
+    "new_listeners",
+    "socket_inodes",
+    "unmark_foreign",
+]
 
 logger: logging.Logger = logging.getLogger(__name__)
 
@@ -139,7 +146,22 @@ def _tcp_table(sockets: dict[int, int]) -> dict[int, _Tcp]:
     return table
 
 
-def end_pair_connects(before: frozenset[int], world_size: int, done: set[int]) -> int:
+def new_listeners(before: frozenset[int]) -> list[tuple[str, int]]:
+    """This process's listening TCP sockets opened since ``before`` (a Gloo group's being
+    built: Gloo listens on one socket per group), as ``(host, port)`` to connect to."""
+    if not sys.platform.startswith("linux"):
+        return []
+    foreign = _foreign_inodes()
+    sockets = {i: fd for i, fd in socket_inodes().items() if i not in before and i not in foreign}
+    wildcard = {"0.0.0.0": "127.0.0.1", "::": "::1"}
+    return [
+        (wildcard.get(t.local_host, t.local_host), t.local_port)
+        for t in _tcp_table(sockets).values()
+        if t.state == _LISTEN
+    ]
+
+
+def end_pair_connects(listeners: list[tuple[str, int]], world_size: int) -> None:
     """Ends at once the waits of a Gloo group being built for peers that will not connect.
 
     Of the two ranks of a pair, Gloo makes the one with the lower address listen and the other
@@ -150,36 +172,20 @@ def end_pair_connects(before: frozenset[int], world_size: int, done: set[int]) -
     cutting connections cannot, there is none yet. Its peer may never come: it gave the build up
     (its store connection was cut) or died after it published its address.
 
-    So, for a build being abandoned, this process connects to each listening socket that
-    appeared since ``before`` (the build's: Gloo listens on one socket per group), writes every
-    sequence number the group can use (Gloo's are below ``world_size``) and hangs up at once.
-    Each waiting pair is handed a connection its "peer" closed: its wait ends, and the build
-    fails ("Connection closed by peer") or completes with a group whose first collective fails
-    (which the Manager aborts: it was told the build is over). A pair that starts waiting later
-    is handed a closed one too. Never for a build that is to go on.
+    So, for a build being given up, this process connects to each of the build's listening
+    sockets (:func:`new_listeners`), writes every sequence number the group can use (Gloo's are
+    below ``world_size``) and hangs up at once. Each waiting pair is handed a connection its
+    "peer" closed: its wait ends, and the build fails ("Connection closed by peer") or completes
+    with a broken group, which the caller must then refuse. A pair that starts waiting later is
+    handed a closed one too. Never for a build that is to go on.
 
     Args:
-        before: :meth:`PairSockets.before` taken as the build started.
+        listeners: the build's listening sockets, each handled once.
         world_size: the group's size.
-        done: ports already handled (updated): call this again as the build goes on, a listener
-            may appear later.
-
-    Returns:
-        how many listening sockets were handled now.
     """
-    if not sys.platform.startswith("linux"):
-        return 0
-    foreign = _foreign_inodes()
-    sockets = {i: fd for i, fd in socket_inodes().items() if i not in before and i not in foreign}
-    listeners = [
-        t for t in _tcp_table(sockets).values() if t.state == _LISTEN and t.local_port not in done
-    ]
-    for listener in listeners:
-        done.add(listener.local_port)
-        host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(listener.local_host, listener.local_host)
+    for host, port in listeners:
         for sequence in range(max(world_size, 1)):
-            _hang_up_on(host, listener.local_port, sequence)
-    return len(listeners)
+            _hang_up_on(host, port, sequence)
 
 
 def _hang_up_on(host: str, port: int, sequence: int) -> None:
