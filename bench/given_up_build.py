@@ -49,7 +49,14 @@ def one_run() -> list[float]:
                 ),
                 BOUND_S,
             )
-            others = [Job.commits(job.events, g, since=since)[0]["time"] for g in (1, 2)]
+            others = [
+                job.wait_for(
+                    f"g{g} to commit",
+                    lambda events, g=g: next(iter(Job.commits(events, g, since=since)), None),
+                    BOUND_S,
+                )["time"]
+                for g in (1, 2)
+            ]
             return [back["time"] - since, *(t - since for t in others)]
         finally:
             job.close()

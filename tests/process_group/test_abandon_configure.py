@@ -67,15 +67,23 @@ def test_a_connection_to_a_frozen_store_host_ends_once_abandoned() -> None:
     assert f"store at 127.0.0.1:{port} was abandoned" in str(error)
 
 
-def test_a_connection_made_keeps_its_timeout_whether_or_not_it_was_abandoned() -> None:
+def test_a_connection_made_in_attempts_keeps_its_timeout() -> None:
     _store, addr = new_store()
-    abandoned = threading.Event()
-    abandoned.set()  # too late: the connection succeeds, and is kept
-    client = create_store_client(f"{addr}/q", LONG, abandoned=abandoned)
+    client = create_store_client(f"{addr}/q", LONG, abandoned=threading.Event())
     client.set("k", "v")
     assert client.get("k") == b"v"
     # Made in short attempts, it has the whole timeout for its operations (the rendezvous).
     assert client.timeout == LONG
+
+
+def test_a_connection_abandoned_before_it_is_made_is_given_up() -> None:
+    # The build it is for is over (its configure clears the event when it starts): whatever
+    # the host would answer, no connection is handed to it.
+    _store, addr = new_store()
+    abandoned = threading.Event()
+    abandoned.set()
+    with pytest.raises(StoreConnectAbandoned, match="was abandoned"):
+        create_store_client(f"{addr}/q", LONG, abandoned=abandoned)
 
 
 @pytest.mark.parametrize("wrapped", [False, True], ids=["gloo", "wrapped"])

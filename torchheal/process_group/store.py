@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 
 from torch.distributed import DistNetworkError, PrefixStore, Store, TCPStore
@@ -24,6 +25,8 @@ CONNECT_ATTEMPT_S = 1.0
 OVERRUN_CUT_S = 1.0
 #: How often an overrunning attempt's connection is looked for and cut again, until it ends.
 _RECUT_S = 0.05
+#: How often a connection that can be abandoned looks whether it was.
+_ABANDON_POLL_S = 0.01
 
 
 class StoreConnectAbandoned(RuntimeError):
@@ -73,10 +76,12 @@ def create_store_client(
         timeout: connect and per-operation timeout of the store client.
         abandoned: set from another thread to give the connection up. A host that accepts
             and never answers (a frozen process: its kernel accepts) holds an attempt until its
-            connection is cut, and c10d's client then tries again until its timeout. So with
-            this event the connection is made in attempts of at most
-            :data:`CONNECT_ATTEMPT_S`, and once the event is set the first attempt that fails
-            ends it. A connection that succeeds is kept, the event set or not.
+            connection is cut, and c10d's client then tries again until its timeout; a
+            connection cut while c10d validates it is tried again after a random pause of up
+            to a second, in C++, where nothing can wake it. So with this event the connection
+            is made in attempts of at most :data:`CONNECT_ATTEMPT_S`, each on a helper thread,
+            and the call raises as soon as the event is set: the attempt under way ends on its
+            own (its connection, if it made one, is closed).
 
     Whatever the host does, the call ends within about ``timeout`` (plus
     :data:`OVERRUN_CUT_S`): an attempt still waiting for the host's first answer then has its
@@ -86,7 +91,7 @@ def create_store_client(
         ``PrefixStore(prefix, TCPStore(host, port, is_master=False, ...))``.
 
     Raises:
-        StoreConnectAbandoned: ``abandoned`` was set and an attempt failed.
+        StoreConnectAbandoned: ``abandoned`` was set before a connection was made.
         torch.distributed.DistError: no connection within ``timeout``.
     """
     host, port, prefix = parse_store_addr(store_addr)
@@ -96,17 +101,47 @@ def create_store_client(
     while True:
         attempt = min(CONNECT_ATTEMPT_S, deadline - time.monotonic())
         try:
-            store = _bounded_client(host, port, max(attempt, 0.001), deadline)
-        except Exception as e:
-            if abandoned.is_set():
-                raise StoreConnectAbandoned(
-                    f"the connection to the store at {host}:{port} was abandoned"
-                ) from e
+            store = _abandonable(
+                lambda a=attempt: _bounded_client(host, port, max(a, 0.001), deadline),
+                abandoned,
+                f"the connection to the store at {host}:{port} was abandoned",
+            )
+        except StoreConnectAbandoned:
+            raise
+        except Exception:
             if time.monotonic() >= deadline:
                 raise
             continue
         store.set_timeout(timeout)
         return PrefixStore(prefix, store)
+
+
+def _abandonable(connect: Callable[[], TCPStore], abandoned: threading.Event, why: str) -> TCPStore:
+    """``connect()`` on a helper thread; raises :class:`StoreConnectAbandoned` (``why``) as soon
+    as ``abandoned`` is set, leaving the attempt to end on its own."""
+    outcome: list[TCPStore | BaseException] = []
+    done = threading.Event()
+
+    def attempt() -> None:
+        try:
+            outcome.append(connect())
+        except BaseException as e:  # handed to the caller, or dropped with an abandoned attempt
+            outcome.append(e)
+        finally:
+            done.set()
+
+    if abandoned.is_set():
+        raise StoreConnectAbandoned(why)
+    threading.Thread(target=attempt, name="torchheal-store-attempt", daemon=True).start()
+    while not done.wait(_ABANDON_POLL_S):
+        if abandoned.is_set():
+            raise StoreConnectAbandoned(why)
+    (result,) = outcome
+    if abandoned.is_set():  # (a connection made meanwhile is closed with the attempt)
+        raise StoreConnectAbandoned(why) from (result if isinstance(result, Exception) else None)
+    if isinstance(result, BaseException):
+        raise result
+    return result
 
 
 def connect_store(host: str, port: int, timeout: timedelta) -> TCPStore:
