@@ -118,27 +118,36 @@ def create_store_client(
 
 def _abandonable(connect: Callable[[], TCPStore], abandoned: threading.Event, why: str) -> TCPStore:
     """``connect()`` on a helper thread; raises :class:`StoreConnectAbandoned` (``why``) as soon
-    as ``abandoned`` is set, leaving the attempt to end on its own."""
+    as ``abandoned`` is set, leaving the attempt to end on its own: a connection it then makes
+    is dropped (closed) by its thread, never kept alive by the exception's frames."""
+    if abandoned.is_set():
+        raise StoreConnectAbandoned(why)
     outcome: list[TCPStore | BaseException] = []
+    lock = threading.Lock()
     done = threading.Event()
+    left = False  # the caller stopped waiting: the attempt's result is not handed over
 
     def attempt() -> None:
         try:
-            outcome.append(connect())
-        except BaseException as e:  # handed to the caller, or dropped with an abandoned attempt
-            outcome.append(e)
-        finally:
-            done.set()
+            result: TCPStore | BaseException = connect()
+        except BaseException as e:
+            result = e
+        with lock:
+            if not left:
+                outcome.append(result)
+        done.set()
 
-    if abandoned.is_set():
-        raise StoreConnectAbandoned(why)
     threading.Thread(target=attempt, name="torchheal-store-attempt", daemon=True).start()
     while not done.wait(_ABANDON_POLL_S):
         if abandoned.is_set():
+            with lock:
+                left = True
             raise StoreConnectAbandoned(why)
-    (result,) = outcome
-    if abandoned.is_set():  # (a connection made meanwhile is closed with the attempt)
-        raise StoreConnectAbandoned(why) from (result if isinstance(result, Exception) else None)
+    result = outcome.pop()
+    if abandoned.is_set():
+        cause = result if isinstance(result, Exception) else None
+        del result  # a connection made meanwhile: closed now
+        raise StoreConnectAbandoned(why) from cause
     if isinstance(result, BaseException):
         raise result
     return result
