@@ -10,6 +10,8 @@ process that stops itself.
 Nobody may abandon it, either (a lighthouse that sends no notices, the reference's): the
 connection then still ends within its timeout, which c10d's client alone does not do (it waits
 for the host's first answer forever).
+
+A baby group builds in its child process, out of reach of any cut: abandoning kills the child.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from torch.distributed.distributed_c10d import ReduceOp
 
 from bench.store_freeze import frozen_host
 from tests.process_group.helpers import new_store, on_thread
-from torchheal.process_group import ProcessGroupGloo
+from torchheal.process_group import ProcessGroupBabyGloo, ProcessGroupGloo
 from torchheal.process_group.gloo_sockets import PairSockets
 from torchheal.process_group.store import StoreConnectAbandoned, create_store_client
 from torchheal.process_group.wrappers import ErrorSwallowingProcessGroupWrapper
@@ -45,9 +47,7 @@ def give_up_while_connecting(
     assert thread.is_alive(), f"the connection ended before it was given up: {outcome}"
     deadline = time.monotonic() + BOUND_S
     while thread.is_alive():
-        assert time.monotonic() < deadline, (
-            f"still waiting for the frozen store host {BOUND_S}s after it was given up"
-        )
+        assert time.monotonic() < deadline, f"still waiting {BOUND_S}s after it was given up"
         abandon()
         PairSockets.to_port(before, port).cut()
         thread.join(0.02)
@@ -105,6 +105,27 @@ def test_a_configure_on_a_frozen_store_host_ends_when_abandoned(wrapped: bool) -
     t = torch.ones(3)
     pg.allreduce([t], ReduceOp.SUM).wait()
     assert t.tolist() == [1.0] * 3
+
+
+def test_a_baby_configure_waiting_for_a_peer_ends_when_abandoned() -> None:
+    # The build runs in the baby's child, which the cut of this process's connections never
+    # reaches: abandoning kills the child, and the configure fails at once, not at its timeout.
+    store, addr = new_store()
+    pg = ProcessGroupBabyGloo(timeout=LONG)
+    try:
+        error = give_up_while_connecting(
+            store.port,
+            lambda: pg.configure(f"{addr}/q1", "survivor", 0, 2),  # the peer never comes
+            pg.abandon_configure,
+        )
+        assert isinstance(error, RuntimeError) and "abandoned" in str(error), error
+        pg.abandon_configure()  # none in progress: nothing happens
+        pg.configure(f"{addr}/q2", "survivor", 0, 1)  # the next configure is whole, and works
+        t = torch.ones(2)
+        pg.allreduce([t], ReduceOp.SUM).wait()
+        assert t.tolist() == [1.0, 1.0]
+    finally:
+        pg.shutdown()
 
 
 def test_abandoning_outside_a_configure_changes_nothing() -> None:

@@ -96,6 +96,7 @@ class ProcessGroupBaby(ProcessGroup):
         self._ids = itertools.count()
         self._pending_dels: deque[int] = deque()
         self._errored: Exception | None = None
+        self._configuring: Any = None  # the child of a configure in progress (for abandon)
 
     @classmethod
     def _create_pg(
@@ -159,11 +160,27 @@ class ProcessGroupBaby(ProcessGroup):
             daemon=True,
         )
         self._future_thread.start()
+        self._configuring = self._p
         try:
             self._pipe.recv(timeout=self._timeout)
-        except BaseException:
+            if self._configuring is None:  # abandoned as its child reported ready: killed
+                raise RuntimeError("the configure was abandoned")
+        except BaseException as e:
+            abandoned = self._configuring is None
             self.shutdown()
+            if abandoned:
+                raise RuntimeError("the configure was abandoned: its child was killed") from e
             raise
+        finally:
+            self._configuring = None
+
+    def abandon_configure(self) -> None:
+        """See :meth:`ProcessGroup.abandon_configure`: kills the child of a configure in progress
+        (its build waits in the child, which nothing else reaches), and the configure fails at
+        once instead of at its timeout. A no-op when none is in progress."""
+        child, self._configuring = self._configuring, None
+        if child is not None:
+            child.kill()
 
     def shutdown(self) -> None:
         """Kills the child, stops the future thread and closes the pipes.
