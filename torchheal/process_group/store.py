@@ -187,8 +187,12 @@ def _bounded_client(host: str, port: int, timeout_s: float, deadline: float) -> 
             return
         while True:
             # Nothing to cut: c10d is between two tries of a refused connection, late.
-            if PairSockets.to_port(before, port).cut() and not cut.is_set():
-                cut.set()
+            sockets = PairSockets.to_port(before, port)
+            first = len(sockets) > 0 and not cut.is_set()
+            if len(sockets):
+                cut.set()  # before the cut: the attempt fails on it at once and looks
+                sockets.cut()
+            if first:
                 logger.warning(
                     "the store at %s:%d accepted a connection and has not answered it by the "
                     "connection's timeout (is its host frozen?): cut the connection",
