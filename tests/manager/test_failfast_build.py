@@ -100,11 +100,7 @@ def test_notice_during_the_build_abandons_the_rendezvous() -> None:
     assert not builder.is_alive(), "the build waited on although its peer was lost"
     assert isinstance(outcome[0], MemberLostError), outcome
     assert "while its process group was being built" in str(outcome[0])
-    # The group is usable again at the next quorum.
-    job.pg.configure(f"{addr}/q4", "me", 0, 1)
-    t = torch.ones(2)
-    job.pg.allreduce([t], ReduceOp.SUM).wait()
-    assert t.tolist() == [1.0, 1.0]
+    assert_usable_again(job, addr)  # at the next quorum
 
 
 def test_a_group_dropped_from_the_quorum_it_builds_abandons_the_build_and_nothing_else() -> None:
@@ -177,6 +173,40 @@ def address_of_a_gone_peer(world_size: int) -> bytes:
     return store.get(key)
 
 
+def build_with_gone_peers(
+    job: Job, world_size: int
+) -> tuple[threading.Thread, list[BaseException | None], str, float]:
+    """Starts ``job``'s build of quorum 3 as rank 0 of ``world_size`` on a thread, and gives
+    every peer the address of a gone one once ours is published: the rendezvous completes, and
+    our pairs wait to be connected. Returns the thread, its outcome, the store's address and
+    when the build began (monotonic)."""
+    gone = address_of_a_gone_peer(world_size)
+    store, addr = new_store()
+    members = ["me", *[f"peer{r}" for r in range(1, world_size)]]
+
+    def build() -> None:
+        with job.connected.building(3, members, store.port):
+            job.pg.configure(f"{addr}/q3", "me", 0, world_size)
+
+    began = time.monotonic()
+    builder, outcome = on_thread(build)
+    deadline = began + BOUND_S
+    while not (ours := [k for k in store.list_keys() if k.endswith("/0")]):
+        assert time.monotonic() < deadline, "the build never published its address"
+        time.sleep(0.01)
+    for r in range(1, world_size):  # the same gone address for each (none ever connects)
+        store.set(ours[0][: -len("/0")] + f"/{r}", gone)
+    return builder, outcome, addr, began
+
+
+def assert_usable_again(job: Job, addr: str) -> None:
+    """The group is configured again (quorum 4, alone), and works."""
+    job.pg.configure(f"{addr}/q4", "me", 0, 1)
+    t = torch.ones(2)
+    job.pg.allreduce([t], ReduceOp.SUM).wait()
+    assert t.tolist() == [1.0, 1.0]
+
+
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_notice_ends_a_build_whose_pair_waits_for_a_peer_gone_after_the_rendezvous(
     world_size: int, monkeypatch: pytest.MonkeyPatch
@@ -185,22 +215,8 @@ def test_notice_ends_a_build_whose_pair_waits_for_a_peer_gone_after_the_rendezvo
     # rendezvous completes and our pair with it waits to be connected, for Gloo's connect
     # timeout (five times the group's: 300 s here). No store connection is left to cut.
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")  # our device on 127.0.0.1
-    gone = address_of_a_gone_peer(world_size)
-    store, addr = new_store()
     job = Job()
-    members = ["me", *[f"peer{r}" for r in range(1, world_size)]]
-
-    def build() -> None:
-        with job.connected.building(3, members, store.port):
-            job.pg.configure(f"{addr}/q3", "me", 0, world_size)
-
-    builder, outcome = on_thread(build)
-    deadline = time.monotonic() + BOUND_S
-    while not (ours := [k for k in store.list_keys() if k.endswith("/0")]):
-        assert time.monotonic() < deadline, "the build never published its address"
-        time.sleep(0.01)
-    for r in range(1, world_size):  # every peer's address: the same gone one (it never connects)
-        store.set(ours[0][: -len("/0")] + f"/{r}", gone)
+    builder, outcome, addr, _began = build_with_gone_peers(job, world_size)
     builder.join(0.5)
     assert builder.is_alive(), f"the build ended before the notice: {outcome}"
     job.connected.on_member_lost(f"peer{world_size - 1}", 3, "gave up the build")
@@ -208,11 +224,7 @@ def test_notice_ends_a_build_whose_pair_waits_for_a_peer_gone_after_the_rendezvo
     assert not builder.is_alive(), "the build waited on for a peer that will never connect"
     assert isinstance(outcome[0], MemberLostError), outcome
     assert "while its process group was being built" in str(outcome[0])
-    # The group is usable again at the next quorum.
-    job.pg.configure(f"{addr}/q4", "me", 0, 1)
-    t = torch.ones(2)
-    job.pg.allreduce([t], ReduceOp.SUM).wait()
-    assert t.tolist() == [1.0, 1.0]
+    assert_usable_again(job, addr)
 
 
 def test_a_build_whose_pair_waits_for_a_gone_peer_ends_at_its_timeout_unannounced(
@@ -221,30 +233,14 @@ def test_a_build_whose_pair_waits_for_a_gone_peer_ends_at_its_timeout_unannounce
     # The same wait with no notice (a reference lighthouse sends none): Gloo alone would sit
     # five times the group's timeout (15 s for 3 s); the build gives up at its timeout.
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
-    gone = address_of_a_gone_peer(2)
-    store, addr = new_store()
     job = Job(timeout=SHORT)
-
-    def build() -> None:
-        with job.connected.building(3, ["me", "peer"], store.port):
-            job.pg.configure(f"{addr}/q3", "me", 0, 2)
-
-    began = time.monotonic()
-    builder, outcome = on_thread(build)
-    deadline = began + BOUND_S
-    while not (ours := [k for k in store.list_keys() if k.endswith("/0")]):
-        assert time.monotonic() < deadline, "the build never published its address"
-        time.sleep(0.01)
-    store.set(ours[0][: -len("/0")] + "/1", gone)
+    builder, outcome, addr, began = build_with_gone_peers(job, 2)
     builder.join(SHORT_BOUND_S)
     took = time.monotonic() - began
     assert not builder.is_alive(), f"the build waited on past {SHORT_BOUND_S}s"
     assert outcome[0] is not None and not isinstance(outcome[0], MemberLostError), outcome
     assert took >= SHORT.total_seconds() * 0.9, f"gave up after {took:.2f}s, before its timeout"
-    job.pg.configure(f"{addr}/q4", "me", 0, 1)  # and the group is configured again
-    t = torch.ones(2)
-    job.pg.allreduce([t], ReduceOp.SUM).wait()
-    assert t.tolist() == [1.0, 1.0]
+    assert_usable_again(job, addr)
 
 
 def test_notice_the_build_outran_aborts_the_group_at_adoption() -> None:

@@ -9,19 +9,19 @@ sent, and the next quorum, whatever its id, rebuilds the group. A step whose col
 completed still commits: its results include the lost group's contribution, the same on every
 survivor.
 
-A group can also be lost while the process group is being built for its quorum (it died right
-after the quorum was issued, before it published its rendezvous address): the build would wait
-for it until the group's timeout. :meth:`ConnectedQuorum.building` covers that window: the
-notice cuts the build's connection to the rendezvous store, so the build fails at once (and with
-it the step). The lost group may host that store, frozen: it accepts connections and never
-answers, and c10d's store client tries a cut connection again until its timeout. So the notice
-also tells the process group to give up its store connection (``abandon_configure``), which for
-Gloo also ends its pairs' waits for a peer past the rendezvous that will never connect (one that
-gave up after it published its address, as the notice's own group may: Gloo would wait five times
-its timeout). A notice that came before the build starts fails it before it begins, and one that
-the build outran aborts the group as soon as it is adopted. Every rank of every surviving group is told, so each
-rank's group for that quorum ends one of these three ways and none is left waiting in a
-rendezvous for a rank that gave up on it.
+A group can also be lost while the process group is being built for its quorum (it died right after
+the quorum was issued, before it published its rendezvous address): the build would wait for it
+until the group's timeout. :meth:`ConnectedQuorum.building` covers that window: the notice cuts the
+build's connection to the rendezvous store, so the build fails at once (and with it the step). The
+lost group may host that store, frozen: it accepts connections and never answers, and c10d's store
+client tries a cut connection again until its timeout. So the notice also tells the process group
+to give up its store connection (``abandon_configure``), which for Gloo also ends its pairs' waits
+for a peer past the rendezvous that will never connect (one that gave up after it published its
+address, as the notice's own group may: Gloo would wait five times its timeout). A notice that came
+before the build starts fails it before it begins, and one that the build outran aborts the group
+as soon as it is adopted. Every rank of every surviving group is told, so each rank's group for
+that quorum ends one of these three ways and none is left waiting in a rendezvous for a rank that
+gave up on it.
 
 A build can also fail on its own (its store connection failed, a local error): the other groups
 would wait in the rendezvous for this rank's address until their timeout, and nobody is lost.

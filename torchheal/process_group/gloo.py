@@ -59,7 +59,7 @@ def create_gloo_pg(
     return pg
 
 
-class _Build:
+class _GlooBuild:
     """A Gloo group being built: its pairs' waits may be ended from any thread."""
 
     def __init__(self, before: frozenset[int], world_size: int) -> None:
@@ -94,10 +94,10 @@ class ProcessGroupGloo(ProcessGroupWrapper):
     def __init__(self, timeout: timedelta = timedelta(seconds=60)) -> None:
         super().__init__(timeout=timeout)
         self._pair_sockets: PairSockets | None = None
-        self._building: _Build | None = None  # for abandon_configure on another thread
+        self._building: _GlooBuild | None = None  # for abandon_configure on another thread
 
     def _create_pg(self, store: dist.Store, rank: int, world_size: int) -> dist.ProcessGroup:
-        build = _Build(PairSockets.before(), world_size)
+        build = _GlooBuild(PairSockets.before(), world_size)
         self._building = build
         # Gloo waits for a pair's peer to connect for five times the group's timeout: past
         # the timeout, nobody told or not, the build stops waiting (its rendezvous in the store
@@ -118,7 +118,7 @@ class ProcessGroupGloo(ProcessGroupWrapper):
         self._pair_sockets = PairSockets.after(build.before, world_size)
         return pg
 
-    def _overran(self, build: _Build) -> None:
+    def _overran(self, build: _GlooBuild) -> None:
         if self._building is build and build.end_connects("it outlasted its timeout"):
             logger.warning(
                 "the Gloo group's build outlasted its timeout (%.0f s) waiting for a peer to "
