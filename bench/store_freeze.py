@@ -14,9 +14,12 @@ timeout, and logs an error with a C++ stack at each try.
 This calls each implementation's ``create_store_client`` (what its process group's
 ``configure`` calls first) with the given timeout, on a real TCPStore whose process has
 stopped itself and on a port nothing listens on, and reports how it ended (giving up on it
-after ``--cap-s``) and how many lines c10d logged meanwhile.
+after ``--cap-s``) and how many lines c10d logged meanwhile. ``torchheal-build`` is torchheal's
+call as its process groups make it: with an event that could abandon it (never set here), in
+attempts of a second.
 
-    python -m bench.store_freeze [--timeout-s 2] [--cap-s 20] [--impls torchheal,torchft]
+    python -m bench.store_freeze [--timeout-s 2] [--cap-s 20]
+        [--impls torchheal,torchheal-build,torchft]
 """
 
 from __future__ import annotations
@@ -102,6 +105,8 @@ def connect_once(impl: str, host: str, timeout_s: float, cap_s: float) -> tuple[
     module = importlib.import_module(
         "torchft.process_group" if impl == "torchft" else "torchheal.process_group"
     )
+    # A process group's configure passes the event its abandon_configure sets.
+    kwargs = {"abandoned": threading.Event()} if impl == "torchheal-build" else {}
     outcome: list[tuple[str, float]] = []
     # The outer count is dropped: a connection still waiting when it is given up (the
     # reference's, on a frozen host) fails once the host is killed, and logs that, after the cap.
@@ -113,7 +118,7 @@ def connect_once(impl: str, host: str, timeout_s: float, cap_s: float) -> tuple[
                 def run() -> None:
                     try:
                         module.create_store_client(
-                            f"127.0.0.1:{port}/q", timedelta(seconds=timeout_s)
+                            f"127.0.0.1:{port}/q", timedelta(seconds=timeout_s), **kwargs
                         )
                         outcome.append(("connected", time.monotonic() - began))
                     except Exception as e:
@@ -132,15 +137,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--timeout-s", type=float, default=2.0, help="the connection's timeout")
     parser.add_argument("--cap-s", type=float, default=20.0, help="when to stop waiting")
-    parser.add_argument("--impls", default="torchheal,torchft")
+    parser.add_argument("--impls", default="torchheal,torchheal-build,torchft")
     args = parser.parse_args()
     impls = [i for i in args.impls.split(",") if i != "torchft" or reference_available()]
     print(f"create_store_client(timeout={args.timeout_s:g}s) on a frozen and on a down store host")
-    print(f"{'impl':<10} {'host':<7} {'outcome':<28} {'seconds':>8} {'c10d log lines':>15}")
+    print(f"{'impl':<16} {'host':<7} {'outcome':<28} {'seconds':>8} {'c10d log lines':>15}")
     for host in ("frozen", "down"):
         for impl in impls:
             what, seconds, lines = connect_once(impl, host, args.timeout_s, args.cap_s)
-            print(f"{impl:<10} {host:<7} {what:<28} {seconds:>8.2f} {lines:>15}")
+            print(f"{impl:<16} {host:<7} {what:<28} {seconds:>8.2f} {lines:>15}")
     if "torchft" in args.impls.split(",") and "torchft" not in impls:
         print("(the reference, torchft, is not installed: its row is missing)")
 

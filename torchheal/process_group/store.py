@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import errno
 import logging
+import os
+import select
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -27,6 +31,9 @@ OVERRUN_CUT_S = 1.0
 _RECUT_S = 0.05
 #: How often a connection that can be abandoned looks whether it was.
 _ABANDON_POLL_S = 0.01
+#: Pauses between two tries of a host that refused the connection: from the first to the last.
+_REFUSED_FIRST_PAUSE_S = 0.01
+_REFUSED_LAST_PAUSE_S = 0.25
 
 
 class StoreConnectAbandoned(RuntimeError):
@@ -85,35 +92,138 @@ def create_store_client(
 
     Whatever the host does, the call ends within about ``timeout`` (plus
     :data:`OVERRUN_CUT_S`): an attempt still waiting for the host's first answer then has its
-    connection cut, which c10d's client does not do.
+    connection cut, which c10d's client does not do. With ``abandoned``, a host found refusing
+    connections (down, or not listening yet) is then waited for quietly, until it listens or
+    the timeout has passed; without it, c10d's client tries it again itself.
 
     Returns:
         ``PrefixStore(prefix, TCPStore(host, port, is_master=False, ...))``.
 
     Raises:
         StoreConnectAbandoned: ``abandoned`` was set before a connection was made.
-        torch.distributed.DistError: no connection within ``timeout``.
+        torch.distributed.DistError: no connection within ``timeout`` (``DistNetworkError``
+            naming the refusal or the frozen host where that is why).
     """
     host, port, prefix = parse_store_addr(store_addr)
     if abandoned is None:
         return PrefixStore(prefix, connect_store(host, port, timeout))
+    return PrefixStore(prefix, _in_attempts(host, port, timeout, abandoned))
+
+
+def connect_store(host: str, port: int, timeout: timedelta) -> TCPStore:
+    """A c10d client of the TCPStore at ``host:port`` (no prefix), in one attempt that ends
+    within ``timeout`` (plus :data:`OVERRUN_CUT_S`) whatever the host does.
+
+    Raises:
+        torch.distributed.DistNetworkError: no connection within ``timeout``, or (naming the
+            frozen host) a connection whose first answer never came.
+    """
+    timeout_s = timeout.total_seconds()
+    return _bounded_client(host, port, timeout_s, time.monotonic() + timeout_s)
+
+
+def _in_attempts(host: str, port: int, timeout: timedelta, abandoned: threading.Event) -> TCPStore:
+    """:func:`create_store_client`'s connection when it can be abandoned.
+
+    Attempts of at most :data:`CONNECT_ATTEMPT_S`, each on a helper thread
+    (:func:`_abandonable`) and cut soon after the deadline if the host never answers
+    (:func:`_bounded_client`). c10d's client logs every attempt that finds nothing listening,
+    with a C++ stack (one a second over a 60 s timeout), and may end it seconds late (it tries
+    again after a random pause of up to two seconds). So once an attempt has failed, the next
+    one starts only when the host accepts a plain TCP connection (:func:`_await_listener`),
+    tried quietly every 10-250 ms until the deadline. Not before the first failure: each
+    connection the store accepts costs its single loop a lookup of the peer's name, which a
+    resolver that drops queries makes 5 s long (``docs/failures.md``, slow DNS), so a host that
+    is up is never sent one connection more.
+    """
     deadline = time.monotonic() + timeout.total_seconds()
+    why = f"the connection to the store at {host}:{port} was abandoned"
+    failed = False
     while True:
-        attempt = min(CONNECT_ATTEMPT_S, deadline - time.monotonic())
+        if failed:
+            _await_listener(host, port, timeout, deadline, abandoned, why)
+        attempt = max(min(CONNECT_ATTEMPT_S, deadline - time.monotonic()), 0.001)
         try:
             store = _abandonable(
-                lambda a=attempt: _bounded_client(host, port, max(a, 0.001), deadline),
-                abandoned,
-                f"the connection to the store at {host}:{port} was abandoned",
+                lambda a=attempt: _bounded_client(host, port, a, deadline), abandoned, why
             )
         except StoreConnectAbandoned:
             raise
         except Exception:
             if time.monotonic() >= deadline:
                 raise
+            failed = True
             continue
         store.set_timeout(timeout)
-        return PrefixStore(prefix, store)
+        return store
+
+
+def _await_listener(
+    host: str,
+    port: int,
+    timeout: timedelta,
+    deadline: float,
+    abandoned: threading.Event,
+    why: str,
+) -> None:
+    """Returns once ``host:port`` accepts a TCP connection (closed at once, unused), trying
+    again after short, growing pauses while it refuses.
+
+    Raises:
+        torch.distributed.DistNetworkError: none by ``deadline`` (monotonic), naming why.
+        StoreConnectAbandoned: ``abandoned`` was set (``why``).
+    """
+    pause = _REFUSED_FIRST_PAUSE_S
+    last = "not tried"
+    while True:
+        if abandoned.is_set():
+            raise StoreConnectAbandoned(why)
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise DistNetworkError(
+                f"no store at {host}:{port} accepted a connection within the connection's "
+                f"timeout ({timeout.total_seconds():g}s): {last} (is its host down?)"
+            )
+        try:
+            _accepts(host, port, left, abandoned, why)
+            return
+        except OSError as e:
+            last = e.strerror or str(e) or type(e).__name__
+        abandoned.wait(min(pause, max(deadline - time.monotonic(), 0.0)))
+        pause = min(pause * 2, _REFUSED_LAST_PAUSE_S)
+
+
+def _accepts(host: str, port: int, timeout_s: float, abandoned: threading.Event, why: str) -> None:
+    """Opens a TCP connection to ``host:port`` and closes it; an abandon ends the wait.
+
+    Raises:
+        OSError: no address of ``host`` accepted it within ``timeout_s`` (``TimeoutError``
+            when one never answered).
+        StoreConnectAbandoned: ``abandoned`` was set (``why``).
+    """
+    end = time.monotonic() + timeout_s
+    error: OSError = OSError(errno.EADDRNOTAVAIL, f"{host} has no address")
+    for family, kind, proto, _name, addr in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM):
+        with socket.socket(family, kind, proto) as sock:
+            sock.setblocking(False)
+            code = sock.connect_ex(addr)
+            if code in (errno.EINPROGRESS, errno.EAGAIN):
+                poller = select.poll()
+                poller.register(sock, select.POLLOUT)
+                while not poller.poll(_ABANDON_POLL_S * 1000):
+                    if abandoned.is_set():
+                        raise StoreConnectAbandoned(why)
+                    if time.monotonic() >= end:
+                        break
+                else:
+                    code = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+            if code == 0:
+                return
+            if code in (errno.EINPROGRESS, errno.EAGAIN):
+                error = TimeoutError(errno.ETIMEDOUT, "the connection was never answered")
+            else:
+                error = OSError(code, os.strerror(code))
+    raise error
 
 
 def _abandonable(connect: Callable[[], TCPStore], abandoned: threading.Event, why: str) -> TCPStore:
@@ -151,18 +261,6 @@ def _abandonable(connect: Callable[[], TCPStore], abandoned: threading.Event, wh
     if isinstance(result, BaseException):
         raise result
     return result
-
-
-def connect_store(host: str, port: int, timeout: timedelta) -> TCPStore:
-    """A c10d client of the TCPStore at ``host:port`` (no prefix), in one attempt that ends
-    within ``timeout`` (plus :data:`OVERRUN_CUT_S`) whatever the host does.
-
-    Raises:
-        torch.distributed.DistNetworkError: no connection within ``timeout``, or (naming the
-            frozen host) a connection whose first answer never came.
-    """
-    timeout_s = timeout.total_seconds()
-    return _bounded_client(host, port, timeout_s, time.monotonic() + timeout_s)
 
 
 def _bounded_client(host: str, port: int, timeout_s: float, deadline: float) -> TCPStore:
