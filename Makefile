@@ -21,7 +21,7 @@ demo: $(STAMP)
 	$(BIN)/torchheal demo $(DEMO_ARGS)
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=25 tests
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -40,6 +40,10 @@ class StoreConnectAbandoned(RuntimeError):
     """A store connection in progress was abandoned (see :func:`create_store_client`)."""
 
 
+class _UnansweredConnection(DistNetworkError):
+    """The store's host accepted the connection and never answered it (a frozen process)."""
+
+
 def parse_store_addr(store_addr: str) -> tuple[str, int, str]:
     """Splits ``"host:port/prefix"`` into its parts; IPv6 hosts may be bracketed.
 
@@ -147,11 +151,13 @@ def _in_attempts(host: str, port: int, timeout: timedelta, abandoned: threading.
             store = _abandonable(
                 lambda a=attempt: _bounded_client(host, port, a, deadline), abandoned, why
             )
-        except StoreConnectAbandoned:
+        except (StoreConnectAbandoned, _UnansweredConnection):
             raise
-        except Exception:
+        except Exception as e:
             if time.monotonic() >= deadline:
-                raise
+                # The first attempt outlasted a short timeout: c10d's message would name the
+                # attempt's, and carry a C++ stack.
+                raise _no_store(host, port, timeout, _first_line(e)) from None
             failed = True
             continue
         store.set_timeout(timeout)
@@ -180,10 +186,7 @@ def _await_listener(
             raise StoreConnectAbandoned(why)
         left = deadline - time.monotonic()
         if left <= 0:
-            raise DistNetworkError(
-                f"no store at {host}:{port} accepted a connection within the connection's "
-                f"timeout ({timeout.total_seconds():g}s): {last} (is its host down?)"
-            )
+            raise _no_store(host, port, timeout, f"{last} (is its host down?)")
         try:
             _accepts(host, port, left, abandoned, why)
             return
@@ -191,6 +194,18 @@ def _await_listener(
             last = e.strerror or str(e) or type(e).__name__
         abandoned.wait(min(pause, max(deadline - time.monotonic(), 0.0)))
         pause = min(pause * 2, _REFUSED_LAST_PAUSE_S)
+
+
+def _no_store(host: str, port: int, timeout: timedelta, why: str) -> DistNetworkError:
+    return DistNetworkError(
+        f"no connection to the store at {host}:{port} within the connection's timeout "
+        f"({timeout.total_seconds():g}s): {why}"
+    )
+
+
+def _first_line(e: BaseException) -> str:
+    """The first line of ``e``'s message (c10d's go on with a C++ stack)."""
+    return str(e).splitlines()[0] if str(e) else type(e).__name__
 
 
 def _accepts(host: str, port: int, timeout_s: float, abandoned: threading.Event, why: str) -> None:
@@ -313,10 +328,9 @@ def _bounded_client(host: str, port: int, timeout_s: float, deadline: float) -> 
     except Exception as e:
         if cut.is_set():
             # c10d's own message ("Failed to recv, ...") carries a C++ stack of no use here.
-            first_line = str(e).splitlines()[0] if str(e) else type(e).__name__
-            raise DistNetworkError(
+            raise _UnansweredConnection(
                 f"the store at {host}:{port} accepted the connection and did not answer it "
-                f"by the connection's timeout (is its host frozen?); cut: {first_line}"
+                f"by the connection's timeout (is its host frozen?); cut: {_first_line(e)}"
             ) from None
         raise
     finally:
