@@ -192,7 +192,12 @@ def test_a_spare_killed_before_it_was_taken_falls_back_to_a_cold_start(
     assert seen["group"] == "1" and seen["warm"] is None
     if fork:
         assert f"template exited with -{int(signal.SIGKILL)}" in caplog.text
-        assert "before it was used" in caplog.text  # (its status died with the template)
+        # Its status died with the template: the spare is seen gone unused when the pool looks
+        # (once the system reaped it), or when the spawn waits for it.
+        assert (
+            "before it was used" in caplog.text
+            or f"warm spare {pid} ended after its template" in caplog.text
+        ), caplog.text
     else:
         assert f"exited with -{int(signal.SIGKILL)} before it was used" in caplog.text
 
