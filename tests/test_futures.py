@@ -1,4 +1,5 @@
-"""torchheal.futures: future_timeout, future_wait, context_timeout and stream_timeout."""
+"""torchheal.futures: future_timeout, timed_then (and its Expiry), future_wait, context_timeout
+and stream_timeout."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from torch.futures import Future
 
 from torchheal.futures import (
     _TIMEOUT_MANAGER,
+    Expiry,
     _TimeoutManager,
     context_timeout,
     future_timeout,
@@ -176,3 +178,37 @@ def test_timed_then_times_out_and_keeps_fn_errors() -> None:
     src.set_result(0)
     with pytest.raises(ValueError, match="from fn"):
         out2.wait()
+
+
+def test_an_expiry_ends_its_pending_futures_at_once_and_forgets_settled_ones() -> None:
+    seen: list[BaseException | int] = []
+
+    def record(f: Future[int]) -> int:
+        try:
+            value = f.value()
+        except Exception as e:
+            seen.append(e)
+            return -1
+        seen.append(value)
+        return value
+
+    expiry = Expiry()
+    settled: Future[int] = Future()
+    done = timed_then(settled, timedelta(seconds=60), record, expiry)
+    settled.set_result(5)
+    assert done.wait() == 5 and expiry.pending() == 0  # nothing kept for a settled one
+
+    pending: Future[int] = Future()
+    out = timed_then(pending, timedelta(seconds=60), record, expiry)
+    assert expiry.pending() == 1 and not out.done()
+    why = RuntimeError("dropped from quorum 3")
+    assert expiry.expire(why) == 1
+    assert out.wait() == -1 and seen[-1] is why and expiry.expired is why
+    pending.set_result(1)  # late: fn is not called again
+    assert len(seen) == 2
+    assert expiry.expire(RuntimeError("again")) == 0  # once only
+
+    # Registered after it expired: ends at once, with the same error.
+    late: Future[int] = Future()
+    assert timed_then(late, timedelta(seconds=60), record, expiry).wait() == -1
+    assert seen[-1] is why

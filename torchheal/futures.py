@@ -17,7 +17,8 @@ from a thread only ended the watchdog), so the replica restarts and heals instea
 Public helpers:
 
 * :func:`future_timeout` - a new future with the original outcome, or ``TimeoutError``.
-* :func:`timed_then` - ``future_timeout`` and ``then`` in one callback.
+* :func:`timed_then` - ``future_timeout`` and ``then`` in one callback; an :class:`Expiry`
+  can end it early.
 * :func:`future_wait` - block on a future for at most ``timeout``.
 * :func:`context_timeout` - call ``callback`` if a ``with`` block is still running after ``timeout``.
 * :func:`stream_timeout` - call ``callback`` if work queued on the current accelerator stream has
@@ -199,8 +200,87 @@ def _outcome(fut: Future[T]) -> T:
     return fut.value()
 
 
+class Expiry:
+    """Ends a set of timed futures before their timeout, all at once, with one error.
+
+    For futures that can no longer matter: the Manager gives one to each configuration of its
+    cross-replica process group, and when the lighthouse says that configuration's quorum is
+    over for this group, every collective still pending in it ends now instead of at its
+    timeout (a Gloo receive is not always woken by its peers' close, and would wait it out).
+    It is final: a future registered after :meth:`expire` ends at once. A future that settles
+    is forgotten (:meth:`discard`), so a long-lived expiry holds only the pending ones.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._ids = itertools.count()
+        self._enders: dict[int, Callable[[BaseException], None]] | None = {}
+        self._error: BaseException | None = None
+
+    @property
+    def expired(self) -> BaseException | None:
+        """The error it expired with, or None."""
+        return self._error
+
+    def pending(self) -> int:
+        """How many registered futures are still pending (for tests and diagnostics)."""
+        with self._lock:
+            return len(self._enders or ())
+
+    def add(self, end: Callable[[BaseException], None]) -> int | None:
+        """Registers ``end(error)``, called once on :meth:`expire` (at once if it happened).
+
+        Args:
+            end: settles one future early; it must be quick and never raise.
+
+        Returns:
+            the key to :meth:`discard` it with (None: it was called already).
+        """
+        with self._lock:
+            if self._enders is not None:
+                key = next(self._ids)
+                self._enders[key] = end
+                return key
+            error = self._error
+        assert error is not None
+        end(error)
+        return None
+
+    def discard(self, key: int | None) -> None:
+        """Forgets a registered future (it settled on its own)."""
+        if key is None:
+            return
+        with self._lock:
+            if self._enders is not None:
+                self._enders.pop(key, None)
+
+    def expire(self, error: BaseException) -> int:
+        """Ends every pending registered future with ``error`` (once: later calls do nothing).
+
+        Args:
+            error: what each future ends with (its ``fn`` sees a future failed with it).
+
+        Returns:
+            how many futures it ended.
+        """
+        with self._lock:
+            enders, self._enders = self._enders, None
+            if enders is None:
+                return 0
+            self._error = error
+        for end in enders.values():
+            try:
+                end(error)
+            except Exception:
+                logger.exception("ending a future early failed")
+        return len(enders)
+
+
 def timed_then(
-    fut: Future[Any], timeout: timedelta | float, fn: Callable[[Future[Any]], T]
+    fut: Future[Any],
+    timeout: timedelta | float,
+    fn: Callable[[Future[Any]], T],
+    expiry: Expiry | None = None,
 ) -> Future[T]:
     """``future_timeout(fut, timeout).then(fn)`` in one callback instead of two.
 
@@ -216,6 +296,8 @@ def timed_then(
         fut: the future to watch.
         timeout: how long ``fut`` may take.
         fn: maps the outcome (or the timeout) to the returned future's value.
+        expiry: when it expires first, ``fn`` gets a future failed with its error (on the
+            thread that expires it), as on a timeout.
     """
     out: Future[T] = Future()
     lock = threading.Lock()
@@ -237,16 +319,27 @@ def timed_then(
             return
         out.set_result(value)
 
-    def _on_timeout() -> None:
+    def _end(error: BaseException) -> None:
         if _claim():
             expired: Future[Any] = Future()
-            expired.set_exception(TimeoutError(f"future did not complete within {timeout}"))
+            expired.set_exception(error)
             _settle(expired)
+
+    def _on_timeout() -> None:
+        _end(TimeoutError(f"future did not complete within {timeout}"))
 
     handle = _TIMEOUT_MANAGER.schedule(timeout, _on_timeout)
 
+    def _on_early_end(error: BaseException) -> None:
+        handle.cancel()
+        _end(error)
+
+    key = expiry.add(_on_early_end) if expiry is not None else None
+
     def _on_done(_: Future[Any]) -> None:
         handle.cancel()
+        if expiry is not None:
+            expiry.discard(key)
         if _claim():
             _settle(fut)
 

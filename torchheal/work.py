@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 # The reference's torchft.work also defines the completed no-op work; ours lives with the
 # process groups and is re-exported here so the reference's import path resolves.
+from torchheal.futures import Expiry
 from torchheal.process_group.work import _DummyWork, _ErrorRecordingWork
 
 __all__ = ["_DummyWork", "_ManagedFuture", "_ManagedWork"]
@@ -119,13 +120,26 @@ class _ManagedWork(dist.Work):
         work: the process group's work.
         default_result: the value the chain resolves to when the collective fails (normally
             the tensor being reduced, untouched or partially reduced: garbage the step discards).
+        expiry: ends the collective early (the manager's process group was aborted for its
+            quorum): the chain resolves to ``default_result`` at once, and ``wait`` returns
+            False, even if the operation itself is never woken.
     """
 
-    def __init__(self, manager: _ErrorSink, work: dist.Work, default_result: Any) -> None:
+    def __init__(
+        self,
+        manager: _ErrorSink,
+        work: dist.Work,
+        default_result: Any,
+        expiry: Expiry | None = None,
+    ) -> None:
         super().__init__()
         self._manager = manager
         self._work = work
         self._default_result = default_result
+        self._expiry = expiry
+        # The fused first continuation saw the collective fail, time out or expire.
+        self._failed = False
+        self._fused = False
         self._stream = _current_stream()
         self._lock = threading.Lock()
         self._head = _ManagedFuture(self, None)
@@ -190,15 +204,19 @@ class _ManagedWork(dist.Work):
 
         def first(f: torch.futures.Future[Any]) -> Any:
             try:
-                f.value()  # re-raises the collective's error, or the timeout
+                f.value()  # re-raises the collective's error, the timeout or the expiry
             except Exception as e:
+                self._failed = True
                 if f is raw and report is not None:  # the collective failed, not timed out
                     report(e)
                 raise
             with torch.cuda.stream(stream) if stream is not None else nullcontext():
                 return callback(f)
 
-        return wrap_then(raw, first, self._default_result)
+        self._fused = True
+        if self._expiry is None:
+            return wrap_then(raw, first, self._default_result)
+        return wrap_then(raw, first, self._default_result, expiry=self._expiry)
 
     def _materialize(self) -> None:
         with self._lock:
@@ -251,6 +269,16 @@ class _ManagedWork(dist.Work):
         try:
             if self._stream is not None and torch.cuda.current_stream() != self._stream:
                 raise RuntimeError("_ManagedWork.wait must run on the stream that created it")
+            if self._expiry is not None and self._stream is None and timeout is None:
+                # On CPU the chain's end is the collective's end, and the expiry can bring it
+                # sooner: the operation's own wait may never be woken (Gloo, after a freeze).
+                # Its callbacks then run on the thread completing the collective.
+                self._materialize()
+                assert self._tail._future is not None
+                self._tail._future.wait()
+                if self._fused:
+                    return not self._failed
+                return True
             if timeout is not None:
                 self._work.wait(timeout)
             else:

@@ -135,7 +135,7 @@ def test_a_killed_group_is_gone_at_once_and_its_peers_are_told(
     assert victim.answer() == (1, 2)
 
     victim.proc.kill()
-    assert notices.get(timeout=20) == ("b:1", 1, "connection ended", False)
+    assert notices.get(timeout=20) == ("b:1", 1, "connection ended", False, False)
     alone = _quorum(survivor, 6).join()
     assert (alone.quorum_id, alone.replica_world_size) == (2, 1)
 
@@ -153,7 +153,7 @@ def test_a_frozen_group_is_lost_when_its_heartbeat_expires(make_lighthouse, make
 
     frozen.proc.send_signal(signal.SIGSTOP)
     # Its session stays open (the kernel keeps the connection); its heartbeats stop.
-    assert notices.get(timeout=20) == ("b:1", 1, "heartbeat expired", False)
+    assert notices.get(timeout=20) == ("b:1", 1, "heartbeat expired", False, False)
     assert _quorum(survivor, 6).join().replica_world_size == 1
     frozen.proc.send_signal(signal.SIGCONT)
 
@@ -167,7 +167,7 @@ def test_a_group_that_shuts_down_says_goodbye(make_lighthouse, make_manager):
     ra, rb = _quorum(a, 1), _quorum(b, 1)
     ra.join(), rb.join()
     b.shutdown()
-    assert notices.get(timeout=20) == ("b:1", 1, "left: shutdown", False)
+    assert notices.get(timeout=20) == ("b:1", 1, "left: shutdown", False, False)
     assert _quorum(a, 2).join().replica_world_size == 1
 
 
@@ -377,7 +377,7 @@ def test_sessions_travel_on_the_direct_lane_else_the_grpc_stream(
     victim.ask(5)
     assert pending.join().replica_world_size == 2
     victim.proc.kill()
-    assert notices.get(timeout=20) == ("b:1", 1, "connection ended", False)
+    assert notices.get(timeout=20) == ("b:1", 1, "connection ended", False, False)
     assert _quorum(survivor, 6).join().replica_world_size == 1
 
 
@@ -407,8 +407,8 @@ def test_a_live_group_left_out_of_a_newer_quorum_is_told_and_no_one_else(
 
     ra, rb = _quorum(servers["a"], 6), _quorum(servers["b"], 6)
     assert (ra.join().quorum_id, rb.join().replica_world_size) == (2, 2)
-    replica_id, quorum_id, reason, gave_up = heard["c"].get(timeout=20)
-    assert (replica_id, quorum_id, gave_up) == ("c:1", 1, False)
+    replica_id, quorum_id, reason, gave_up, superseded = heard["c"].get(timeout=20)
+    assert (replica_id, quorum_id, gave_up, superseded) == ("c:1", 1, False, True)
     assert reason.startswith("not in quorum 2")
     # Only a build of quorum 1 is abandoned: its vote is not doubted (it commits such a step
     # as its peers did, as before the notice).
@@ -438,12 +438,12 @@ def test_a_group_that_gives_up_a_build_is_announced_without_a_doubt_of_its_vote(
 
     servers["b"].report_gave_up(7, "not the latest quorum: ignored")
     servers["b"].report_gave_up(1, "ConnectionResetError: the store went away")
-    replica_id, quorum_id, reason, gave_up = heard["a"].get(timeout=20)
-    assert (replica_id, quorum_id, gave_up) == ("b:1", 1, True)
+    replica_id, quorum_id, reason, gave_up, superseded = heard["a"].get(timeout=20)
+    assert (replica_id, quorum_id, gave_up, superseded) == ("b:1", 1, True, False)
     assert reason == (
         "gave up building its process group: ConnectionResetError: the store went away"
     )
-    assert heard["b"].get(timeout=20) == (replica_id, quorum_id, reason, True)
+    assert heard["b"].get(timeout=20) == (replica_id, quorum_id, reason, True, False)
     assert servers["b"]._doubt() is None
     # Both ask again and train on together.
     ra, rb = _quorum(servers["a"], 5), _quorum(servers["b"], 5)
@@ -475,4 +475,5 @@ def test_a_rank_other_than_0_reports_a_build_it_gave_up_through_its_server(
         1,
         "gave up building its process group: RuntimeError: rank 1's own failure",
         True,
+        False,
     )

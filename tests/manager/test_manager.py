@@ -11,6 +11,7 @@ import torch
 from torch.distributed import ReduceOp
 
 from tests.cluster import TIMEOUT, lighthouse, replica
+from tests.manager.twins import PendingGroup
 from torchheal._base.config import TimeoutBudgetWarning
 from torchheal.manager import ExceptionWithTraceback, Manager
 from torchheal.process_group.dummy import ProcessGroupDummy
@@ -318,32 +319,6 @@ def test_timeout_budget_warning() -> None:
                 pass
 
 
-class _PendingWork(torch.distributed.Work):
-    def __init__(self, future: torch.futures.Future) -> None:
-        super().__init__()
-        self.future = future
-
-    def get_future(self) -> torch.futures.Future:
-        return self.future
-
-    def wait(self, timeout: timedelta | None = None) -> bool:
-        self.future.wait()
-        return True
-
-
-class _PendingGroup(ProcessGroupDummy):
-    """Its allreduces complete when the test says so."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.issued: list[tuple[torch.futures.Future, list[torch.Tensor]]] = []
-
-    def allreduce(self, tensors, opts):  # type: ignore[no-untyped-def, override]
-        future: torch.futures.Future = torch.futures.Future()
-        self.issued.append((future, tensors))
-        return _PendingWork(future)
-
-
 def _counting_callbacks(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Counts every Python callback chained on any future from now on."""
     count = [0]
@@ -369,7 +344,7 @@ def test_a_gradient_bucket_costs_one_callback_on_its_collective(
     # of the chain runs with the GIL on the thread completing the collective (Gloo's) while
     # backward goes on: the error check, the averaging, the timeout and the swallowing run
     # as one.
-    pg = _PendingGroup()
+    pg = PendingGroup()
     with lighthouse() as lh, replica(lh, "a", pg=pg) as r:
         m = r.manager
         m.start_quorum()
@@ -398,7 +373,7 @@ def test_a_gradient_bucket_costs_one_callback_on_its_collective(
 
 
 def test_a_bucket_that_times_out_is_not_a_collective_error() -> None:
-    pg = _PendingGroup()
+    pg = PendingGroup()
     with lighthouse() as lh, replica(lh, "a", pg=pg) as r:
         m = r.manager
         m._timeout = timedelta(milliseconds=10)

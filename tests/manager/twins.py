@@ -1,4 +1,5 @@
-"""In-memory twins of what the Manager's parts talk to: a checkpoint transport and a quorum.
+"""In-memory twins of what the Manager's parts talk to: a checkpoint transport, a quorum, and a
+process group whose collectives end when the test says.
 
 :class:`MemoryTransport` moves state through the real wire format (``encode_bytes`` ->
 ``decode_bytes``) over a dict shared by the replicas of a test, so what a receiver gets is a
@@ -10,9 +11,12 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any
 
+import torch
+
 from torchheal.checkpointing.deserialization import decode_bytes
 from torchheal.checkpointing.serialization import encode_bytes
 from torchheal.checkpointing.transport import CheckpointTransport
+from torchheal.process_group.dummy import ProcessGroupDummy
 
 
 class MemoryTransport(CheckpointTransport[Any]):
@@ -52,3 +56,32 @@ class MemoryTransport(CheckpointTransport[Any]):
 
     def shutdown(self, wait: bool = True) -> None:
         self.disallow_checkpoint()
+
+
+class PendingWork(torch.distributed.Work):
+    """A collective's work that ends with ``future``."""
+
+    def __init__(self, future: torch.futures.Future) -> None:
+        super().__init__()
+        self.future = future
+
+    def get_future(self) -> torch.futures.Future:
+        return self.future
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        self.future.wait()
+        return True
+
+
+class PendingGroup(ProcessGroupDummy):
+    """A process group whose allreduces complete when the test says so (or never: a peer that
+    does not answer, and whose connection's end does not wake the collective either)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.issued: list[tuple[torch.futures.Future, list[torch.Tensor]]] = []
+
+    def allreduce(self, tensors, opts):  # type: ignore[no-untyped-def, override]
+        future: torch.futures.Future = torch.futures.Future()
+        self.issued.append((future, tensors))
+        return PendingWork(future)

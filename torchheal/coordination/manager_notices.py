@@ -32,11 +32,13 @@ class NoticeFanout:
         self._replica_id = replica_id
         self._prefix = log_prefix
         self._watchers: set[asyncio.Queue[bytes]] = set()
-        self._listeners: list[Callable[[str, int, str, bool], None]] = []
+        self._listeners: list[Callable[[str, int, str, bool, bool], None]] = []
 
-    def add_listener(self, listener: Callable[[str, int, str, bool], None]) -> None:
-        """Also call ``listener(replica_id, quorum_id, reason, gave_up)`` for every notice (on
-        the loop thread; ``gave_up``: the group gave that quorum's build up, it is not gone)."""
+    def add_listener(self, listener: Callable[[str, int, str, bool, bool], None]) -> None:
+        """Also call ``listener(replica_id, quorum_id, reason, gave_up, superseded)`` for every
+        notice (on the loop thread; ``gave_up``: the group gave that quorum's build up, it is
+        not gone; ``superseded``: about this group, left out of a newer quorum while still at
+        work in this one, not dropped)."""
         self._listeners.append(listener)
 
     def forward(self, lost: spb.MemberLost) -> None:
@@ -53,10 +55,10 @@ class NoticeFanout:
         elif lost.replica_id == self._replica_id:
             # About ourselves: the lighthouse dropped this group (it was frozen past its
             # heartbeat timeout, or it issued a newer quorum without it while it was still at
-            # work in this one); the link made a freeze a doubt of the vote (standing.py). The ranks
-            # are told too, and only abandon a build of that quorum (their peers abandoned it):
-            # an abort of our own group once woken could block for the collective's timeout
-            # when Gloo has not seen the peers' cut.
+            # work in this one); the link made a freeze a doubt of the vote (standing.py). The
+            # ranks are told too: they abandon a build of that quorum (their peers abandoned
+            # it) and, unless only superseded, abort a group built for it
+            # (``ConnectedQuorum.on_dropped``).
             logger.warning(
                 "%s lighthouse: this group was dropped from quorum %d (%s)",
                 self._prefix,
@@ -79,7 +81,13 @@ class NoticeFanout:
             queue.put_nowait(notice)
         for listener in list(self._listeners):
             try:
-                listener(lost.replica_id, lost.quorum_id, lost.reason, lost.gave_up)
+                listener(
+                    lost.replica_id,
+                    lost.quorum_id,
+                    lost.reason,
+                    lost.gave_up,
+                    bool(lost.superseded_by),
+                )
             except Exception:
                 logger.exception("%s a lost-member listener failed", self._prefix)
 

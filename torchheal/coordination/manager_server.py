@@ -241,13 +241,14 @@ class ManagerServer:
         link = self._link
         return bool(link is not None and (link.first_welcome_quorum_id or 0) > 0)
 
-    def add_lost_listener(self, listener: Callable[[str, int, str, bool], None]) -> None:
+    def add_lost_listener(self, listener: Callable[[str, int, str, bool, bool], None]) -> None:
         """Also tell ``listener`` about lost members (for a rank living in this process).
 
         Args:
-            listener: called as ``listener(replica_id, quorum_id, reason, gave_up)`` on the
-                server's event-loop thread, so it must be quick and thread-safe (``gave_up``:
-                the group gave that quorum's build up, it is not gone).
+            listener: called as ``listener(replica_id, quorum_id, reason, gave_up,
+                superseded)`` on the server's event-loop thread, so it must be quick and
+                thread-safe (``gave_up``: the group gave that quorum's build up, it is not
+                gone; ``superseded``: this group was left out of a newer quorum, not dropped).
         """
 
         async def add() -> None:

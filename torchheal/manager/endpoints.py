@@ -133,9 +133,12 @@ class GroupEndpoints:
         except Exception as e:
             logger.warning(f"could not report the build of quorum {quorum_id} given up: {e}")
 
-    def watch_lost(self, group_rank: int, listener: Callable[[str, int, str, bool], None]) -> None:
-        """Calls ``listener(replica_id, quorum_id, reason, gave_up)`` for every lost-member
-        notice (``gave_up``: the group gave that quorum's build up, it is not gone).
+    def watch_lost(
+        self, group_rank: int, listener: Callable[[str, int, str, bool, bool], None]
+    ) -> None:
+        """Calls ``listener(replica_id, quorum_id, reason, gave_up, superseded)`` for every
+        lost-member notice (``gave_up``: the group gave that quorum's build up, it is not gone;
+        ``superseded``: this group was left out of a newer quorum, not dropped).
 
         The lighthouse sends a notice when a group of the current quorum is gone (its session
         ended, or its heartbeat expired). Group rank 0 hears it in-process from its server;
@@ -154,7 +157,13 @@ class GroupEndpoints:
             while not self._closed.is_set():
                 try:
                     for lost in self.client._watch(group_rank):
-                        listener(lost.replica_id, lost.quorum_id, lost.reason, lost.gave_up)
+                        listener(
+                            lost.replica_id,
+                            lost.quorum_id,
+                            lost.reason,
+                            lost.gave_up,
+                            bool(lost.superseded_by),
+                        )
                 except Exception as e:
                     if self._closed.is_set():
                         return

@@ -37,10 +37,11 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from torchheal.futures import Expiry
 from torchheal.manager.log import ManagerLogger
 from torchheal.process_group.gloo_sockets import PairSockets
 
-__all__ = ["ConnectedQuorum", "MemberLostError"]
+__all__ = ["ConnectedQuorum", "DroppedError", "MemberLostError"]
 
 #: Quorums whose lost groups are remembered (a notice may come before its quorum is built).
 _REMEMBERED_QUORUMS = 16
@@ -51,6 +52,10 @@ _CANCEL_POLL_S = 0.02
 
 class MemberLostError(RuntimeError):
     """A group of the quorum being built is lost: the build is abandoned (the step fails)."""
+
+
+class DroppedError(MemberLostError):
+    """The lighthouse dropped this group from the quorum its collectives run in."""
 
 
 class _Build:
@@ -133,6 +138,12 @@ class ConnectedQuorum:
         #: to start is expected.
         self.aborted_for: str | None = None
         self._aborted_event = threading.Event()  # set with aborted_for
+        #: Whether that abort was for this group's own drop (no redo in a new quorum cures it).
+        self.dropped = False
+        #: Ends the collectives of the configuration adopted last when it is aborted: one
+        #: woken from a freeze may wait on a peer's data that will never come, and Gloo does not
+        #: always wake it when the peer's connection closes.
+        self.expiry = Expiry()
         self._lost: dict[int, set[str]] = {}
         self._build: _Build | None = None
 
@@ -212,7 +223,9 @@ class ConnectedQuorum:
                 self.quorum_id = quorum_id
                 self.members = members
                 self.aborted_for = None
+                self.dropped = False
                 self._aborted_event.clear()
+                self.expiry = Expiry()
                 return
             self.quorum_id = -1
             self.members = frozenset()
@@ -251,27 +264,46 @@ class ConnectedQuorum:
             return
         self._abort(replica_id, quorum_id, reason)
 
-    def on_dropped(self, replica_id: str, quorum_id: int, reason: str) -> None:
-        """The lighthouse dropped this group from quorum ``quorum_id`` (it was frozen past its
-        heartbeat timeout, or a newer quorum was issued without it while it was still at work
-        in this one): a build for that quorum is abandoned, as its peers abandoned it, whether
-        it is under way or starts later.
+    def on_dropped(
+        self, replica_id: str, quorum_id: int, reason: str, superseded: bool = False
+    ) -> None:
+        """The lighthouse dropped this group from quorum ``quorum_id``: a build for that quorum
+        is abandoned, as its peers abandoned it, whether it is under way or starts later, and a
+        group built for it is aborted.
 
-        Nothing else is aborted: once woken, a collective of ours may wait on peers whose cut
-        Gloo has not seen, and its abort would block; the vote's fence (``standing.py``) keeps
-        such a step from committing.
+        A drop (the group was frozen past its heartbeat timeout, or its session ended) means
+        the peers redid the step without this group: its collectives in that quorum can never
+        count (the vote's fence, ``standing.py``, overrules a commit), and once woken one may
+        wait on a peer's data that never comes, until its timeout (Gloo does not always wake a
+        receive when the peer's connection closes). So the group is aborted and what is pending
+        in it ends at once (:attr:`expiry`); the release of the old group, which would wait for
+        that receive, happens off this thread (``ProcessGroupWrapper.abort``).
+
+        A group left out of a newer quorum while still at work in this one (``superseded``)
+        keeps its group: its peers completed the step with it before they moved on, so its
+        collectives complete too, and its step commits as theirs did.
 
         Args:
             replica_id: this group's full id.
             quorum_id: the quorum it was dropped from.
             reason: why (for the log).
+            superseded: it was left out of a newer quorum, not dropped.
         """
         with self._lock:
             self._remember_lost(replica_id, quorum_id)  # a build that starts later fails
             build = self._build
-            if build is None or build.quorum_id != quorum_id or build.lost is not None:
-                return
-            build.lost = replica_id
+            if build is not None:
+                if build.quorum_id != quorum_id or build.lost is not None:
+                    return  # (a build of another quorum released the group in use already)
+                build.lost = replica_id
+            else:
+                if superseded or quorum_id != self.quorum_id:
+                    return
+                self.quorum_id = -1  # the next quorum, whatever its id, rebuilds the group
+                self.members = frozenset()
+        if build is None:
+            self._abort(replica_id, quorum_id, reason, dropped=True)
+            return
         self._log.warning(
             f"this group was dropped from quorum {quorum_id} ({reason}) while its "
             "cross-replica process group was being built: abandoning the build"
@@ -284,11 +316,20 @@ class ConnectedQuorum:
         while len(self._lost) > _REMEMBERED_QUORUMS:
             del self._lost[min(self._lost)]
 
-    def _abort(self, replica_id: str, quorum_id: int, reason: str) -> None:
-        # A peer that said goodbye finished its job: the abort is routine (INFO), as the
-        # lighthouse logs it; a peer that vanished is a failure (WARNING).
-        log = self._log.info if reason.startswith("left") else self._log.warning
-        self.aborted_for = f"replica group {replica_id} of quorum {quorum_id} is lost ({reason})"
+    def _abort(self, replica_id: str, quorum_id: int, reason: str, dropped: bool = False) -> None:
+        if dropped:
+            self.aborted_for = f"this group was dropped from quorum {quorum_id} ({reason})"
+            error: MemberLostError = DroppedError(self.aborted_for)
+            log = self._log.warning
+        else:
+            # A peer that said goodbye finished its job: the abort is routine (INFO), as the
+            # lighthouse logs it; a peer that vanished is a failure (WARNING).
+            self.aborted_for = (
+                f"replica group {replica_id} of quorum {quorum_id} is lost ({reason})"
+            )
+            error = MemberLostError(self.aborted_for)
+            log = self._log.info if reason.startswith("left") else self._log.warning
+        self.dropped = dropped
         self._aborted_event.set()
         log(f"{self.aborted_for}: aborting the cross-replica process group")
         abort = getattr(self._process_group(), "abort", None)
@@ -298,3 +339,8 @@ class ConnectedQuorum:
                 self._aborted()
             except Exception as e:
                 self._log.warning(f"aborting the process group failed: {e}")
+        # After the abort, whose cut makes sure no late data lands in the tensors: whatever
+        # is still pending of the group's collectives ends now, not at its timeout.
+        ended = self.expiry.expire(error)
+        if ended:
+            self._log.info(f"ended {ended} collective(s) pending in quorum {quorum_id}")

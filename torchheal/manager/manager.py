@@ -42,7 +42,7 @@ from torchheal._base import config
 from torchheal.checkpointing import CheckpointTransport, HTTPTransport
 from torchheal.coordination.plan import Participation, WorldSizeMode
 from torchheal.coordination.vote import local_vote, retry_limit_error
-from torchheal.futures import timed_then
+from torchheal.futures import Expiry, timed_then
 from torchheal.manager.allreduce import IS_TRITON_AVAILABLE, averaging, start_allreduce
 from torchheal.manager.build import build_parts, copies_state
 from torchheal.manager.failfast import ConnectedQuorum
@@ -226,7 +226,9 @@ class Manager:
         self._worker.guard_builds(self._connected.building)
         self._endpoints.watch_lost(self._group_rank, self._on_member_lost)
 
-    def _on_member_lost(self, replica_id: str, quorum_id: int, reason: str, gave_up: bool) -> None:
+    def _on_member_lost(
+        self, replica_id: str, quorum_id: int, reason: str, gave_up: bool, superseded: bool
+    ) -> None:
         """A lost-member notice: abort what waits on that group (collectives, a receive)."""
         if replica_id == self._full_replica_id:
             if gave_up:
@@ -234,7 +236,7 @@ class Manager:
                 # never run with it (the peers abandon theirs too).
                 self._connected.on_member_lost(replica_id, quorum_id, reason)
             else:
-                self._connected.on_dropped(replica_id, quorum_id, reason)  # a build, if any
+                self._connected.on_dropped(replica_id, quorum_id, reason, superseded)
             return
         self._recovery.on_member_lost(replica_id, quorum_id, reason)  # a socket shutdown
         self._connected.on_member_lost(replica_id, quorum_id, reason)
@@ -467,6 +469,9 @@ class Manager:
         if not self.is_participating():
             # Healing replicas and spares contribute zeros but stay in lock-step.
             tensor.zero_()
+        # Before it starts: an abort of the group for its quorum (a lost peer, or this group's
+        # own drop) ends what is pending in it, this collective included.
+        expiry = self._connected.expiry
         try:
             work = start_allreduce(self._pg, tensor, reduce_op, should_quantize)
         except Exception as e:
@@ -481,7 +486,7 @@ class Manager:
 
         # Counts this allreduce's failure once, whether wait() or its future reports it.
         work = _ErrorRecordingWork(work, self._telemetry.allreduce_error_counter())
-        managed = _ManagedWork(self, work, tensor)
+        managed = _ManagedWork(self, work, tensor, expiry)
         managed.get_future().then(averaging(tensor, num_participants if is_avg else 1))
         self._ledger.track_work(managed)
         return managed
@@ -543,6 +548,7 @@ class Manager:
         default: T,
         timeout: timedelta | None = None,
         foreign: bool = False,
+        expiry: Expiry | None = None,
     ) -> torch.futures.Future[T]:
         # ``wrap_future(fut.then(then), default)`` in one callback on ``fut``: this runs for
         # every gradient bucket, on the thread completing its collective (torchheal.work).
@@ -554,7 +560,7 @@ class Manager:
                 self._fail_step(e, foreign, "future failed, skipping the step", trace=foreign)
                 return default
 
-        wrapped = timed_then(fut, timeout or self._timeout, callback)
+        wrapped = timed_then(fut, timeout or self._timeout, callback, expiry)
         self._ledger.track_future(wrapped)
         return wrapped
 
@@ -649,11 +655,13 @@ class Manager:
             contributed=self.is_participating(),
             already_salvaged=self._salvaged,
         )
-        refusal = salvage_refusal(aborted_for=self._connected.aborted_for, **facts)
+        refusal = salvage_refusal(
+            aborted_for=self._connected.aborted_for, dropped=self._connected.dropped, **facts
+        )
         if refusal == NOT_A_LOSS:
             # A collective fails on the dead group's connections before the notice arrives.
             lost = self._connected.wait_aborted(LOSS_NOTICE_GRACE_S)
-            refusal = salvage_refusal(aborted_for=lost, **facts)
+            refusal = salvage_refusal(aborted_for=lost, dropped=self._connected.dropped, **facts)
         if refusal is not None and self._errored is not None:
             self._logger.info(f"step {self._step} not salvaged: {refusal}")
         return refusal is None

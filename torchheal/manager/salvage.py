@@ -113,6 +113,7 @@ def salvage_refusal(
     healing: bool,
     contributed: bool,
     already_salvaged: bool,
+    dropped: bool = False,
 ) -> str | None:
     """Why this step cannot be salvaged (None: it can).
 
@@ -126,6 +127,9 @@ def salvage_refusal(
         healing: this replica healed in this step (its inputs were zeros).
         contributed: this replica's data counted in this step.
         already_salvaged: this step was salvaged once already.
+        dropped: the process group was aborted because the lighthouse dropped this group
+            (frozen past its heartbeat timeout): its peers redid the step without it, and it
+            heals instead.
     """
     if not enabled or not errored:
         return "not enabled" if not enabled else "nothing failed"
@@ -137,6 +141,8 @@ def salvage_refusal(
         return "this replica did not contribute to the step"
     if kept == 0:
         return "no allreduce was kept"
+    if dropped:
+        return "this group was dropped from the quorum"
     if aborted_for is None:
         return NOT_A_LOSS  # checked last: the one a short wait may change
     return None

@@ -38,6 +38,11 @@ class ProcessGroupWrapper(ProcessGroup):
             otherwise the inner group is rebuilt by :meth:`_create_pg` on every ``configure``.
     """
 
+    #: Whether an aborted inner group is dropped on a thread of its own (except at shutdown):
+    #: for backends whose destructor waits for an operation in flight that the abort may not
+    #: end (Gloo's), so the caller is not held until that operation's timeout.
+    _releases_elsewhere: bool = False
+
     def __init__(
         self, timeout: timedelta = timedelta(seconds=60), pg: dist.ProcessGroup | None = None
     ) -> None:
@@ -48,6 +53,7 @@ class ProcessGroupWrapper(ProcessGroup):
         self._rank: int | None = None
         self._errored: Exception | None = None
         self._aborted = False
+        self._closing = False  # shutdown(): the inner group is released on the caller's thread
         # Set by abandon_configure: the configure in progress gives up its store connection.
         self._abandoned = threading.Event()
         # What the last configure said about its quorum (see ProcessGroup.configure).
@@ -137,20 +143,29 @@ class ProcessGroupWrapper(ProcessGroup):
                     "error": "process_group_abort",
                 },
             )
+        self._abort_inner(release_now=self._closing)
+
+    def _abort_inner(self, release_now: bool) -> None:
         pg = self._pg
         if isinstance(pg, ProcessGroup):
             # A torchheal group inside: it aborts itself and is configured again later, so it
             # must stay (dropping it would leave nothing to configure).
             pg.abort()
             return
-        if pg is not None:
-            try:
-                pg.abort()
-            except Exception:
-                # Aborting a broken communicator may itself fail; the group is dropped anyway.
-                logger.warning("abort of the inner process group failed", exc_info=True)
-            self._aborted = True
         self._pg = None
+        if pg is None:
+            return
+        try:
+            pg.abort()
+        except Exception:
+            # Aborting a broken communicator may itself fail; the group is dropped anyway.
+            logger.warning("abort of the inner process group failed", exc_info=True)
+        self._aborted = True
+        if release_now or not self._releases_elsewhere:
+            return  # the last reference goes with this frame
+        held = [pg]
+        del pg
+        threading.Thread(target=held.clear, name="torchheal-release-pg", daemon=True).start()
 
     def shutdown(self) -> None:
         """Releases the inner group (aborting it so peers blocked on us fail fast)."""
@@ -159,7 +174,13 @@ class ProcessGroupWrapper(ProcessGroup):
             pg.shutdown()
             self._pg = None
         else:
-            self.abort(errored=False)
+            # Released on this thread: the process may end right after, and a release still
+            # running on another thread then would race the interpreter's own teardown.
+            self._closing = True
+            try:
+                self.abort(errored=False)
+            finally:
+                self._closing = False
 
     def errored(self) -> Exception | None:
         """The first error seen by a work of the current configuration, or ``None``."""
