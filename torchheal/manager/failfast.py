@@ -7,7 +7,10 @@ and, told that one of its groups is lost, aborts the group at once: a collective
 lost group fails now (and with it the step), a later collective of the step fails without being
 sent, and the next quorum, whatever its id, rebuilds the group. A step whose collectives had all
 completed still commits: its results include the lost group's contribution, the same on every
-survivor.
+survivor. The abort also ends whatever is still pending in that configuration (:attr:`expiry
+<ConnectedQuorum.expiry>`): the cut wakes a blocked Gloo collective on the survivors' side, but
+not always on the side of a group woken from a freeze, which the lighthouse dropped meanwhile
+(:meth:`ConnectedQuorum.on_dropped`).
 
 A group can also be lost while the process group is being built for its quorum (it died right after
 the quorum was issued, before it published its rendezvous address): the build would wait for it
