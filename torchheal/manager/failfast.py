@@ -232,8 +232,9 @@ class ConnectedQuorum:
                 return
             self.quorum_id = -1
             self.members = frozenset()
+            expiry = self.expiry = Expiry()  # (nothing can start in it: ended at once)
         # Lost while the build ran to its end anyway: the group must not be used.
-        self._abort(sorted(lost)[0], quorum_id, "before the process group was adopted")
+        self._abort(sorted(lost)[0], quorum_id, "before the process group was adopted", expiry)
 
     def on_member_lost(self, replica_id: str, quorum_id: int, reason: str) -> None:
         """The lighthouse says ``replica_id`` of quorum ``quorum_id`` is gone: stop waiting on it.
@@ -256,6 +257,8 @@ class ConnectedQuorum:
                     return  # not our group's peer any more (or not yet: remembered)
                 self.quorum_id = -1  # the next quorum, whatever its id, rebuilds the group
                 self.members = frozenset()
+            # This configuration's, not the next one's, which may be adopted before we end it.
+            expiry = self.expiry
         if build is not None:
             self._log.warning(
                 f"replica group {replica_id} of quorum {quorum_id} is lost ({reason}) while "
@@ -265,7 +268,7 @@ class ConnectedQuorum:
                 target=build.cancel, name="torchheal-cancel-build", daemon=True
             ).start()
             return
-        self._abort(replica_id, quorum_id, reason)
+        self._abort(replica_id, quorum_id, reason, expiry)
 
     def on_dropped(
         self, replica_id: str, quorum_id: int, reason: str, superseded: bool = False
@@ -304,8 +307,9 @@ class ConnectedQuorum:
                     return
                 self.quorum_id = -1  # the next quorum, whatever its id, rebuilds the group
                 self.members = frozenset()
+            expiry = self.expiry
         if build is None:
-            self._abort(replica_id, quorum_id, reason, dropped=True)
+            self._abort(replica_id, quorum_id, reason, expiry, dropped=True)
             return
         self._log.warning(
             f"this group was dropped from quorum {quorum_id} ({reason}) while its "
@@ -319,7 +323,16 @@ class ConnectedQuorum:
         while len(self._lost) > _REMEMBERED_QUORUMS:
             del self._lost[min(self._lost)]
 
-    def _abort(self, replica_id: str, quorum_id: int, reason: str, dropped: bool = False) -> None:
+    def _abort(
+        self,
+        replica_id: str,
+        quorum_id: int,
+        reason: str,
+        expiry: Expiry,
+        dropped: bool = False,
+    ) -> None:
+        """Aborts the process group of ``quorum_id`` and ends what is pending in it (``expiry``,
+        that configuration's)."""
         if dropped:
             self.aborted_for = f"this group was dropped from quorum {quorum_id} ({reason})"
             error: MemberLostError = DroppedError(self.aborted_for)
@@ -344,6 +357,6 @@ class ConnectedQuorum:
                 self._log.warning(f"aborting the process group failed: {e}")
         # After the abort, whose cut makes sure no late data lands in the tensors: whatever
         # is still pending of the group's collectives ends now, not at its timeout.
-        ended = self.expiry.expire(error)
+        ended = expiry.expire(error)
         if ended:
             self._log.info(f"ended {ended} collective(s) pending in quorum {quorum_id}")
