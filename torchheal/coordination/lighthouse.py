@@ -352,6 +352,11 @@ class LighthouseServer:
         Returns the latest quorum id."""
         return self._sessions.open(replica_id, peer, last_quorum)
 
+    def missed_notice(self, replica_id: str, last_quorum: pb.Quorum | None) -> bytes | None:
+        """The lost-member notice about itself a group missed while it had no session, if any
+        (``SessionRegistry.missed``)."""
+        return self._sessions.missed(replica_id, last_quorum)
+
     def end_session(self, replica_id: str, peer: Peer, reason: str) -> None:
         """A group's session ended: the group is gone now (unless a newer session replaced it)."""
         self._sessions.end(replica_id, peer, reason)

@@ -10,7 +10,11 @@ lost, so the other groups can abort a collective they are blocked in with it:
 * on the lighthouse's periodic tick when its heartbeat expired (a frozen process keeps its
   connection but stops heartbeating; reference peers have no session at all).
 
-Each member is announced once per quorum id. A member that is alive but was left out of the
+Each member is announced once per quorum id. A group announced lost may not hear it: its session
+may have ended first (that is how it was lost), or its own side may give the session up on
+waking from a freeze, before reading what was sent. When it opens a session again still in the
+quorum it was lost from (its Hello's last quorum), it is told then (:meth:`SessionRegistry.missed`),
+so it can end what it still waits for in that quorum. A member that is alive but was left out of the
 next quorum (it had not asked for it within the wait for late members: a long step, or a
 process-group build that waits for a peer which gave that build up) is told so itself, and only
 itself (``MemberLost.superseded_by``): its peers have left the quorum it is still at work in, so
@@ -38,6 +42,9 @@ from torchheal.coordination.quorum import (
 from torchheal.coordination.types import Quorum
 
 __all__ = ["Peer", "SessionRegistry"]
+
+#: Groups whose loss is remembered for :meth:`SessionRegistry.missed` (one entry per group).
+_REMEMBERED_LOST = 4096
 
 # A child of the lighthouse's logger, so configuring that one configures the whole lighthouse.
 logger: logging.Logger = logging.getLogger("torchheal.coordination.lighthouse.notices")
@@ -67,6 +74,9 @@ class SessionRegistry:
         self._announced: tuple[int, set[str]] = (0, set())
         # Replicas the observer was told expired (so each expiry is told once).
         self._expired: set[str] = set()
+        # Each group announced lost (not for a give-up): the quorum and why, until it opens a
+        # session again (``missed``). Bounded: the oldest go first.
+        self._lost_from: dict[str, tuple[int, str]] = {}
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -90,6 +100,34 @@ class SessionRegistry:
             quorum_id = rounds.state.quorum_id
         logger.info("Replica %s opened its session", replica_id)
         return quorum_id
+
+    def missed(self, replica_id: str, last_quorum: pb.Quorum | None) -> bytes | None:
+        """The notice a group that just opened a session missed about itself, if any.
+
+        A group announced lost from the quorum its Hello says it is still in was dropped while
+        it had no session to hear it on: send it the ``MemberLost`` about itself, after its
+        Welcome. Told once.
+
+        Args:
+            replica_id: the group's full id.
+            last_quorum: the last quorum it received (its Hello's), if it said.
+
+        Returns:
+            the serialized ``SessionEvent``, or None.
+        """
+        lost = self._lost_from.pop(replica_id, None)
+        if lost is None or last_quorum is None or last_quorum.quorum_id != lost[0]:
+            return None
+        quorum_id, reason = lost
+        logger.info(
+            "Replica %s is back in a session, still in quorum %d it was lost from (%s): telling it",
+            replica_id,
+            quorum_id,
+            reason,
+        )
+        return spb.SessionEvent(
+            lost=spb.MemberLost(replica_id=replica_id, quorum_id=quorum_id, reason=reason)
+        ).SerializeToString()
 
     def end(self, replica_id: str, peer: Peer, reason: str) -> None:
         """A group's session ended: the group is gone now (unless a newer session replaced it).
@@ -197,6 +235,11 @@ class SessionRegistry:
         if replica_id in announced:
             return
         announced.add(replica_id)
+        if not gave_up:
+            self._lost_from.pop(replica_id, None)
+            self._lost_from[replica_id] = (quorum_id, reason)
+            while len(self._lost_from) > _REMEMBERED_LOST:
+                del self._lost_from[next(iter(self._lost_from))]
         logger.log(
             logging.INFO if reason.startswith("left") else logging.WARNING,
             "Replica %s of quorum %d is lost (%s); telling %d session(s)",

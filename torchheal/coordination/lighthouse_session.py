@@ -82,6 +82,8 @@ class _Lighthouse(Protocol):
         self, replica_id: str, peer: Peer, last_quorum: pb.Quorum | None = None
     ) -> int: ...
 
+    def missed_notice(self, replica_id: str, last_quorum: pb.Quorum | None) -> bytes | None: ...
+
     def end_session(self, replica_id: str, peer: Peer, reason: str) -> None: ...
 
     def gave_up(self, replica_id: str, peer: Peer, quorum_id: int, reason: str) -> None: ...
@@ -227,6 +229,7 @@ class SessionProtocol:
             )
         self.replica_id = hello.replica_id
         self.detached = hello.detached
+        missed = None
         if self.detached:
             quorum_id = 0
             logger.debug("detached session %s opened", self.replica_id)
@@ -236,6 +239,7 @@ class SessionProtocol:
             # report only protects the group that sends it.
             last = hello.last_quorum if hello.HasField("last_quorum") else None
             quorum_id = self._lighthouse.open_session(self.replica_id, self._peer, last)
+            missed = self._lighthouse.missed_notice(self.replica_id, last)
         self._peer.send(
             spb.SessionEvent(
                 welcome=spb.Welcome(
@@ -245,6 +249,8 @@ class SessionProtocol:
                 )
             ).SerializeToString()
         )
+        if missed is not None:  # after the Welcome: the group was dropped while away
+            self._peer.send(missed)
 
     def _gave_up(self, gave_up: spb.GaveUp) -> None:
         if self.detached or self.replica_id is None:
