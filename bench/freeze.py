@@ -18,7 +18,11 @@ Reported per implementation, the reference in the same run when it is installed:
   ``--alone`` steps without it (or after ``--hold-s``); seconds to its next commit, and whether
   that commit healed it.
 
-    python -m bench.freeze [--groups 2,3] [--impls torchheal,torchft]
+``--runs N`` repeats each case: a woken group's collective is not always woken by Gloo when its
+peers have left (a few runs in a hundred), and only the lighthouse's notice then ends it before
+the collective's timeout, so the rejoin's worst case shows over many runs, not one.
+
+    python -m bench.freeze [--groups 2,3] [--impls torchheal,torchft] [--runs 1]
 """
 
 from __future__ import annotations
@@ -123,12 +127,14 @@ def main() -> None:
     parser.add_argument("--together", type=int, default=15)
     parser.add_argument("--alone", type=int, default=5)
     parser.add_argument("--hold-s", type=float, default=90.0)
+    parser.add_argument("--runs", type=int, default=1, help="runs of each case")
     args = parser.parse_args()
     impls = [i for i in args.impls.split(",") if i != "torchft" or reference_available()]
     rows = [
         run_freeze(impl, int(n), args.together, args.alone, args.hold_s)
         for n in args.groups.split(",")
         for impl in impls
+        for _ in range(args.runs)
     ]
     print(
         "\nA group frozen (SIGSTOP) inside an allreduce; lighthouse at the reference's defaults "
