@@ -13,6 +13,9 @@ Raw sessions on the lighthouse's gRPC stream, real lighthouse on loopback.
 from __future__ import annotations
 
 import queue
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
 
 import grpc
 
@@ -55,16 +58,29 @@ class _Session:
         self.box.put(None)
 
 
-def test_a_group_lost_while_it_had_no_session_is_told_when_it_opens_one(make_lighthouse):
+@contextmanager
+def _sessions(make_lighthouse) -> Iterator[Any]:  # type: ignore[no-untyped-def]
+    """Opens raw sessions (``_Session(call, ...)``) on a lighthouse of its own."""
     lighthouse = make_lighthouse(heartbeat_timeout_ms=60_000)
     channel = grpc.insecure_channel(loopback(lighthouse))
-    call = channel.stream_stream(methods.LIGHTHOUSE_SESSION.path)
     try:
-        x, y = _Session(call, "x:1"), _Session(call, "y:1")
-        x.box.put(_request("x:1"))
-        y.box.put(_request("y:1"))
-        quorum = x.next().quorum.quorum
-        assert quorum.quorum_id == 1 and y.next().quorum.quorum.quorum_id == 1
+        yield channel.stream_stream(methods.LIGHTHOUSE_SESSION.path)
+    finally:
+        channel.close()
+
+
+def _x_and_y_in_quorum_1(call) -> tuple[_Session, _Session, pb.Quorum]:  # type: ignore[no-untyped-def]
+    x, y = _Session(call, "x:1"), _Session(call, "y:1")
+    x.box.put(_request("x:1"))
+    y.box.put(_request("y:1"))
+    quorum = x.next().quorum.quorum
+    assert quorum.quorum_id == 1 and y.next().quorum.quorum.quorum_id == 1
+    return x, y, quorum
+
+
+def test_a_group_lost_while_it_had_no_session_is_told_when_it_opens_one(make_lighthouse):
+    with _sessions(make_lighthouse) as call:
+        x, y, quorum = _x_and_y_in_quorum_1(call)
 
         x.stream.cancel()  # x's session ends: x counts as lost, and cannot hear it
         lost = y.next().lost
@@ -85,20 +101,11 @@ def test_a_group_lost_while_it_had_no_session_is_told_when_it_opens_one(make_lig
         assert third.next().WhichOneof("kind") == "quorum"
         third.close()
         y.close()
-    finally:
-        channel.close()
 
 
 def test_a_group_is_told_only_of_a_loss_from_the_quorum_it_says_it_is_in(make_lighthouse):
-    lighthouse = make_lighthouse(heartbeat_timeout_ms=60_000)
-    channel = grpc.insecure_channel(loopback(lighthouse))
-    call = channel.stream_stream(methods.LIGHTHOUSE_SESSION.path)
-    try:
-        x, y = _Session(call, "x:1"), _Session(call, "y:1")
-        x.box.put(_request("x:1"))
-        y.box.put(_request("y:1"))
-        first = x.next().quorum.quorum
-        y.next()
+    with _sessions(make_lighthouse) as call:
+        x, y, first = _x_and_y_in_quorum_1(call)
         y.box.put(spb.SessionRequest(goodbye=spb.Goodbye(reason="done")).SerializeToString())
         assert x.next().lost.replica_id == "y:1"
         x.box.put(_request("x:1"))  # quorum 2: x alone (min_replicas=1)
@@ -111,5 +118,3 @@ def test_a_group_is_told_only_of_a_loss_from_the_quorum_it_says_it_is_in(make_li
         back.box.put(_request("x:1"))
         assert back.next().WhichOneof("kind") == "quorum"
         back.close()
-    finally:
-        channel.close()

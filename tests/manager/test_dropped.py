@@ -17,6 +17,9 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
 
 import pytest
 import torch
@@ -24,7 +27,6 @@ import torch
 from tests.cluster import lighthouse, replica
 from tests.manager.twins import PendingGroup
 from torchheal.manager.failfast import DroppedError
-from torchheal.manager.salvage import salvage_refusal
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -32,17 +34,31 @@ pytestmark = pytest.mark.timeout(60)
 ENDED_WITHIN_S = 5.0
 
 
+def _lands_and_commits(m, pg: PendingGroup, fut, value: float) -> None:  # type: ignore[no-untyped-def]
+    """The pending collective lands: its step commits with what it reduced."""
+    future, tensors = pg.issued[-1]
+    future.set_result(tensors)
+    torch.testing.assert_close(fut.wait(), torch.full((2,), value))
+    assert m.should_commit() is True
+
+
 def _notice(m, quorum_id: int, reason: str = "heartbeat expired", superseded: bool = False):  # type: ignore[no-untyped-def]
     """What the manager server calls when the lighthouse says this group was dropped."""
     m._on_member_lost(m._full_replica_id, quorum_id, reason, False, superseded)
 
 
-def test_a_dropped_group_ends_its_pending_collectives_and_fails_the_step_at_once() -> None:
+@contextmanager
+def _one_group() -> Iterator[tuple[Any, PendingGroup]]:
+    """A group alone in its first quorum, its collectives on a ``PendingGroup``."""
     pg = PendingGroup()
     with lighthouse() as lh, replica(lh, "a", pg=pg) as r:
-        m = r.manager
-        m.start_quorum()
-        m.wait_quorum()
+        r.manager.start_quorum()
+        r.manager.wait_quorum()
+        yield r.manager, pg
+
+
+def test_a_dropped_group_ends_its_pending_collectives_and_fails_the_step_at_once() -> None:
+    with _one_group() as (m, pg):
         quorum_id = m._connected.quorum_id
         bucket = torch.full((4,), 3.0)
         hooked = m.allreduce(bucket).as_future()  # DDP's comm hook path
@@ -74,31 +90,20 @@ def test_a_dropped_group_ends_its_pending_collectives_and_fails_the_step_at_once
         m.start_quorum()
         m.wait_quorum()
         assert m._connected.quorum_id > 0 and m._connected.expiry.expired is None
-        fut = m.allreduce(torch.full((2,), 5.0)).as_future()
-        future, tensors = pg.issued[-1]
-        future.set_result(tensors)
-        torch.testing.assert_close(fut.wait(), torch.full((2,), 5.0))
-        assert m.should_commit() is True
+        _lands_and_commits(m, pg, m.allreduce(torch.full((2,), 5.0)).as_future(), 5.0)
 
 
 def test_a_group_only_left_out_of_a_newer_quorum_keeps_its_collectives() -> None:
     # Superseded: its peers completed the step with it before they moved on, so its collective
     # completes too and the step commits as theirs did; nothing is ended or aborted.
-    pg = PendingGroup()
-    with lighthouse() as lh, replica(lh, "a", pg=pg) as r:
-        m = r.manager
-        m.start_quorum()
-        m.wait_quorum()
+    with _one_group() as (m, pg):
         quorum_id = m._connected.quorum_id
         fut = m.allreduce(torch.full((2,), 7.0)).as_future()
         _notice(m, quorum_id, f"not in quorum {quorum_id + 1}", superseded=True)
         _notice(m, quorum_id - 1)  # a drop from an older quorum: not the group in use
         assert not fut.done() and m.errored() is None
         assert m._connected.quorum_id == quorum_id
-        future, tensors = pg.issued[-1]
-        future.set_result(tensors)
-        torch.testing.assert_close(fut.wait(), torch.full((2,), 7.0))
-        assert m.should_commit() is True
+        _lands_and_commits(m, pg, fut, 7.0)
 
 
 def test_a_lost_peer_ends_collectives_its_abort_did_not_wake() -> None:
@@ -125,18 +130,3 @@ def test_a_lost_peer_ends_collectives_its_abort_did_not_wake() -> None:
         assert f"{lost} of quorum {quorum_id} is lost (connection ended)" in str(m.errored())
         assert not isinstance(m.errored().original_exception, DroppedError)
         assert m.should_commit() is False
-
-
-def test_a_dropped_group_does_not_salvage_its_step() -> None:
-    facts = dict(
-        enabled=True,
-        errored=True,
-        foreign=False,
-        aborted_for="this group was dropped from quorum 3 (heartbeat expired)",
-        kept=2,
-        healing=False,
-        contributed=True,
-        already_salvaged=False,
-    )
-    assert salvage_refusal(**facts) is None  # a lost peer's abort: redone in a new quorum
-    assert salvage_refusal(**facts, dropped=True) == "this group was dropped from the quorum"

@@ -100,3 +100,10 @@ def test_only_the_training_loops_own_reports_are_foreign() -> None:
     assert ledger.foreign_error
     ledger.begin()
     assert ledger.error is None and not ledger.foreign_error
+
+
+def test_a_dropped_group_does_not_salvage_its_step() -> None:
+    # Its process group was aborted because the lighthouse dropped it (frozen past its
+    # heartbeat timeout): its peers redid the step without it, and it heals instead.
+    assert salvage_refusal(**SALVAGEABLE) is None
+    assert salvage_refusal(**SALVAGEABLE, dropped=True) == "this group was dropped from the quorum"

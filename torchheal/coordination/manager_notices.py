@@ -15,9 +15,15 @@ from collections.abc import AsyncIterator, Callable
 
 from torchheal._wire import session_pb2 as spb
 
-__all__ = ["NoticeFanout"]
+__all__ = ["NoticeFanout", "listener_args"]
 
 logger: logging.Logger = logging.getLogger("torchheal.coordination.manager_server.notices")
+
+
+def listener_args(lost: spb.MemberLost) -> tuple[str, int, str, bool, bool]:
+    """What a lost-member listener is called with: ``(replica_id, quorum_id, reason, gave_up,
+    superseded)``."""
+    return lost.replica_id, lost.quorum_id, lost.reason, lost.gave_up, bool(lost.superseded_by)
 
 
 class NoticeFanout:
@@ -81,13 +87,7 @@ class NoticeFanout:
             queue.put_nowait(notice)
         for listener in list(self._listeners):
             try:
-                listener(
-                    lost.replica_id,
-                    lost.quorum_id,
-                    lost.reason,
-                    lost.gave_up,
-                    bool(lost.superseded_by),
-                )
+                listener(*listener_args(lost))
             except Exception:
                 logger.exception("%s a lost-member listener failed", self._prefix)
 

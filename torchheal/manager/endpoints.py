@@ -23,6 +23,7 @@ from datetime import timedelta
 from torch.distributed import TCPStore
 
 from torchheal.coordination.client import ManagerClient
+from torchheal.coordination.manager_notices import listener_args
 from torchheal.coordination.manager_server import ManagerServer
 from torchheal.coordination.rpc.addresses import format_target
 from torchheal.coordination.types import QuorumAsk, QuorumResult
@@ -157,13 +158,7 @@ class GroupEndpoints:
             while not self._closed.is_set():
                 try:
                     for lost in self.client._watch(group_rank):
-                        listener(
-                            lost.replica_id,
-                            lost.quorum_id,
-                            lost.reason,
-                            lost.gave_up,
-                            bool(lost.superseded_by),
-                        )
+                        listener(*listener_args(lost))
                 except Exception as e:
                     if self._closed.is_set():
                         return
