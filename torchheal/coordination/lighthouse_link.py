@@ -56,6 +56,9 @@ logger: logging.Logger = logging.getLogger(__name__)
 HEARTBEAT_CALL_TIMEOUT_S = 2.0
 # Reopening a broken session: first pause, growth, cap.
 REOPEN_BACKOFF_S = (0.05, 2.0, 2.0)
+#: How long a quorum request waits for a session that is reopening before it fails (the
+#: caller asks again).
+REOPEN_WAIT_S = 1.0
 # Asking the lighthouse what it offers, and reaching its direct lane.
 DESCRIBE_TIMEOUT_S = 5.0
 DIRECT_CONNECT_TIMEOUT_S = 5.0
@@ -197,6 +200,7 @@ class LighthouseLink:
         # lighthouse must never issue an id that goes backwards or repeats (quorum.restore).
         self._last_quorum: pb.Quorum | None = None
         self._call: Any = None  # the live session stream, or None while it is (re)opening
+        self._opened = asyncio.Event()  # set while there is a live session
         self._protocol = 0  # the session protocol of the lighthouse's last welcome
         self._pending: dict[int, asyncio.Future[pb.Quorum]] = {}
         self._ids = itertools.count(1)
@@ -328,6 +332,7 @@ class LighthouseLink:
         self._closing = True
         call = self._call
         self._call = None
+        self._opened.clear()
         if call is not None:
             try:
                 await self._write(call, spb.SessionRequest(goodbye=spb.Goodbye(reason=reason)))
@@ -360,6 +365,15 @@ class LighthouseLink:
         if not self.session_mode:
             return await self._unary_quorum_call(requester, timeout_s)
         call = self._call
+        if call is None and not self._closing:
+            # A session that broke is reopened at once, in milliseconds when the lighthouse is
+            # up (a group woken from a freeze finds its session silent and reopens it just as
+            # it asks): wait for that rather than fail and be asked again a retry later.
+            try:
+                await asyncio.wait_for(self._opened.wait(), min(timeout_s, REOPEN_WAIT_S))
+            except asyncio.TimeoutError:
+                pass
+            call = self._call
         if call is None:
             raise LinkError(grpc.StatusCode.UNAVAILABLE, "the lighthouse session is reopening")
         request_id = next(self._ids)
@@ -494,6 +508,7 @@ class LighthouseLink:
                 )
         self._heard_at = asyncio.get_running_loop().time()
         self._call = call
+        self._opened.set()
 
     async def _open_direct(self) -> DirectStream | None:
         """A connection to the lighthouse's direct lane; None: it has none, or it cannot be
@@ -571,6 +586,7 @@ class LighthouseLink:
                 return
             logger.warning("%s lighthouse session with %s broke", self._prefix, self._describe)
             self._call = None
+            self._opened.clear()
             self._fail_pending("the lighthouse session broke")
 
     async def _session_heartbeats(self, call: Any) -> None:

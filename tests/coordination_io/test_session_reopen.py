@@ -1,4 +1,7 @@
-"""A group dropped while it had no session hears it when it opens one again (issue 9).
+"""Sessions that break and reopen (issue 9): what a group missed meanwhile, and a request
+made meanwhile.
+
+A group dropped while it had no session hears it when it opens one again.
 
 A group frozen past its heartbeat timeout often has no session left to hear that it was dropped:
 the lighthouse ends a session whose peer stops answering its keep-alive pings, and the group's
@@ -7,11 +10,17 @@ reads what was sent. Woken, it could then wait in a collective of that quorum un
 collective's timeout (``tests/manager/test_dropped.py``). Its Hello says which quorum it is still
 in; if the lighthouse announced it lost from that one, the notice follows the Welcome.
 
-Raw sessions on the lighthouse's gRPC stream, real lighthouse on loopback.
+A group woken from a freeze also finds its session silent (the freeze's own silence) and
+reopens it just as its training loop asks for the next quorum: the request waits for the reopen
+(milliseconds) instead of failing and being asked again a retry (0.1 s) later.
+
+Raw sessions on the lighthouse's gRPC stream, and a real manager server; real lighthouse on
+loopback.
 """
 
 from __future__ import annotations
 
+import asyncio
 import queue
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -23,6 +32,7 @@ from tests.coordination_io.helpers import loopback
 from torchheal._wire import methods
 from torchheal._wire import session_pb2 as spb
 from torchheal._wire import torchft_pb2 as pb
+from torchheal.coordination import ManagerServer
 
 
 def _hello(replica_id: str, last_quorum: pb.Quorum | None = None) -> bytes:
@@ -118,3 +128,22 @@ def test_a_group_is_told_only_of_a_loss_from_the_quorum_it_says_it_is_in(make_li
         back.box.put(_request("x:1"))
         assert back.next().WhichOneof("kind") == "quorum"
         back.close()
+
+
+def test_a_quorum_request_made_while_the_session_reopens_waits_for_it(
+    make_lighthouse, make_manager
+):
+    lighthouse = make_lighthouse(heartbeat_timeout_ms=60_000)
+    server: ManagerServer = make_manager(loopback(lighthouse), replica_id="x:1")
+    link = server._link
+    assert link is not None and link.session_mode
+
+    async def ask_while_reopening() -> pb.Quorum:
+        link._call.cancel()  # the session breaks: the link reopens it at once
+        while link._call is not None:  # until the break is seen (then the reopen is under way)
+            await asyncio.sleep(0)
+        requester = pb.QuorumMember(replica_id="x:1", step=1)
+        return await link.quorum(requester, timeout_s=10.0)
+
+    quorum = server._server.submit(ask_while_reopening()).result(timeout=30)
+    assert [m.replica_id for m in quorum.participants] == ["x:1"]
