@@ -67,7 +67,8 @@ def test_a_stall_that_ended_before_the_request_is_forgiven() -> None:
 def test_the_lighthouse_dropping_the_group_is_doubted_until_the_next_request() -> None:
     standing = Standing(limit_s=1.0, now=0.0)
     standing.asked()
-    standing.lost(7, "heartbeat expired")
+    standing.received()
+    assert standing.lost(7, "heartbeat expired")
     why = standing.doubt(0.1)
     assert why is not None and "from quorum 7 (heartbeat expired)" in why
     standing.asked()
@@ -85,3 +86,18 @@ def test_the_limit_may_change_and_must_stay_positive() -> None:
             standing.limit_s = bad
     with pytest.raises(ValueError, match="limit_s must be > 0"):
         Standing(limit_s=0.0, now=0.0)
+
+
+def test_a_notice_that_crossed_the_next_request_is_not_doubted() -> None:
+    # Told after its next Welcome that it was dropped from quorum 7 (it had no session then),
+    # the group has asked for a newer quorum already: its vote on quorum 7's step was cast
+    # before the request, and the lighthouse answers that request only with the group alive.
+    standing = Standing(limit_s=1.0, now=0.0)
+    standing.asked()
+    standing.received()  # quorum 7
+    standing.asked()  # the next step's request, not answered yet
+    assert not standing.lost(7, "heartbeat expired")
+    assert standing.doubt(0.1) is None
+    standing.received()  # quorum 8
+    assert standing.lost(8, "heartbeat expired")
+    assert standing.doubt(0.2) is not None

@@ -394,6 +394,8 @@ class LighthouseLink:
             quorum = await asyncio.wait_for(asyncio.shield(future), timeout_s + 1.0)
             if self._last_quorum is None or quorum.quorum_id >= self._last_quorum.quorum_id:
                 self._last_quorum = quorum
+            with self._standing_lock:
+                self._standing.received()
             return quorum
         except asyncio.TimeoutError:
             raise LinkError(
@@ -695,7 +697,14 @@ class LighthouseLink:
             lost.reason,
         )
         with self._standing_lock:
-            self._standing.lost(lost.quorum_id, lost.reason)
+            doubted = self._standing.lost(lost.quorum_id, lost.reason)
+        if not doubted:
+            logger.info(
+                "%s (the notice crossed this group's request for a newer quorum: its vote on the "
+                "step of quorum %d was cast before it)",
+                self._prefix,
+                lost.quorum_id,
+            )
 
     def _settle(
         self, request_id: int, result: pb.Quorum | None = None, error: LinkError | None = None

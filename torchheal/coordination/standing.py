@@ -75,6 +75,9 @@ class Standing:
         self._ticked_at = now
         # Why the group may have been dropped since it last asked (the first reason seen).
         self._doubt: str | None = None
+        # Whether it asked again since the last quorum it received: the step of that quorum
+        # has been voted on, and a notice about it crossed the new request.
+        self._asked_since_received = False
 
     @property
     def limit_s(self) -> float:
@@ -94,6 +97,11 @@ class Standing:
         alive, whatever happened before the request.
         """
         self._doubt = None
+        self._asked_since_received = True
+
+    def received(self) -> None:
+        """The lighthouse's answer, a quorum, arrived: the group is at work in it."""
+        self._asked_since_received = False
 
     def tick(self, now: float) -> float | None:
         """The loop that sends the group's heartbeats ran at ``now``.
@@ -108,9 +116,22 @@ class Standing:
         self._note(f"this process was stalled for {gap:.2f}s, its heartbeats with it")
         return gap
 
-    def lost(self, quorum_id: int, reason: str) -> None:
-        """The lighthouse says this group is lost from quorum ``quorum_id``."""
+    def lost(self, quorum_id: int, reason: str) -> bool:
+        """The lighthouse says this group is lost from quorum ``quorum_id``, the last it
+        received.
+
+        A notice that comes after the group asked again (one it missed while it had no
+        session, told after its next Welcome, may) is not doubted: the step of that quorum was
+        voted on before the request, and the lighthouse answers the request only with the
+        group alive.
+
+        Returns:
+            whether it is doubted.
+        """
+        if self._asked_since_received:
+            return False
         self._note(f"the lighthouse dropped it from quorum {quorum_id} ({reason})")
+        return True
 
     def doubt(self, now: float) -> str | None:
         """Why the lighthouse may have dropped the group since it last asked, or None.
