@@ -16,7 +16,8 @@ quorum, and :meth:`Standing.doubt` says whether that is enough to have been drop
   half the lighthouse's heartbeat timeout, so that network delay cannot turn a shorter gap into
   an expiry;
 * the same gap still open now: the process has just woken, and its loop has not run yet;
-* the lighthouse's own notice that this group is lost.
+* the lighthouse's own notice that this group is lost, unless it comes after the group asked
+  again (a notice the group missed while it had no session is told after its next Welcome).
 
 What is not counted: the lighthouse being unreachable (it restarts, a standby takes over, the
 network fails), and the group's session ending with it. Such an outage is not a stall of the
