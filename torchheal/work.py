@@ -136,10 +136,10 @@ class _ManagedWork(dist.Work):
         self._manager = manager
         self._work = work
         self._default_result = default_result
-        self._expiry = expiry
-        # The fused first continuation saw the collective fail, time out or expire.
+        # Only a manager that times the first continuation itself can end it early.
+        self._expiry = expiry if hasattr(manager, "_wrap_future_then") else None
+        # The first continuation saw the collective fail, time out or expire.
         self._failed = False
-        self._fused = False
         self._stream = _current_stream()
         self._lock = threading.Lock()
         self._head = _ManagedFuture(self, None)
@@ -213,9 +213,6 @@ class _ManagedWork(dist.Work):
             with torch.cuda.stream(stream) if stream is not None else nullcontext():
                 return callback(f)
 
-        self._fused = True
-        if self._expiry is None:
-            return wrap_then(raw, first, self._default_result)
         return wrap_then(raw, first, self._default_result, expiry=self._expiry)
 
     def _materialize(self) -> None:
@@ -276,9 +273,7 @@ class _ManagedWork(dist.Work):
                 self._materialize()
                 assert self._tail._future is not None
                 self._tail._future.wait()
-                if self._fused:
-                    return not self._failed
-                return True
+                return not self._failed
             if timeout is not None:
                 self._work.wait(timeout)
             else:

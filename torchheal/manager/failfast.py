@@ -232,7 +232,7 @@ class ConnectedQuorum:
                 return
             self.quorum_id = -1
             self.members = frozenset()
-            expiry = self.expiry = Expiry()  # (nothing can start in it: ended at once)
+            expiry = self.expiry
         # Lost while the build ran to its end anyway: the group must not be used.
         self._abort(sorted(lost)[0], quorum_id, "before the process group was adopted", expiry)
 
