@@ -401,10 +401,11 @@ def test_left_out_names_the_live_members_that_a_newer_quorum_left_out_while_they
     first, _ = tick(state, config, 0.0, WALL)
     assert first is not None and ids(first.participants) == ["a", "b", "c", "d", "e"]
     assert left_out(state, None, first) == []
-    # a, b and d come back from the step; c is still at work in quorum 1 (alive: its session
-    # lasts), e too. After the wait for late members, quorum 2 goes on without them.
+    # a, b and d come back from the step they committed; c is still at work in quorum 1
+    # (alive: its session lasts), e too. After the wait for late members, quorum 2 goes on
+    # without them.
     for rid in "abd":
-        join(state, member(rid), 1.0)
+        join(state, member(rid, step=1), 1.0)
     second = None
     now = 1.0
     while second is None:

@@ -416,12 +416,26 @@ def quorum_compute(
     if holders:
         # Its stragglers include the holders, so the window's start is defined.
         first_joined = _straggler_window_start(prev, healthy_participants)
-        if now - first_joined < heartbeat_timeout_s - _EPSILON_S:
+        # A holder with a live session is surely alive: waited for longer than one that
+        # only heartbeats (a reference peer, or a member whose session is reopening).
+        bound_s = (
+            LIVE_HOLDER_WAIT_S
+            if all(rid in state.sessions for rid in holders)
+            else heartbeat_timeout_s
+        )
+        if now - first_joined < max(bound_s, heartbeat_timeout_s) - _EPSILON_S:
             behind = max((member.step for member in candidates), default=0)
+            prev_max = max(m.step for m in prev.participants)
+            if behind < prev_max:
+                return None, (
+                    f"New quorum not ready, its step {behind} is behind step {prev_max} of "
+                    f"{', '.join(holders)}, alive but not asking yet (waited for up to "
+                    f"{bound_s:.0f} s) {metadata}"
+                )
             return None, (
-                f"New quorum not ready, its step {behind} is behind step "
-                f"{max(m.step for m in prev.participants)} of {', '.join(holders)}, alive but "
-                f"not asking yet (waited for up to the heartbeat timeout) {metadata}"
+                f"New quorum not ready, it would redo step {behind}, which "
+                f"{', '.join(holders)} may have committed (alive, not asking yet; waited for "
+                f"up to {bound_s:.0f} s) {metadata}"
             )
 
     if not candidates:
@@ -443,6 +457,15 @@ _EPSILON_S = 1e-9
 #: group), it was dropped, and the drop cost two process-group rebuilds and a heal (6% of the
 #: run's commits without it). Two covers that, and a frozen member costs one more step once.
 STRAGGLER_GRACE_STEPS: float = 2.0
+
+
+#: How long a member of the last quorum that may have committed a step the candidates would
+#: train again is waited for while its torchheal session lasts (see :func:`_live_holders_ahead`):
+#: the session proves it alive, so it is merely busy. Bounded, so that a training thread that
+#: hangs while its session lives cannot stop the job; 60 s is the reference's default quorum and
+#: collective timeout, past which the waiting groups' own requests fail anyway. Members without a
+#: session are waited for up to the heartbeat timeout.
+LIVE_HOLDER_WAIT_S: float = 60.0
 
 
 def _straggler_window_start(
@@ -514,29 +537,29 @@ def _live_holders_ahead(
     healthy_replicas: set[str],
     healthy_participants: dict[str, tuple[float, QuorumMember]],
 ) -> list[str]:
-    """Members of the last quorum ahead of every candidate, alive but not asking (sorted).
+    """Members of the last quorum that may hold a step the candidates would train again (sorted).
 
     Deliberate difference from the reference, which issues the quorum of whoever asks once the
-    join timeout has passed. When no candidate holds the last quorum's highest step, the new
-    quorum would train again from an older step while a member that holds the newer state is
-    alive: that member later heals over to the older history and the steps it committed in
-    between are discarded (seen in a chaos soak: a member held 30 s in a process-group build
-    came back to find 229 of its steps re-trained by the others). Such a member is waited for
-    up to the heartbeat timeout, counted from the round's start: as long as a dead one takes to
-    be declared dead, so a wedged member that keeps heartbeating cannot stop the job. A member
-    whose session ended or whose heartbeat expired is not waited for.
+    join timeout has passed. A member of the last quorum that is alive but not asking may have
+    committed that quorum's step: its collectives completed while the others failed theirs, and
+    it is busy (an eval, a checkpoint save, a process-group build) before it asks again. Unless
+    a candidate is past that step, the new quorum would commit the step a second time with other
+    contents, and the member would come back level with the others or ahead of them: either its
+    commit is silently lost (it heals over to the older history) or, at an equal step, nobody
+    heals and the groups hold different weights for the rest of the job (issue 40). So every
+    such member is waited for; :func:`quorum_compute` bounds the wait. A member whose session
+    ended or whose heartbeat expired is not waited for: the lighthouse's evidence says its
+    state died with it.
     """
     if prev is None or not prev.participants:
         return []
     prev_max = max(member.step for member in prev.participants)
-    if max((member.step for member in candidates), default=0) >= prev_max:
+    if max((member.step for member in candidates), default=0) > prev_max:
         return []
     return sorted(
         member.replica_id
         for member in prev.participants
-        if member.step == prev_max
-        and member.replica_id in healthy_replicas
-        and member.replica_id not in healthy_participants
+        if member.replica_id in healthy_replicas and member.replica_id not in healthy_participants
     )
 
 

@@ -1,0 +1,105 @@
+"""One replica group of the late-committer test (issue 40, bug 1), run as its own process.
+
+    python -m tests.commit.late_worker --group G --lighthouse URL --steps N --out FILE \
+        [--fail-at S] [--busy-after S --busy-s T] [--impl torchheal|torchft]
+
+A small MLP under fault-tolerant DDP at ``min_replica_size=1``, SGD with momentum (optimizer
+state a heal must carry), on batches that are a function of (group, step): a step redone
+without a group's contribution gives other weights than the commit that had it. With
+``--fail-at S`` the group reports an error of its own in step S (``manager.report_error``, as a
+training loop does), so it votes no while its peers' collectives completed. With
+``--busy-after S`` the group sleeps ``--busy-s`` seconds right after committing step S (an eval,
+a checkpoint save) before it asks for its next quorum.
+
+After every commit it appends ``{"group", "step", "digest"}`` to ``--out`` (JSON lines), the
+digest a SHA-256 of the parameters and the momentum buffers, and stops once it committed step N.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+def digest(model: nn.Module, optim: torch.optim.Optimizer) -> str:
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(p.detach().numpy().tobytes())
+        buf = optim.state.get(p, {}).get("momentum_buffer")
+        if buf is not None:
+            h.update(buf.numpy().tobytes())
+    return h.hexdigest()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--group", type=int, required=True)
+    p.add_argument("--lighthouse", required=True)
+    p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--fail-at", type=int, default=-1)
+    p.add_argument("--busy-after", type=int, default=-1)
+    p.add_argument("--busy-s", type=float, default=0.0)
+    p.add_argument("--impl", choices=("torchheal", "torchft"), default="torchheal")
+    args = p.parse_args()
+    ft = __import__(args.impl)
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    inner = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+    def load_state_dict(sd: dict) -> None:
+        model.load_state_dict(sd["model"])
+        inner.load_state_dict(sd["optim"])
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    manager = ft.Manager(
+        pg=ft.ProcessGroupGloo(timeout=timedelta(seconds=30)),
+        load_state_dict=load_state_dict,
+        state_dict=lambda: {"model": model.state_dict(), "optim": inner.state_dict()},
+        min_replica_size=1,
+        timeout=timedelta(seconds=30),
+        rank=0,
+        world_size=1,
+        store_addr="127.0.0.1",
+        store_port=store.port,
+        lighthouse_addr=args.lighthouse,
+        replica_id=f"g{args.group}",
+    )
+    ddp = ft.DistributedDataParallel(manager, model)
+    optimizer = ft.Optimizer(manager, inner)
+    failed = busy = False
+    with open(args.out, "a") as out:
+        while manager.current_step() < args.steps:
+            before = manager.current_step()
+            gen = torch.Generator().manual_seed(1000 * args.group + before)
+            x = torch.randn(8, 16, generator=gen)
+            y = torch.randn(8, 4, generator=gen)
+            optimizer.zero_grad()
+            loss = nn.functional.mse_loss(ddp(x), y)
+            loss.backward()
+            if before == args.fail_at and not failed:
+                failed = True
+                manager.report_error(RuntimeError(f"injected error at step {before}"))
+            optimizer.step()
+            after = manager.current_step()
+            if after > before:
+                record = {"group": args.group, "step": after, "digest": digest(model, inner)}
+                out.write(json.dumps(record) + "\n")
+                out.flush()
+            if before == args.busy_after and after > before and not busy:
+                busy = True
+                time.sleep(args.busy_s)
+    manager.shutdown(wait=False)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,138 @@
+"""A group busy right after a commit its peers failed ends with the same weights (issue 40, bug 1).
+
+Three or four replica groups, each a real process, at the reference's defaults (``min_replicas=1``,
+join timeout and tick 100 ms, heartbeat timeout 5 s). In step 5 some groups report an error of
+their own, so they vote no, while the others' collectives completed and they commit; one
+committing group is then busy (an eval, a checkpoint save) for longer than a step, or than the
+heartbeat timeout, before it asks again. The lighthouse must not let the others redo step 5
+without it (they would commit step 5 a second time with other contents, and, at an equal step
+when it came back, nobody would heal): they wait for it and heal from it. Every group records a
+digest of its parameters and momentum after each commit; at every step two groups committed,
+the digests must be equal.
+
+The rule is pinned by ``tests/coordination/scenarios/16_no_redo_of_a_live_commit.txt``.
+``python -m tests.commit.test_late_committer --runs 10`` runs the whole matrix of the issue.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from torchheal.coordination import LighthouseServer
+
+ROOT = Path(__file__).resolve().parents[2]
+FAIL_AT = 5
+STEPS = 10
+DEADLINE_S = 120.0
+
+
+def run_case(
+    tmp: Path, groups: int, failing: str, busy_s: float, impl: str = "torchheal"
+) -> dict[int, dict[int, str]]:
+    """Run one job; return each group's digest at each step it committed.
+
+    ``failing``: "one" (the last group fails step 5) or "all_but_one" (every group but the
+    busy group 0 does).
+    """
+    lighthouse = LighthouseServer(
+        bind="127.0.0.1:0",
+        min_replicas=1,
+        join_timeout_ms=100,
+        quorum_tick_ms=100,
+        heartbeat_timeout_ms=5000,
+    )
+    addr = f"http://127.0.0.1:{lighthouse.port()}"
+    fails = {groups - 1} if failing == "one" else set(range(1, groups))
+    procs = []
+    try:
+        for g in range(groups):
+            cmd = [
+                *(sys.executable, "-m", "tests.commit.late_worker", "--group", str(g)),
+                *("--lighthouse", addr, "--steps", str(STEPS), "--out", str(tmp / f"g{g}")),
+                *("--impl", impl),
+            ]
+            if g in fails:
+                cmd += ["--fail-at", str(FAIL_AT)]
+            if g == 0:
+                cmd += ["--busy-after", str(FAIL_AT), "--busy-s", str(busy_s)]
+            procs.append(
+                subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            )
+        deadline = time.monotonic() + DEADLINE_S
+        for g, proc in enumerate(procs):
+            try:
+                _, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                raise AssertionError(f"group {g} did not reach step {STEPS} in time") from None
+            assert proc.returncode == 0, f"group {g} exited {proc.returncode}: {err[-2000:]!r}"
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        lighthouse.shutdown()
+    digests: dict[int, dict[int, str]] = {}
+    for g in range(groups):
+        for line in (tmp / f"g{g}").read_text().splitlines():
+            record = json.loads(line)
+            digests.setdefault(g, {})[record["step"]] = record["digest"]
+    return digests
+
+
+def divergent_steps(digests: dict[int, dict[int, str]]) -> list[int]:
+    """Steps at which two groups committed different states."""
+    steps = sorted({s for per in digests.values() for s in per})
+    return [s for s in steps if len({per[s] for per in digests.values() if s in per}) > 1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "groups,failing,busy_s",
+    [(3, "all_but_one", 1.5), (4, "one", 0.5), (3, "all_but_one", 6.0)],
+)
+def test_late_committer_keeps_every_group_identical(
+    groups: int, failing: str, busy_s: float, tmp_path: Path
+) -> None:
+    digests = run_case(tmp_path, groups, failing, busy_s)
+    assert set(digests) == set(range(groups)), f"a group never committed: {sorted(digests)}"
+    common = [s for s in digests[0] if sum(s in per for per in digests.values()) > 1]
+    assert any(s > FAIL_AT + 1 for s in common), f"no common step after the failure: {digests}"
+    bad = divergent_steps(digests)
+    assert not bad, f"groups hold different weights at steps {bad}"
+
+
+def main() -> None:
+    """The issue's matrix, ``--runs`` times each: prints divergent runs per case."""
+    import tempfile
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--runs", type=int, default=10)
+    p.add_argument("--impl", default="torchheal")
+    args = p.parse_args()
+    print(f"{'groups':>6} {'failing':>12} {'busy s':>6} {'divergent runs':>15} {'wall s':>7}")
+    for groups in (3, 4):
+        for failing in ("one", "all_but_one"):
+            for busy_s in (0.5, 1.5, 6.0):
+                bad = 0
+                start = time.monotonic()
+                for _ in range(args.runs):
+                    with tempfile.TemporaryDirectory() as tmp:
+                        bad += bool(
+                            divergent_steps(run_case(Path(tmp), groups, failing, busy_s, args.impl))
+                        )
+                wall = (time.monotonic() - start) / args.runs
+                print(
+                    f"{groups:>6} {failing:>12} {busy_s:>6} {bad:>8}/{args.runs:<6} {wall:>7.1f}",
+                    flush=True,
+                )
+
+
+if __name__ == "__main__":
+    main()
