@@ -9,8 +9,10 @@ from torchheal.coordination.quorum import (
     LighthouseState,
     forget_stale_heartbeats,
     heartbeat,
+    issue,
     join,
     left_out,
+    propose,
     quorum_compute,
     requeue,
     session_opened,
@@ -422,3 +424,21 @@ def test_left_out_names_the_live_members_that_a_newer_quorum_left_out_while_they
     assert left_out(state, first, second) == []
     # The same quorum issued again (same id) leaves nobody out.
     assert left_out(state, second, second) == []
+
+
+def test_propose_changes_nothing_until_issued() -> None:
+    # A lighthouse saves a quorum before delivering it; one it could not save must leave the
+    # state as it was (issue 40, bug 4).
+    config = LighthouseConfig(min_replicas=1)
+    state = LighthouseState()
+    join(state, member("a"), 0.0)
+    first, _ = tick(state, config, 0.0, WALL)
+    assert first is not None
+    join(state, member("a", step=1), 1.0)
+    join(state, member("b", step=1), 1.0)
+    before = (state.quorum_id, state.prev_quorum, state.prev_quorum_at, dict(state.participants))
+    proposed, _ = propose(state, config, 1.0, WALL)
+    assert proposed is not None and proposed.quorum_id == 2
+    assert (state.quorum_id, state.prev_quorum, state.prev_quorum_at, state.participants) == before
+    issue(state, proposed, 1.0)
+    assert state.quorum_id == 2 and state.prev_quorum is proposed and not state.participants

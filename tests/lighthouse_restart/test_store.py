@@ -96,6 +96,35 @@ def test_a_quorum_not_on_record_is_not_delivered() -> None:
         lighthouse.shutdown()
 
 
+def test_a_quorum_not_on_record_leaves_the_lighthouse_as_it_was() -> None:
+    # Issue 40, bug 4: a failed save used to move the last quorum and the id anyway, so losses
+    # were announced under an id no group held and the wait for late members spoke of a
+    # quorum nobody had received. Unary requesters do not heartbeat while they wait: a long
+    # heartbeat timeout keeps them healthy for the test's length.
+    store = MemoryStore()
+    lighthouse = LighthouseServer(
+        bind="127.0.0.1:0", min_replicas=2, heartbeat_timeout_ms=60_000, store=store
+    )
+    url = loopback(lighthouse)
+    try:
+        assert _together(url, "a", "b") == [1, 1]
+        store.fail = StoreError("disk full")
+        saved = store.attempts
+        newcomer = Background(lambda: _together(url, "c"))
+        wait_until(lambda: lighthouse.status()["waiting"] == ["c"], what="c waiting")
+        members = Background(lambda: _together(url, "a", "b"))
+        wait_until(lambda: store.attempts >= saved + 3, what="failed saves")
+        status = lighthouse.status()
+        assert status["quorum_id"] == 1
+        assert [m["replica_id"] for m in status["prev_quorum"]["participants"]] == ["a", "b"]
+        assert status["waiting"] == ["a", "b", "c"]
+        store.fail = None
+        assert members.join() == [2, 2] and newcomer.join() == [2]
+        assert lighthouse.status()["quorum_id"] == 2
+    finally:
+        lighthouse.shutdown()
+
+
 def _together(url: str, *names: str) -> list[int]:
     """Every name asks at once (each with its own client); the quorum ids they got."""
 

@@ -45,11 +45,12 @@ from torchheal.coordination.quorum import (
     LighthouseState,
     forget_stale_heartbeats,
     heartbeat,
+    issue,
     join,
+    propose,
     quorum_compute,
     requeue,
     restore,
-    tick,
     withdraw,
 )
 from torchheal.coordination.types import Quorum, QuorumMember, Timestamp
@@ -330,7 +331,8 @@ class QuorumRounds:
         now = time.monotonic()
         with self.lock:
             before = self.state.prev_quorum
-            quorum, reason = tick(self.state, self.config, now, Timestamp.from_float(time.time()))
+            wall = Timestamp.from_float(time.time())
+            quorum, reason = propose(self.state, self.config, now, wall)
             if reason != self._last_reason:
                 # Ticks run every 100 ms; repeating an unchanged reason would flood the log.
                 logger.info("Quorum status: %s", reason)
@@ -346,15 +348,15 @@ class QuorumRounds:
             if quorum is None:
                 return
             if not self._save(quorum):
-                # Nobody may receive a quorum that is not on record: every request waits for
-                # the next tick, which issues (and tries to save) it again.
-                for waiter in self._waiters:
-                    requeue(self.state, waiter.member, now)
+                # Nobody may receive a quorum that is not on record: the state is left as it
+                # was, and every request waits for the next tick, which proposes (and tries to
+                # save) it again.
                 return
+            issue(self.state, quorum, now)
             round_s = 0.0 if self._round_started is None else now - self._round_started
             self._round_started = None
             entries = self._entries
-            # Participants were cleared by tick(); their messages go with the issued quorum.
+            # Participants were cleared by issue(); their messages go with the issued quorum.
             self._entries = {}
         self._deliver(quorum, entries, now)
         if self.on_issued is not None:

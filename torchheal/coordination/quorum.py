@@ -26,9 +26,11 @@ __all__ = [
     "LighthouseState",
     "forget_stale_heartbeats",
     "heartbeat",
+    "issue",
     "join",
     "left_out",
     "lost_members",
+    "propose",
     "quorum_compute",
     "requeue",
     "restore",
@@ -576,14 +578,67 @@ def _healed_in(quorum: Quorum) -> set[str]:
     return {rid for rid, step in steps.items() if step < max_step}
 
 
+def propose(
+    state: LighthouseState, config: LighthouseConfig, now: float, wall: Timestamp
+) -> tuple[Quorum | None, str]:
+    """The quorum :func:`tick` would issue now, with the id it would take; changes nothing.
+
+    The id moves when the membership (the ordered replica ids) changed or any member reports
+    failed commits. A lighthouse that records each quorum before delivering it proposes,
+    saves, and only then calls :func:`issue`: a quorum that could not be saved leaves the state
+    as it was (its requests keep waiting, no id is spent, the last quorum is still the one the
+    groups hold), so notices and the wait for late members keep speaking of quorums that exist.
+
+    Args:
+        state: the lighthouse state (not changed).
+        config: the quorum options.
+        now: monotonic time in seconds.
+        wall: wall-clock time stamped on the quorum.
+
+    Returns:
+        ``(quorum, reason)`` if one is ready, else ``(None, reason)``.
+    """
+    candidates, reason = quorum_compute(state, config, now)
+    if candidates is None:
+        return None, reason
+    prev = state.prev_quorum
+    new_ids = [member.replica_id for member in candidates]
+    quorum_id = state.quorum_id
+    if state.fresh_id:
+        # Quorums this lighthouse did not issue may use ids up to quorum_id (see restore).
+        quorum_id += 1
+    elif prev is None or new_ids != [member.replica_id for member in prev.participants]:
+        quorum_id += 1
+    elif any(member.commit_failures > 0 for member in candidates):
+        # Same members, but someone could not commit: a fresh id makes every group rebuild its
+        # process group instead of reusing one that may be broken.
+        quorum_id += 1
+    return Quorum(quorum_id=quorum_id, participants=tuple(candidates), created=wall), reason
+
+
+def issue(state: LighthouseState, quorum: Quorum, now: float) -> None:
+    """Record ``quorum`` (from :func:`propose`) as issued at ``now``.
+
+    It becomes the last quorum and its id the latest; ``participants`` is cleared, so every
+    member must ask again for the next round.
+
+    Args:
+        state: the lighthouse state to update.
+        quorum: the proposed quorum, delivered now.
+        now: monotonic time in seconds.
+    """
+    state.quorum_id = quorum.quorum_id
+    state.prev_quorum = quorum
+    state.prev_quorum_at = now
+    state.restored = False
+    state.fresh_id = False
+    state.participants.clear()
+
+
 def tick(
     state: LighthouseState, config: LighthouseConfig, now: float, wall: Timestamp
 ) -> tuple[Quorum | None, str]:
-    """Run one lighthouse tick: issue a quorum if one is ready.
-
-    On success the quorum id moves when the membership (the ordered replica ids) changed or any
-    member reports failed commits, ``prev_quorum`` becomes the issued quorum and
-    ``participants`` is cleared, so every member must ask again for the next round.
+    """Run one lighthouse tick: issue a quorum if one is ready (:func:`propose`, :func:`issue`).
 
     Args:
         state: the lighthouse state to update.
@@ -594,26 +649,7 @@ def tick(
     Returns:
         ``(quorum, reason)`` if one was issued, else ``(None, reason)``.
     """
-    candidates, reason = quorum_compute(state, config, now)
-    if candidates is None:
-        return None, reason
-
-    prev = state.prev_quorum
-    new_ids = [member.replica_id for member in candidates]
-    if state.fresh_id:
-        # Quorums this lighthouse did not issue may use ids up to quorum_id (see restore).
-        state.quorum_id += 1
-    elif prev is None or new_ids != [member.replica_id for member in prev.participants]:
-        state.quorum_id += 1
-    elif any(member.commit_failures > 0 for member in candidates):
-        # Same members, but someone could not commit: a fresh id makes every group rebuild its
-        # process group instead of reusing one that may be broken.
-        state.quorum_id += 1
-
-    quorum = Quorum(quorum_id=state.quorum_id, participants=tuple(candidates), created=wall)
-    state.prev_quorum = quorum
-    state.prev_quorum_at = now
-    state.restored = False
-    state.fresh_id = False
-    state.participants.clear()
+    quorum, reason = propose(state, config, now, wall)
+    if quorum is not None:
+        issue(state, quorum, now)
     return quorum, reason
