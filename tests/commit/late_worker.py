@@ -1,18 +1,22 @@
 """One replica group of the late-committer test (issue 40, bug 1), run as its own process.
 
-    python -m tests.commit.late_worker --group G --lighthouse URL --steps N --out FILE \
-        [--fail-at S] [--busy-after S --busy-s T] [--impl torchheal|torchft]
+    python -m tests.commit.late_worker --group G --groups K --lighthouse URL --stop-file F \
+        --out FILE --ready-dir DIR [--fail-at S] [--busy-after S --busy-s T] \
+        [--impl torchheal|torchft]
 
 A small MLP under fault-tolerant DDP at ``min_replica_size=1``, SGD with momentum (optimizer
 state a heal must carry), on batches that are a function of (group, step): a step redone
-without a group's contribution gives other weights than the commit that had it. With
-``--fail-at S`` the group reports an error of its own in step S (``manager.report_error``, as a
-training loop does), so it votes no while its peers' collectives completed. With
-``--busy-after S`` the group sleeps ``--busy-s`` seconds right after committing step S (an eval,
-a checkpoint save) before it asks for its next quorum.
+without a group's contribution gives other weights than the commit that had it. The groups
+start training together (each waits until all ``--groups`` wrote their file in ``--ready-dir``).
+With ``--fail-at S`` the group reports an error of its own (``manager.report_error``, as a
+training loop does) in the first step from S on whose quorum holds all the groups, so it votes
+no while its peers' collectives completed. With ``--busy-after S`` the group sleeps
+``--busy-s`` seconds right after committing the first such step (an eval, a checkpoint save)
+before it asks for its next quorum. Both write ``{"group", "event", "step"}`` when they act.
 
 After every commit it appends ``{"group", "step", "digest"}`` to ``--out`` (JSON lines), the
-digest a SHA-256 of the parameters and the momentum buffers, and stops once it committed step N.
+digest a SHA-256 of the parameters and the momentum buffers. Each step takes ``--step-s`` (50 ms)
+more than its compute; the group stops once ``--stop-file`` exists.
 """
 
 from __future__ import annotations
@@ -20,8 +24,10 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -41,8 +47,11 @@ def digest(model: nn.Module, optim: torch.optim.Optimizer) -> str:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--group", type=int, required=True)
+    p.add_argument("--groups", type=int, required=True)
+    p.add_argument("--ready-dir", required=True)
     p.add_argument("--lighthouse", required=True)
-    p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--stop-file", required=True)
+    p.add_argument("--step-s", type=float, default=0.05)
     p.add_argument("--out", required=True)
     p.add_argument("--fail-at", type=int, default=-1)
     p.add_argument("--busy-after", type=int, default=-1)
@@ -76,9 +85,18 @@ def main() -> None:
     )
     ddp = ft.DistributedDataParallel(manager, model)
     optimizer = ft.Optimizer(manager, inner)
+    ready = Path(args.ready_dir)
+    (ready / f"g{args.group}").touch()
+    while len(list(ready.iterdir())) < args.groups:
+        time.sleep(0.01)  # start-up takes seconds; this only lines the groups up
     failed = busy = False
     with open(args.out, "a") as out:
-        while manager.current_step() < args.steps:
+
+        def write(record: dict) -> None:
+            out.write(json.dumps({"group": args.group, **record}) + "\n")
+            out.flush()
+
+        while not os.path.exists(args.stop_file):
             before = manager.current_step()
             gen = torch.Generator().manual_seed(1000 * args.group + before)
             x = torch.randn(8, 16, generator=gen)
@@ -86,17 +104,20 @@ def main() -> None:
             optimizer.zero_grad()
             loss = nn.functional.mse_loss(ddp(x), y)
             loss.backward()
-            if before == args.fail_at and not failed:
+            time.sleep(args.step_s)  # the rest of a step's compute
+            # The quorum is known once backward reduced the gradients.
+            together = manager.num_participants() == args.groups
+            if 0 <= args.fail_at <= before and together and not failed:
                 failed = True
+                write({"event": "fail", "step": before})
                 manager.report_error(RuntimeError(f"injected error at step {before}"))
             optimizer.step()
             after = manager.current_step()
             if after > before:
-                record = {"group": args.group, "step": after, "digest": digest(model, inner)}
-                out.write(json.dumps(record) + "\n")
-                out.flush()
-            if before == args.busy_after and after > before and not busy:
+                write({"step": after, "digest": digest(model, inner)})
+            if 0 <= args.busy_after <= before and together and after > before and not busy:
                 busy = True
+                write({"event": "busy", "step": before})
                 time.sleep(args.busy_s)
     manager.shutdown(wait=False)
 
