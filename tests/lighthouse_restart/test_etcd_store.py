@@ -1,17 +1,28 @@
 """The lighthouse's etcd store (``lighthouse_etcd``) against a real etcd on loopback.
 
 One leader at a time; a standby takes over when the leader's lease lapses and starts from the
-leader's record; a deposed leader can never write again, and is told it lost.
+leader's record; a deposed leader can never write again, and is told it lost. A standby rides out
+an etcd outage (etcd SIGKILLed and started again) and still takes over afterwards.
 """
 
 from __future__ import annotations
 
+import itertools
+import logging
 import threading
 from pathlib import Path
 
+import pytest
+
 from tests.coordination_io.helpers import Background, wait_until
-from tests.lighthouse_restart.etcd import etcd_server
-from torchheal.coordination.lighthouse_etcd import EtcdLeaderStore
+from tests.lighthouse_restart.etcd import etcd_process, etcd_server
+from torchheal.coordination.lighthouse_etcd import (
+    OUTAGE_BACKOFF_MAX_S,
+    OUTAGE_REMIND_S,
+    STANDBY_POLL_S,
+    EtcdLeaderStore,
+    Outage,
+)
 from torchheal.coordination.lighthouse_state import StoreError
 from torchheal.coordination.types import Quorum, QuorumMember, Timestamp
 
@@ -51,4 +62,78 @@ def test_standby_takes_over_from_the_record_and_the_old_leader_cannot_write(
         finally:
             stop.set()
             first.close()
+            second.close()
+
+
+def test_an_outage_that_never_ends_backs_off_to_a_bound_and_is_logged_rarely() -> None:
+    outage = Outage()
+    assert outage.answered(0.0) is None  # etcd answers: nothing to report
+    now, waits, said = 100.0, [], []
+    while now < 100.0 + 10 * OUTAGE_REMIND_S:
+        wait, say = outage.failed(now)
+        waits.append(wait)
+        if say:
+            said.append(now)
+        now += wait
+    assert waits[:4] == [STANDBY_POLL_S * 2**i for i in range(4)]
+    assert max(waits) == waits[-1] == OUTAGE_BACKOFF_MAX_S
+    # Said when it starts, then once a minute or so: not once per poll.
+    assert said[0] == 100.0 and 10 <= len(said) <= 11
+    assert all(
+        OUTAGE_REMIND_S <= b - a <= OUTAGE_REMIND_S + OUTAGE_BACKOFF_MAX_S
+        for a, b in itertools.pairwise(said)
+    )
+    assert outage.answered(now) == (now - 100.0, len(waits))
+    # The next outage starts over: said at once, polled again soon.
+    assert outage.failed(now) == (STANDBY_POLL_S, True)
+
+
+# Longer than the outage below (etcd's restart included): the leader rides it out too.
+OUTAGE_LEASE_S = 10
+
+
+def _outage_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.getMessage().startswith("etcd outage")]
+
+
+def _still_standing_by(store: EtcdLeaderStore, standby: Background, polls: int, what: str) -> None:
+    """Wait for ``polls`` more elections by ``store``; its ``acquire`` must still be waiting."""
+    start = store.attempts
+    wait_until(lambda: standby.error is not None or store.attempts >= start + polls, 20, what)
+    assert standby.error is None and standby.result is None, f"{what}: {standby.error!r}"
+
+
+def test_a_standby_rides_out_an_etcd_outage_and_takes_over_later(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="torchheal.coordination.lighthouse.etcd")
+    with etcd_process(tmp_path) as etcd:
+        lost: list[str] = []
+        stop = threading.Event()
+        leader = EtcdLeaderStore(etcd.url, "/t/job", OUTAGE_LEASE_S, lambda: lost.append("l"))
+        second = EtcdLeaderStore(etcd.url, "/t/job", OUTAGE_LEASE_S, lambda: lost.append("s"))
+        try:
+            assert leader.acquire(stop)
+            leader.save(_quorum(5))
+            standby = Background(lambda: second.acquire(stop))
+            _still_standing_by(second, standby, 2, "the standby's first polls")
+
+            etcd.stop()  # an outage: every poll fails, fast (connection refused)
+            _still_standing_by(second, standby, 4, "polls failing in the outage")
+            etcd.start()
+            wait_until(lambda: len(_outage_lines(caplog)) >= 2, 20, "the outage's end logged")
+            # Still standing by once etcd is back: the leader renews its lease.
+            _still_standing_by(second, standby, 4, "polls after the outage")
+            assert not lost
+
+            leader.pause()  # the leader dies later: the standby takes over from its record
+            assert standby.join(timeout=OUTAGE_LEASE_S + 20) is True
+            assert second.load().quorum_id == 5  # type: ignore[union-attr]
+            lines = _outage_lines(caplog)
+            # One line when the outage starts and one when it ends, not one per failed poll.
+            assert len(lines) == 2, lines
+            assert "standing by" in lines[0] and "over after" in lines[1], lines
+        finally:
+            stop.set()
+            leader.close()
             second.close()

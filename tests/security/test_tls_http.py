@@ -99,6 +99,43 @@ def test_checkpoint_transport_takes_the_job_token(job_env: Any) -> None:
         src.shutdown()
 
 
+@pytest.mark.parametrize("served", [f"{TOKEN}\n", f"{TOKEN} "], ids=["newline", "blank"])
+def test_checkpoint_token_with_surrounding_white_space_heals(
+    job_env: Any, monkeypatch: pytest.MonkeyPatch, served: str
+) -> None:
+    # A secret mounted from a file ends in a newline; white space is not part of the token, on
+    # either end, so healers holding the same secret written any of these ways all heal.
+    job_env(token=None)
+    monkeypatch.setenv("TORCHHEAL_CHECKPOINT_TOKEN", served)
+    src = HTTPTransport(TIMEOUT, num_chunks=0)
+    try:
+        src.send_checkpoint([1], 3, {"w": torch.arange(4.0)}, TIMEOUT)
+        for held in (served, f"\t{TOKEN}\n", TOKEN):
+            monkeypatch.setenv("TORCHHEAL_CHECKPOINT_TOKEN", held)
+            dst = HTTPTransport(TIMEOUT, num_chunks=2)
+            try:
+                got = dst.recv_checkpoint(0, src.metadata(), 3)
+                assert torch.equal(got["w"], torch.arange(4.0)), repr(held)
+            finally:
+                dst.shutdown()
+        dst = HTTPTransport(TIMEOUT, num_chunks=0, token=f"{TOKEN}x")
+        with pytest.raises(CheckpointError, match="401"):
+            dst.recv_checkpoint(0, src.metadata(), 3)
+        dst.shutdown()
+    finally:
+        src.shutdown()
+
+
+@pytest.mark.parametrize("inner", ["\n", "\x07", "\x7f", " "])
+def test_checkpoint_token_with_a_control_character_is_refused_at_start_up(
+    job_env: Any, monkeypatch: pytest.MonkeyPatch, inner: str
+) -> None:
+    job_env(token=None)
+    monkeypatch.setenv("TORCHHEAL_CHECKPOINT_TOKEN", f"{TOKEN[:4]}{inner}{TOKEN[4:]}")
+    with pytest.raises(ValueError, match=r"TORCHHEAL_CHECKPOINT_TOKEN.*printable ASCII"):
+        HTTPTransport(TIMEOUT, num_chunks=0)
+
+
 def test_checkpoint_transport_over_https(job_env: Any, pki: Pki) -> None:
     job_env(tls=True)
     src = HTTPTransport(TIMEOUT, num_chunks=0)

@@ -272,16 +272,19 @@ def checkpoint_token(environ: Mapping[str, str] | None = None) -> str | None:
     """The HTTP checkpoint transport's shared secret, or None.
 
     ``TORCHHEAL_CHECKPOINT_TOKEN`` (its older, transport-only name) when set, else the job
-    token (:func:`job_token`), so one ``TORCHHEAL_TOKEN`` guards the transport too.
+    token (:func:`job_token`), so one ``TORCHHEAL_TOKEN`` guards the transport too. Either is
+    stripped and checked as the job token is.
 
     Args:
         environ: the environment to read; ``os.environ`` when None.
 
     Raises:
-        ValueError: the job token's file cannot be read or holds no valid token.
+        ValueError: the token has a character outside printable ASCII, or the job token's file
+            cannot be read or holds no valid token; the message names the variable.
     """
     env = _environ(environ)
-    return env.get(CHECKPOINT_TOKEN_ENV) or job_token(env)
+    value = env.get(CHECKPOINT_TOKEN_ENV, "").strip()
+    return _checked_token(CHECKPOINT_TOKEN_ENV, value) if value else job_token(env)
 
 
 #: The job's shared secret, required on every torchheal endpoint when set (docs/security.md).
@@ -323,9 +326,15 @@ def job_token(environ: Mapping[str, str] | None = None) -> str | None:
             raise ValueError(f"{name}: cannot read the token file: {e}") from None
         if not value:
             raise ValueError(f"{name}: the token file is empty")
-    if value and not all("!" <= c <= "~" for c in value):
+    return _checked_token(name, value) if value else None
+
+
+def _checked_token(name: str, value: str) -> str:
+    # Sent as is in an HTTP header and gRPC metadata: a control character there fails every
+    # request (or, inside the value, could split the header), so refuse it at start-up.
+    if not all("!" <= c <= "~" for c in value):
         raise ValueError(f"{name}: the token must be printable ASCII without spaces")
-    return value or None
+    return value
 
 
 def dashboard_port(environ: Mapping[str, str] | None = None) -> int | None:

@@ -75,7 +75,8 @@ def open_store(args: argparse.Namespace, stop: threading.Event) -> QuorumStore |
         The store, or None without ``--state-file``/``--etcd``.
 
     Raises:
-        StoreError: the store cannot be opened (its record is damaged, etcd is unreachable).
+        StoreError: the store cannot be opened (a damaged state file, a malformed ``--etcd``
+            address); an etcd outage is not one: a standby waits it out.
         SystemExit: (0) asked to stop while standing by.
     """
     if args.state_file:

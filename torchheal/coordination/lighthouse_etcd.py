@@ -14,6 +14,9 @@ deletes the key and a standby takes over, starting from the record the leader le
 * A leader that cannot renew its lease (etcd unreachable for the lease time, or the lease gone)
   stops serving at once: ``on_lost`` is called (the CLI ends the process), so two lighthouses
   never serve one job for longer than it takes the lost one to notice.
+* A standby rides out etcd outages (an etcd election, a network blip, one that never ends): it
+  polls again with a bounded backoff and logs when an outage starts and ends (:class:`Outage`),
+  so it is still there to take over when the leader dies later.
 
 The etcd client is ``etcd3gw`` (etcd's v3 JSON gateway over HTTP, kept by OpenStack), an
 optional dependency: ``pip install torchheal[ha]``. Calls are synchronous and small; the leader
@@ -30,13 +33,14 @@ import signal
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
 from torchheal.coordination.lighthouse_state import StoreError, decode, encode
 from torchheal.coordination.types import Quorum
 
-__all__ = ["EtcdLeaderStore"]
+__all__ = ["EtcdLeaderStore", "Outage"]
 
 logger: logging.Logger = logging.getLogger("torchheal.coordination.lighthouse.etcd")
 
@@ -44,18 +48,77 @@ logger: logging.Logger = logging.getLogger("torchheal.coordination.lighthouse.et
 CALL_TIMEOUT_S = 2.0
 # A standby looks for a vacant leadership this often.
 STANDBY_POLL_S = 0.25
+# While etcd does not answer, a standby's polls back off from STANDBY_POLL_S up to this: a long
+# outage costs one failed call per endpoint every 2 s, and its end is noticed within 2 s.
+OUTAGE_BACKOFF_MAX_S = 2.0
+# An outage that goes on is logged again this often (never once per poll: that fills the disk).
+OUTAGE_REMIND_S = 60.0
+
+
+@dataclass
+class Outage:
+    """A standby's view of an etcd outage: when to poll again and when to say so.
+
+    Pure (the caller passes monotonic time and logs what it is told), so the backoff and the
+    log rate are tested without etcd.
+    """
+
+    since: float | None = None  # the first failed poll of the outage; None while etcd answers
+    failures: int = 0  # failed polls in this outage
+    said_at: float = 0.0  # when the outage was last logged
+
+    def failed(self, now: float) -> tuple[float, bool]:
+        """Count a poll that reached no endpoint.
+
+        Args:
+            now: monotonic seconds.
+
+        Returns:
+            (seconds to wait before the next poll, whether to log the outage now: at its start,
+            then once per ``OUTAGE_REMIND_S``).
+        """
+        if self.since is None:
+            self.since, self.failures, self.said_at = now, 1, now
+            return STANDBY_POLL_S, True
+        self.failures += 1
+        wait = min(STANDBY_POLL_S * 2 ** min(self.failures - 1, 16), OUTAGE_BACKOFF_MAX_S)
+        remind = now - self.said_at >= OUTAGE_REMIND_S
+        if remind:
+            self.said_at = now
+        return wait, remind
+
+    def answered(self, now: float) -> tuple[float, int] | None:
+        """etcd answered a poll: the outage that just ended (seconds, failed polls), or None.
+
+        Args:
+            now: monotonic seconds.
+        """
+        if self.since is None:
+            return None
+        ended = (now - self.since, self.failures)
+        self.since, self.failures = None, 0
+        return ended
+
+    def lasted(self, now: float) -> float:
+        """Seconds since the outage began (0 with none).
+
+        Args:
+            now: monotonic seconds.
+        """
+        return 0.0 if self.since is None else now - self.since
 
 
 def _client_module() -> Any:
     try:
         import etcd3gw  # noqa: F401
+        import requests
         from etcd3gw import exceptions, utils
         from etcd3gw.client import Etcd3Client
     except ImportError as e:  # an optional dependency: say how to get it
         raise StoreError(
             "--etcd needs the etcd3gw package: pip install 'torchheal[ha]' (or etcd3gw)"
         ) from e
-    return Etcd3Client, exceptions, utils
+    return Etcd3Client, exceptions, utils, requests
 
 
 def _terminate_self() -> None:
@@ -84,10 +147,11 @@ class EtcdLeaderStore:
         lease_s: int,
         on_lost: Callable[[], None] = _terminate_self,
     ) -> None:
-        etcd_client, exceptions, utils = _client_module()
+        etcd_client, exceptions, utils, requests = _client_module()
         if isinstance(lease_s, bool) or not isinstance(lease_s, int) or lease_s < 1:
             raise StoreError(f"the etcd lease must be a whole number of seconds >= 1: {lease_s!r}")
-        self._errors = (exceptions.Etcd3Exception,)
+        # A connection dropped mid-answer escapes etcd3gw as requests' own error.
+        self._errors = (exceptions.Etcd3Exception, requests.RequestException)
         self._encode = utils._encode
         self._clients = []
         for url in (u.strip() for u in endpoints.split(",")):
@@ -130,7 +194,9 @@ class EtcdLeaderStore:
             try:
                 result = fn(self._clients[index])
             except self._errors as e:
-                errors.append(f"{self._clients[index].base_url}: {e}")
+                # etcd3gw keeps the reason in detail_text (str(e) is often empty).
+                detail = (getattr(e, "detail_text", None) or str(e))[:200]
+                errors.append(f"{self._clients[index].base_url}: {type(e).__name__} {detail}")
                 continue
             self._current = index
             return result
@@ -142,25 +208,48 @@ class EtcdLeaderStore:
     def acquire(self, stop: threading.Event) -> bool:
         """Stand by until this lighthouse leads; then keep its lease alive in the background.
 
+        etcd unreachable does not end the wait: a standby that quit on an etcd election or a
+        network blip would leave nobody to take over when the leader dies. It polls again with
+        a bounded backoff for as long as the outage lasts (:class:`Outage`).
+
         Args:
             stop: set to give up waiting.
 
         Returns:
             True once leading; False when ``stop`` was set first.
-
-        Raises:
-            StoreError: etcd cannot be reached.
         """
         announced = False
+        outage = Outage()
         while not stop.is_set():
             self.attempts += 1
-            lease = self._call("lease grant", lambda c: c.lease(self.lease_s))
-            # The lease must be granted on the client that creates the key (same cluster).
-            won = self._call(
-                "leader election",
-                lambda c, lease=lease: c.create(self.leader_key, self.token, lease=lease),
-            )
-            if won:
+            try:
+                lease = self._elect()
+            except StoreError as e:
+                now = time.monotonic()
+                wait, say = outage.failed(now)
+                if say and outage.failures == 1:
+                    logger.warning(
+                        "etcd outage: standing by, polling again every %.2g-%.2g s (%s)",
+                        STANDBY_POLL_S,
+                        OUTAGE_BACKOFF_MAX_S,
+                        e,
+                    )
+                elif say:
+                    logger.warning(
+                        "etcd outage for %.0f s so far (%d polls failed): standing by (%s)",
+                        outage.lasted(now),
+                        outage.failures,
+                        e,
+                    )
+                stop.wait(wait)
+                continue
+            ended = outage.answered(time.monotonic())
+            if ended is not None:
+                logger.warning(
+                    "etcd outage over after %.1f s (%d polls failed): etcd answers again",
+                    *ended,
+                )
+            if lease is not None:
                 self._lease = lease
                 logger.warning(
                     "This lighthouse leads (etcd key %s, lease %ds)", self.leader_key, self.lease_s
@@ -172,7 +261,6 @@ class EtcdLeaderStore:
                 # A clean exit hands the leadership over at once instead of after the lease.
                 atexit.register(self.close)
                 return True
-            self._revoke(lease)
             if not announced:
                 logger.warning(
                     "Standing by: another lighthouse leads (etcd key %s); taking over when its "
@@ -183,6 +271,29 @@ class EtcdLeaderStore:
                 announced = True
             stop.wait(STANDBY_POLL_S)
         return False
+
+    def _elect(self) -> Any | None:
+        """One election: the lease this lighthouse now leads with, or None (another leads).
+
+        Raises:
+            StoreError: no endpoint answered.
+        """
+        lease = self._call("lease grant", lambda c: c.lease(self.lease_s))
+        try:
+            # The lease must be granted on the client that creates the key (same cluster).
+            won = self._call(
+                "leader election",
+                lambda c: c.create(self.leader_key, self.token, lease=lease),
+            )
+        except StoreError:
+            # The key may have been created with the answer lost: revoking the lease deletes it,
+            # so nobody waits a lease for a leadership this lighthouse does not know it holds.
+            self._revoke(lease)
+            raise
+        if won:
+            return lease
+        self._revoke(lease)
+        return None
 
     def _revoke(self, lease: Any) -> None:
         try:
