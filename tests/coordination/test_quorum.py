@@ -15,6 +15,7 @@ from torchheal.coordination.quorum import (
     propose,
     quorum_compute,
     requeue,
+    restore,
     session_opened,
     tick,
 )
@@ -442,3 +443,15 @@ def test_propose_changes_nothing_until_issued() -> None:
     assert (state.quorum_id, state.prev_quorum, state.prev_quorum_at, state.participants) == before
     issue(state, proposed, 1.0)
     assert state.quorum_id == 2 and state.prev_quorum is proposed and not state.participants
+
+
+def test_restore_of_an_id_alone_moves_only_the_id() -> None:
+    # A group restarted with the lighthouse reports only the last id its store records
+    # (issue 40, bug 3): there is no membership to adopt or wait for.
+    config = LighthouseConfig(min_replicas=1)
+    state = LighthouseState()
+    assert restore(state, Quorum(quorum_id=7, participants=(), created=WALL), 0.0)
+    assert state.quorum_id == 7 and state.prev_quorum is None and not state.heartbeats
+    join(state, member("a"), 0.0)
+    issued, _ = tick(state, config, 0.0, WALL)
+    assert issued is not None and issued.quorum_id == 8

@@ -154,6 +154,8 @@ class LighthouseLink:
             one lighthouse). A session that cannot be (re)opened moves on to the next.
         silent_s: a session that carries nothing from the lighthouse for this long is hung up
             and reopened (see :data:`SILENT_SESSION_S`).
+        last_quorum_id: the last quorum id the group's store records from an earlier process
+            of this group (0: none), told to the lighthouse in the Hello until a quorum comes.
     """
 
     def __init__(
@@ -167,6 +169,7 @@ class LighthouseLink:
         host: str | None = None,
         addresses: Sequence[str] = (),
         silent_s: float = SILENT_SESSION_S,
+        last_quorum_id: int = 0,
     ) -> None:
         if not silent_s > 0:
             raise ValueError(f"silent_s must be > 0, got {silent_s!r}")
@@ -196,9 +199,15 @@ class LighthouseLink:
         # The lighthouse's latest quorum id when our first session opened (None: no session):
         # above 0, the job was already running when this group (re)started.
         self.first_welcome_quorum_id: int | None = None
+        #: The job was already running when our first session opened (see manager_server).
+        self.joined_running = False
         # The last quorum the lighthouse gave us, told to it again in every Hello: a restarted
         # lighthouse must never issue an id that goes backwards or repeats (quorum.restore).
-        self._last_quorum: pb.Quorum | None = None
+        self._last_quorum: pb.Quorum | None = (
+            pb.Quorum(quorum_id=last_quorum_id) if last_quorum_id > 0 else None
+        )
+        # A welcome at that id is the lighthouse adopting it, not a job already running.
+        self._reported_quorum_id = max(0, last_quorum_id)
         self._call: Any = None  # the live session stream, or None while it is (re)opening
         self._opened = asyncio.Event()  # set while there is a live session
         self._protocol = 0  # the session protocol of the lighthouse's last welcome
@@ -503,6 +512,8 @@ class LighthouseLink:
         self._protocol = event.welcome.protocol
         if self.first_welcome_quorum_id is None:
             self.first_welcome_quorum_id = event.welcome.quorum_id
+            # Above the id we reported: the lighthouse had issued quorums of its own since.
+            self.joined_running = event.welcome.quorum_id > self._reported_quorum_id
         if event.welcome.heartbeat_timeout_ms > 0:
             with self._standing_lock:
                 self._standing.limit_s = limit_for(

@@ -111,6 +111,9 @@ class ManagerServer:
         heartbeat_interval: pause between heartbeats to the lighthouse.
         connect_timeout: how long to try to reach the lighthouse at start.
         quorum_retries: extra lighthouse attempts per round after a failure.
+        last_quorum_id: the last quorum id an earlier process of this group configured (its
+            store's record, 0: none); a torchheal lighthouse that restarted without a record
+            of its own numbers its quorums above it.
 
     Raises:
         ValueError: an option is out of range or an address is malformed.
@@ -129,6 +132,8 @@ class ManagerServer:
         heartbeat_interval: timedelta,
         connect_timeout: timedelta,
         quorum_retries: int = 0,
+        *,
+        last_quorum_id: int = 0,
     ) -> None:
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
@@ -147,6 +152,7 @@ class ManagerServer:
         self._world_size = world_size
         self._quorum_retries = quorum_retries
         self._connect_timeout = connect_timeout
+        self._last_quorum_id = last_quorum_id
 
         # Loop-thread state.
         self._checkpoint_metadata: dict[int, str] = {}
@@ -239,7 +245,7 @@ class ManagerServer:
         Manager). Always False with a reference lighthouse (no session, no welcome).
         """
         link = self._link
-        return bool(link is not None and (link.first_welcome_quorum_id or 0) > 0)
+        return bool(link is not None and link.joined_running)
 
     def add_lost_listener(self, listener: Callable[[str, int, str, bool, bool], None]) -> None:
         """Also tell ``listener`` about lost members (for a rank living in this process).
@@ -387,6 +393,7 @@ class ManagerServer:
             self._prefix,
             host=parse_address(first)[0],
             addresses=addresses,
+            last_quorum_id=self._last_quorum_id,
         )
         try:
             await self._link.start()

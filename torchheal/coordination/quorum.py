@@ -179,6 +179,11 @@ def restore(state: LighthouseState, quorum: Quorum, now: float) -> bool:
       they would have without the restart, until their heartbeat timeout (a member that died
       with the lighthouse is then dropped, as it would have been).
 
+    A quorum with no members carries only an id: a group that restarted, with its lighthouse,
+    reports the last id its replica group's store records (the store still holds the process
+    groups' keys under ``/torchft/{id}/``, so no id it used may name a new quorum); only the
+    id moves.
+
     A quorum older than the latest known one changes nothing (every ordinary reconnection
     reports one): the lighthouse never adopts an older past. A newer one arriving after this
     lighthouse already issued quorums (a group that was slow to reconnect) only moves the id.
@@ -195,6 +200,10 @@ def restore(state: LighthouseState, quorum: Quorum, now: float) -> bool:
         return False
     state.quorum_id = quorum.quorum_id
     state.fresh_id = True
+    if not quorum.participants:
+        # Only an id (a group that restarted too reports the last id its store records): it
+        # moves the id, but there is no membership to wait for.
+        return True
     if state.prev_quorum is None or state.restored:
         state.prev_quorum = quorum
         state.prev_quorum_at = None

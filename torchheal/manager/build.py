@@ -144,6 +144,7 @@ def build_parts(
     worker = QuorumWorker(
         quorum_call=endpoints.quorum,
         quorum_start=endpoints.start_quorum,
+        record_quorum=endpoints.record_quorum,
         process_group=process_group,
         recovery=telemetry.recovery(recovery),
         # A transport that copies the state itself (or copies on write) needs no copy of ours,

@@ -43,6 +43,11 @@ REPLICA_ID_KEY: str = "replica_id"
 #: ``"{session}{joined_running}"`` as two "0"/"1" characters, published by group rank 0 so every
 #: rank of the group takes the same decisions (background transfers, a warm-up step).
 LIGHTHOUSE_MODE_KEY: str = "torchheal_lighthouse_mode"
+#: The last quorum id the group built a process group for, kept in its store (which torchrun
+#: keeps across restarts of the group, with the builds' keys under ``/torchft/{id}/``): a
+#: restarted group reports it, so a lighthouse restarted without a record of its own never
+#: issues one of those ids again (issue 40, bug 3).
+LAST_QUORUM_KEY: str = "torchheal_last_quorum_id"
 
 
 @dataclass
@@ -167,6 +172,16 @@ class GroupEndpoints:
 
         threading.Thread(target=watch, name="torchheal-notices", daemon=True).start()
 
+    def record_quorum(self, quorum_id: int) -> None:
+        """Group rank 0: record in the store that the group builds a process group for
+        ``quorum_id`` (before the build writes any key under its prefix).
+
+        Args:
+            quorum_id: the quorum about to be built.
+        """
+        if self.server is not None:
+            self.store.set(LAST_QUORUM_KEY, str(quorum_id))
+
     def close(self) -> None:
         """Closes the client and stops the server (the store client closes with the object)."""
         self._closed.set()
@@ -219,6 +234,9 @@ def open_endpoints(
                 "(or TORCHFT_LIGHTHOUSE)"
             )
         full_id = f"{replica_name}:{uuid.uuid4()}" if replica_name else str(uuid.uuid4())
+        last_quorum_id = 0
+        if store.check([LAST_QUORUM_KEY]):
+            last_quorum_id = int(store.get(LAST_QUORUM_KEY).decode("ascii") or 0)
         server = ManagerServer(
             replica_id=full_id,
             lighthouse_addr=lighthouse_addr,
@@ -229,6 +247,7 @@ def open_endpoints(
             heartbeat_interval=heartbeat_interval,
             connect_timeout=connect_timeout,
             quorum_retries=quorum_retries,
+            last_quorum_id=last_quorum_id,
         )
         mode = f"{int(server.session_mode)}{int(server.joined_running_job)}"
         store.set(LIGHTHOUSE_MODE_KEY, mode)  # before the address, which the others wait for

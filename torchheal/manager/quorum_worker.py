@@ -145,6 +145,8 @@ class QuorumWorker:
             process group after the quorum).
         quorum_start: this rank's quorum RPC without waiting (``GroupEndpoints.start_quorum``):
             a future of its result, or None where only the blocking call exists.
+        record_quorum: called with a new quorum's id before its process group is built
+            (``GroupEndpoints.record_quorum``: the group's store remembers it across restarts).
     """
 
     def __init__(
@@ -165,8 +167,10 @@ class QuorumWorker:
         group_world_size: int = 1,
         send_guard: Callable[[], AbstractContextManager[Any]] = nullcontext,
         quorum_start: Callable[[QuorumAsk], Future[QuorumResult] | None] | None = None,
+        record_quorum: Callable[[int], None] = lambda quorum_id: None,
     ) -> None:
         self._quorum_call = quorum_call
+        self._record_quorum = record_quorum
         self._quorum_start = quorum_start
         self._send_guard = send_guard
         # Background transfers and the metadata fetch that overlaps the group's rebuild.
@@ -319,6 +323,7 @@ class QuorumWorker:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         mark("configure.begin", quorum_id=quorum.quorum_id)
+        self._record_quorum(quorum.quorum_id)
         pg = self._process_group()
         quorum_keywords: dict[str, Any] = {}
         if accepts_quorum_keywords(pg):
