@@ -202,6 +202,15 @@ def test_a_heal_torn_part_way_fails_every_step_until_a_heal_succeeds() -> None:
     heal.check_torn()
     assert [type(e) for e in host.errors] == [RuntimeError]
     assert "must heal from a peer" in str(host.errors[0])
+    # Made the source at step 0 (its own source died mid-transfer, every survivor is torn):
+    # its state becomes the initial state, or the same plan would come back every round and
+    # no step would ever commit (issue 40, bug 2).
+    host.errors.clear()
+    heal.begin()
+    heal.take_outcome(_outcome(healing=False, max_step=0))
+    heal.check_torn()
+    assert not heal.torn and host.errors == []
+    heal.torn = True
     # Torn inside the quorum (a synchronous heal) counts the same.
     other, _ = _heal(_Host(step=0, batches=0), [])
     other.take_outcome(_outcome(healing=True, errors=[torn]))

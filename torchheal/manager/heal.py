@@ -17,8 +17,9 @@ Receiving in place: a replica at step 0 that has never committed (a restarted gr
 nothing worth keeping, so its heal receives straight into its own tensors (no fresh memory, no
 copy when loading; ``StepRequest.heal_in_place``). If that receive fails part way, its tensors
 hold a mix of old and unverified bytes: the replica is *torn* (:attr:`HealStep.torn`) until a
-later heal succeeds. A torn replica never commits a step it did not heal in, and never sends its
-state (the Manager captures nothing to send).
+later heal succeeds. A torn replica never commits a step it did not heal in, except when the
+plan makes it the source at step 0 (its source died mid-transfer, so every survivor is torn):
+its state becomes the job's initial state.
 
 The warm-up: a group that (re)starts into a running job takes its first step alone. A restarted
 process's first iteration is its slowest (allocations, autograd and DDP warm-up); taken inside a
@@ -161,6 +162,18 @@ class HealStep:
     def take_outcome(self, outcome: QuorumOutcome) -> None:
         """Quorum thread: keeps the heal part of the step's quorum work."""
         self._note_torn(outcome.errors)
+        if self.torn and not outcome.healing and outcome.quorum.max_step == 0:
+            # Torn replicas are replicas at step 0 whose source died while they received its
+            # initial state, so usually every survivor is torn. The plan made this one the
+            # source: nothing trained yet, its state is as good an initial state as any, and
+            # the others sync to it. Refusing would bring the same plan back every round, and
+            # no step would ever commit (issue 40, bug 2).
+            self.torn = False
+            self._log.warning(
+                "this replica's initial state was partly overwritten by a heal that failed, "
+                "and it is now the quorum's source at step 0: its state becomes the initial "
+                "state the others sync to"
+            )
         if outcome.recovery_event is not None:
             self.recovery_event = outcome.recovery_event
         if outcome.transfer is not None:

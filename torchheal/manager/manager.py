@@ -360,9 +360,9 @@ class Manager:
         self, allow_heal: bool, shrink_only: bool, timeout: timedelta | None
     ) -> StepRequest:
         """This step's quorum request (captures the state a healing peer would receive)."""
-        # Captured on this (the training) thread; a torn replica (a heal into its own tensors
-        # failed part way) has nothing it may send.
-        captured = self._capture_state_dict() if allow_heal and not self._heal.torn else None
+        # Captured on this (the training) thread. A torn replica (a heal into its own tensors
+        # failed part way, at step 0) sends it only as the source at step 0 (HealStep).
+        captured = self._capture_state_dict() if allow_heal else None
         return StepRequest(
             step=self._step,
             commit_failures=self._commit_failures,
