@@ -81,16 +81,54 @@ def test_a_dropped_group_ends_its_pending_collectives_and_fails_the_step_at_once
         assert m._connected.quorum_id == -1  # the next quorum rebuilds the group
         assert m.should_commit() is False
 
-        # The group that completes after all is too late: nothing changes.
-        for future, tensors in pg.issued:
-            future.set_result(tensors)
-        torch.testing.assert_close(bucket, torch.full((4,), 3.0))
-
         # The next quorum's group is adopted and trains as usual.
         m.start_quorum()
         m.wait_quorum()
         assert m._connected.quorum_id > 0 and m._connected.expiry.expired is None
         _lands_and_commits(m, pg, m.allreduce(torch.full((2,), 5.0)).as_future(), 5.0)
+
+
+@contextmanager
+def _two_groups(**manager_kwargs: Any) -> Iterator[tuple[Any, PendingGroup]]:
+    """Group a in its first quorum with b (an average divides by 2), on a ``PendingGroup``."""
+    pg = PendingGroup()
+    with (
+        lighthouse(min_replicas=2) as lh,
+        replica(lh, "a", pg=pg, **manager_kwargs) as r,
+        replica(lh, "b", pg=PendingGroup(), **manager_kwargs) as peer,
+    ):
+        for manager in (r.manager, peer.manager):
+            manager.start_quorum()
+        for manager in (r.manager, peer.manager):
+            manager.wait_quorum()
+        assert r.manager.num_participants() == 2
+        yield r.manager, pg
+
+
+def test_a_late_completion_after_the_drop_changes_nothing() -> None:
+    # The collective that completes after the drop ended it is too late: the average (a
+    # division by the 2 participants) is not applied to what the loop already has.
+    with _two_groups() as (m, pg):
+        bucket = torch.full((4,), 3.0)
+        fut = m.allreduce(bucket).as_future()
+        _notice(m, m._connected.quorum_id)
+        assert fut.wait() is bucket
+        for future, tensors in pg.issued:
+            future.set_result(tensors)
+        torch.testing.assert_close(bucket, torch.full((4,), 3.0))
+        assert m.should_commit() is False
+
+
+def test_a_dropped_group_does_not_salvage_its_step(caplog: pytest.LogCaptureFixture) -> None:
+    # Its peers redid the step without it: it heals instead of redoing the step, even though
+    # its collectives were ended by an abort (which a salvage would otherwise redo).
+    with _two_groups(salvage_step=True) as (m, _pg):
+        m.allreduce(torch.full((2,), 1.0))
+        _notice(m, m._connected.quorum_id)
+        with caplog.at_level("INFO", logger="torchheal.manager"):
+            assert m.should_commit() is False
+        assert "this group was dropped from the quorum" in caplog.text
+        assert "salvaging step" not in caplog.text
 
 
 def test_a_group_only_left_out_of_a_newer_quorum_keeps_its_collectives() -> None:
