@@ -1,7 +1,7 @@
 """One replica group of the late-committer test (issue 40, bug 1), run as its own process.
 
     python -m tests.commit.late_worker --group G --groups K --lighthouse URL --stop-file F \
-        --out FILE --ready-dir DIR [--fail-at S] [--busy-after S --busy-s T] \
+        --out FILE --ready-dir DIR [--fail-at S] [--busy-after S --busy-s T [--frozen]] \
         [--impl torchheal|torchft]
 
 A small MLP under fault-tolerant DDP at ``min_replica_size=1``, SGD with momentum (optimizer
@@ -12,7 +12,11 @@ With ``--fail-at S`` the group reports an error of its own (``manager.report_err
 training loop does) in the first step from S on whose quorum holds all the groups, so it votes
 no while its peers' collectives completed. With ``--busy-after S`` the group sleeps
 ``--busy-s`` seconds right after committing the first such step (an eval, a checkpoint save)
-before it asks for its next quorum. Both write ``{"group", "event", "step"}`` when they act.
+before it asks for its next quorum; with ``--frozen`` the whole process stops instead
+(SIGSTOP, woken by a child after ``--busy-s``: its heartbeats stop too, as in a pause that holds
+the interpreter or a stalled host). With ``--pause-after-fail T`` a failing group sleeps ``T``
+seconds after its first commit since its failure (so that a frozen peer comes back level with
+it). Both write ``{"group", "event", "step"}`` when they act.
 
 After every commit it appends ``{"group", "step", "digest"}`` to ``--out`` (JSON lines), the
 digest a SHA-256 of the parameters and the momentum buffers. Each step takes ``--step-s`` (50 ms)
@@ -25,6 +29,8 @@ import argparse
 import hashlib
 import json
 import os
+import signal
+import subprocess
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -56,6 +62,8 @@ def main() -> None:
     p.add_argument("--fail-at", type=int, default=-1)
     p.add_argument("--busy-after", type=int, default=-1)
     p.add_argument("--busy-s", type=float, default=0.0)
+    p.add_argument("--frozen", action="store_true")
+    p.add_argument("--pause-after-fail", type=float, default=0.0)
     p.add_argument("--impl", choices=("torchheal", "torchft"), default="torchheal")
     args = p.parse_args()
     ft = __import__(args.impl)
@@ -115,10 +123,18 @@ def main() -> None:
             after = manager.current_step()
             if after > before:
                 write({"step": after, "digest": digest(model, inner)})
+                if failed and args.pause_after_fail > 0:
+                    time.sleep(args.pause_after_fail)
+                    args.pause_after_fail = 0.0
             if 0 <= args.busy_after <= before and together and after > before and not busy:
                 busy = True
                 write({"event": "busy", "step": before})
-                time.sleep(args.busy_s)
+                if args.frozen:
+                    wake = f"sleep {args.busy_s}; kill -CONT {os.getpid()}"
+                    subprocess.Popen(["sh", "-c", wake])
+                    os.kill(os.getpid(), signal.SIGSTOP)
+                else:
+                    time.sleep(args.busy_s)
     manager.shutdown(wait=False)
 
 

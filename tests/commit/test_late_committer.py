@@ -34,7 +34,14 @@ DEADLINE_S = 120.0
 
 
 def run_case(
-    tmp: Path, groups: int, failing: str, busy_s: float, impl: str = "torchheal"
+    tmp: Path,
+    groups: int,
+    failing: str,
+    busy_s: float,
+    impl: str = "torchheal",
+    frozen: bool = False,
+    step_s: float = 0.05,
+    pause_after_fail: float = 0.0,
 ) -> dict[int, dict[int, str]]:
     """Run one job; return each group's digest at each step it committed.
 
@@ -62,12 +69,13 @@ def run_case(
                 *(sys.executable, "-m", "tests.commit.late_worker", "--group", str(g)),
                 *("--groups", str(groups), "--ready-dir", str(ready)),
                 *("--lighthouse", addr, "--stop-file", str(stop), "--out", str(tmp / f"g{g}")),
-                *("--impl", impl),
+                *("--impl", impl, "--step-s", str(step_s)),
             ]
             if g in fails:
-                cmd += ["--fail-at", str(FAIL_AT)]
+                cmd += ["--fail-at", str(FAIL_AT), "--pause-after-fail", str(pause_after_fail)]
             if g == 0:
                 cmd += ["--busy-after", str(FAIL_AT), "--busy-s", str(busy_s)]
+                cmd += ["--frozen"] if frozen else []
             procs.append(
                 subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
             )
@@ -138,6 +146,24 @@ def test_late_committer_keeps_every_group_identical(
     assert any(s > FAIL_AT + 1 for s in common), f"no common step after the failure: {digests}"
     bad = divergent_steps(digests)
     assert not bad, f"groups hold different weights at steps {bad}"
+
+
+@pytest.mark.slow
+def test_a_frozen_late_committer_heals_from_the_history_that_superseded_it(
+    tmp_path: Path,
+) -> None:
+    # Group 0 commits step 5 and freezes (SIGSTOP: its heartbeats stop too, as in a pause that
+    # holds the interpreter) past the heartbeat timeout. Declared lost, it cannot be waited
+    # for: the others train step 5 again without it, and pause, so that it comes back level
+    # with them at step 6. Its commit of step 5 is lost with it (its record of step 6 differs);
+    # but it must heal from the others before it trains with them again.
+    digests = run_case(tmp_path, 3, "all_but_one", 7.0, frozen=True, pause_after_fail=3.0)
+    superseded = FAIL_AT + 1
+    assert digests[0][superseded] != digests[1][superseded], "no step was trained again"
+    del digests[0][superseded]
+    bad = divergent_steps(digests)
+    assert not bad, f"groups hold different weights at steps {bad}"
+    assert max(digests[0]) >= STEPS, "group 0 did not train on with the others"
 
 
 def main() -> None:

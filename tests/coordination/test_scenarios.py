@@ -11,8 +11,9 @@ Script commands (one per line; ``#`` starts a comment; names are replica ids):
 ``config min_replicas=2 join_timeout=100ms heartbeat_timeout=5s heartbeat_interval=100ms``
     (first command, optional) lighthouse options; the defaults are the reference's.
 ``start a b``            replicas come alive and heartbeat, without asking for a quorum.
-``join a step=3 [shrink_only] [commit_failures=1]``
+``join a step=3 [shrink_only] [commit_failures=1] [lineage=2]``
                          a (alive from now on) asks for a quorum; replaces its pending request.
+                         ``lineage``: the quorum it last committed in (a torchheal session's).
 ``heartbeat a b``        one explicit heartbeat each (also for replicas not alive).
 ``kill a``               a stops heartbeating; its pending request has nobody to receive it (a
                          reference peer dying: the lighthouse learns it only from the heartbeats).
@@ -197,7 +198,7 @@ def run_command(cluster: Cluster, words: list[str]) -> None:
         )
         cluster.alive.add(name)
         cluster.waiting[name] = request
-        join(cluster.state, request, cluster.now)
+        join(cluster.state, request, cluster.now, int(pairs.get("lineage", "0")))
     elif cmd == "heartbeat":
         for name in args:
             heartbeat(cluster.state, name, cluster.now)

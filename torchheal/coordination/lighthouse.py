@@ -372,10 +372,12 @@ class LighthouseServer:
         deliver: Callable[[Issued], None],
         timeout_s: float,
         expired: Callable[[], None],
+        lineage: int = 0,
     ) -> Waiter:
         """A session's quorum request: ``deliver`` gets the quorum, or ``expired`` is called
-        (and the request withdrawn) after ``timeout_s``."""
-        return self._rounds.wait_until(member, raw, deliver, timeout_s, expired)
+        (and the request withdrawn) after ``timeout_s``. ``lineage``: the quorum the group
+        last committed in (``quorum.superseded``)."""
+        return self._rounds.wait_until(member, raw, deliver, timeout_s, expired, lineage)
 
     def withdraw(self, request: Waiter) -> None:
         """A session's request that nobody waits for any more (replaced, or its session ended)."""

@@ -208,6 +208,9 @@ class LighthouseLink:
         )
         # A welcome at that id is the lighthouse adopting it, not a job already running.
         self._reported_quorum_id = max(0, last_quorum_id)
+        # The id of the quorum in which the group last committed, told with every request so
+        # a lighthouse can tell a history it superseded (quorum.superseded). Any thread.
+        self._lineage = 0
         self._call: Any = None  # the live session stream, or None while it is (re)opening
         self._opened = asyncio.Event()  # set while there is a live session
         self._protocol = 0  # the session protocol of the lighthouse's last welcome
@@ -396,6 +399,7 @@ class LighthouseLink:
                         request_id=request_id,
                         requester=requester,
                         timeout_ms=max(1, int(timeout_s * 1000)),
+                        lineage=self._lineage,
                     )
                 ),
             )
@@ -658,6 +662,12 @@ class LighthouseLink:
                     self._on_lost(event.lost)
                 except Exception:
                     logger.exception("%s handling a lost-member notice failed", self._prefix)
+
+    def committed(self) -> None:
+        """The group committed a step, in the last quorum it received (any thread)."""
+        last = self._last_quorum
+        if last is not None and last.participants:
+            self._lineage = last.quorum_id
 
     def doubt(self) -> str | None:
         """Why the lighthouse may have dropped this group since its last quorum request, or

@@ -161,18 +161,23 @@ class QuorumRounds:
             heartbeat(self.state, replica_id, time.monotonic())
 
     def wait(
-        self, member: QuorumMember, raw: pb.QuorumMember, deliver: Callable[[Issued], None]
+        self,
+        member: QuorumMember,
+        raw: pb.QuorumMember,
+        deliver: Callable[[Issued], None],
+        lineage: int = 0,
     ) -> Waiter:
         """Join the round with ``member``; ``deliver`` gets the first quorum that includes it.
 
         Left out of an issued quorum, the request stays for the next one. The caller takes it
         back with :meth:`forget` (its caller went away) or :meth:`withdraw` (it timed out).
+        ``lineage``: the quorum the group last committed in (0: not said).
         """
         waiter = Waiter(member, member_entry(raw), deliver)
         now = time.monotonic()
         with self.lock:
             state = self.state
-            join(state, member, now)
+            join(state, member, now, lineage)
             self._entries[member.replica_id] = waiter.entry
             if self._round_started is None:
                 self._round_started = now
@@ -195,6 +200,7 @@ class QuorumRounds:
         deliver: Callable[[Issued], None],
         timeout_s: float,
         expired: Callable[[], None],
+        lineage: int = 0,
     ) -> Waiter:
         """As :meth:`wait`, but after ``timeout_s`` the request is withdrawn and ``expired`` called.
 
@@ -203,7 +209,7 @@ class QuorumRounds:
         tick, and an event-loop timer made and cancelled for each of them is a good part of
         a request's cost.
         """
-        waiter = self.wait(member, raw, deliver)
+        waiter = self.wait(member, raw, deliver, lineage)
         waiter.deadline = time.monotonic() + timeout_s
         waiter.expired = expired
         if timeout_s <= self._timer_at_once_s:
@@ -352,10 +358,16 @@ class QuorumRounds:
                 # was, and every request waits for the next tick, which proposes (and tries to
                 # save) it again.
                 return
+            # A member issued below the step it asked at (its history was superseded: it
+            # heals) goes out as issued, not as its message came.
+            entries = self._entries
+            for member in quorum.participants:
+                asked = self.state.participants.get(member.replica_id)
+                if asked is not None and asked[1] is not member:
+                    entries[member.replica_id] = member_entry(convert.member_to_pb(member))
             issue(self.state, quorum, now)
             round_s = 0.0 if self._round_started is None else now - self._round_started
             self._round_started = None
-            entries = self._entries
             # Participants were cleared by issue(); their messages go with the issued quorum.
             self._entries = {}
         self._deliver(quorum, entries, now)

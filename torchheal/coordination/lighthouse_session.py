@@ -95,6 +95,7 @@ class _Lighthouse(Protocol):
         deliver: Callable[[Any], None],
         timeout_s: float,
         expired: Callable[[], None],
+        lineage: int = 0,
     ) -> Any: ...
 
     def withdraw(self, request: Any) -> None: ...
@@ -321,6 +322,7 @@ class SessionProtocol:
             lambda issued: self._answer(request_id, issued),
             timeout_s,
             lambda: self._expired(request_id, timeout_s),
+            max(0, request.lineage),
         )
 
     def _answer(self, request_id: int, issued: _Issued) -> None:

@@ -162,7 +162,9 @@ class ManagerServer:
         self._round_outcomes: dict[int, asyncio.Future[Quorum]] = {}
         self._retry = RetryPolicy(quorum_retries, MIN_RETRY_SLEEP_S)
         # The commit vote: cast into from the loop (gRPC ranks) and from rank 0's thread.
-        self._vote = GroupVote(world_size, self._prefix, fence=self._doubt)
+        self._vote = GroupVote(
+            world_size, self._prefix, fence=self._doubt, committed=self._committed
+        )
         self._shut_down = False
         self._lighthouse: grpc.aio.Channel | None = None
         self._link: LighthouseLink | None = None
@@ -408,6 +410,12 @@ class ManagerServer:
             await self._link.close()
         if self._lighthouse is not None:
             await self._lighthouse.close()
+
+    def _committed(self) -> None:
+        """The group committed a step (any thread): in the link's last quorum."""
+        link = self._link
+        if link is not None:
+            link.committed()
 
     def _doubt(self) -> str | None:
         """Why the lighthouse may have dropped the group during the step, or None (any thread)."""

@@ -36,6 +36,7 @@ class GroupVote:
         log_prefix: prefixes log lines (``[Replica name]``).
         fence: returns why the group may have been dropped from the step's quorum, or None;
             asked when a round decides to commit (None: never overruled).
+        committed: called (under the vote's lock) when a round's commit stands.
     """
 
     def __init__(
@@ -43,12 +44,14 @@ class GroupVote:
         world_size: int,
         log_prefix: str,
         fence: Callable[[], str | None] | None = None,
+        committed: Callable[[], None] | None = None,
     ) -> None:
         self._lock = threading.Lock()
         self._vote = CommitVote(world_size)
         self._round: concurrent.futures.Future[Decision] | None = None
         self._prefix = log_prefix
         self._fence = fence
+        self._committed = committed
 
     @property
     def step(self) -> int | None:
@@ -85,6 +88,8 @@ class GroupVote:
                 why = self._fence()
                 if why is not None:
                     decision = self._vote.overrule(why)
+            if decision is not None and decision.commit and self._committed is not None:
+                self._committed()
             round_ = self._round
             if round_ is None:
                 round_ = self._round = concurrent.futures.Future()

@@ -16,7 +16,7 @@ dashboard shows the reason of a fresh :func:`quorum_compute`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from torchheal.coordination.types import Quorum, QuorumMember, Timestamp
 
@@ -36,6 +36,7 @@ __all__ = [
     "restore",
     "session_ended",
     "session_opened",
+    "superseded",
     "tick",
     "withdraw",
 ]
@@ -90,6 +91,11 @@ class LighthouseState:
         restored: ``prev_quorum`` was learned (:func:`restore`), not issued by this lighthouse.
         fresh_id: the next issued quorum must take a new id, whatever its membership: ids up
             to ``quorum_id`` may be in use by quorums this lighthouse did not issue.
+        lineages: replica_id -> the id of the quorum in which the group last committed, as its
+            latest request said (torchheal groups; 0: not said).
+        redone: step -> the latest quorum id issued to train that step (its highest member
+            step): a group that committed the step in an older quorum holds a history that
+            was superseded (:func:`superseded`). The most recent :data:`REDONE_KEPT` steps.
     """
 
     participants: dict[str, tuple[float, QuorumMember]] = field(default_factory=dict)
@@ -100,6 +106,8 @@ class LighthouseState:
     sessions: set[str] = field(default_factory=set)
     restored: bool = False
     fresh_id: bool = False
+    lineages: dict[str, int] = field(default_factory=dict)
+    redone: dict[int, int] = field(default_factory=dict)
 
 
 def heartbeat(state: LighthouseState, replica_id: str, now: float) -> None:
@@ -113,7 +121,7 @@ def heartbeat(state: LighthouseState, replica_id: str, now: float) -> None:
     state.heartbeats[replica_id] = now
 
 
-def join(state: LighthouseState, member: QuorumMember, now: float) -> None:
+def join(state: LighthouseState, member: QuorumMember, now: float, lineage: int = 0) -> None:
     """Register a quorum request; it also counts as a heartbeat.
 
     A second request from the same replica overwrites the first and resets its join time, as in
@@ -123,9 +131,27 @@ def join(state: LighthouseState, member: QuorumMember, now: float) -> None:
         state: the lighthouse state to update.
         member: the requester as it presents itself.
         now: monotonic time in seconds.
+        lineage: the id of the quorum in which the group last committed (its session's
+            request says it; 0: unknown, as for a reference peer, which is never judged).
     """
     state.heartbeats[member.replica_id] = now
     state.participants[member.replica_id] = (now, member)
+    state.lineages[member.replica_id] = lineage
+
+
+def superseded(state: LighthouseState, member: QuorumMember) -> bool:
+    """Whether ``member`` holds a commit that a later quorum trained again without it.
+
+    A group that committed step ``s`` in quorum ``q`` and was then declared lost (frozen past
+    the heartbeat timeout: a host stall, a pause that held the interpreter) may come back at
+    step ``s + 1`` after the others trained step ``s`` again in a newer quorum. Its step says
+    nothing wrong, and at an equal step nobody would heal: the groups would hold different
+    weights for the rest of the job (issue 40). Its history is known superseded when a quorum
+    newer than ``q`` was issued to train step ``s``. Only torchheal groups say in which quorum
+    they committed; a reference peer is never judged.
+    """
+    lineage = state.lineages.get(member.replica_id, 0)
+    return lineage > 0 and state.redone.get(member.step - 1, 0) > lineage
 
 
 def session_opened(state: LighthouseState, replica_id: str, now: float) -> None:
@@ -449,6 +475,28 @@ def quorum_compute(
                 f"up to {bound_s:.0f} s) {metadata}"
             )
 
+    lone = [
+        m.replica_id
+        for m in candidates
+        if superseded(state, m) and not _sources(state, candidates, m)
+    ]
+    others = sorted(healthy_replicas - healthy_participants.keys())
+    if lone and others:
+        # A group whose history was superseded must heal from one that holds the current
+        # one; if none asks yet, the quorum waits for the others (bounded as for holders).
+        first_joined = _straggler_window_start(prev, healthy_participants)
+        bound_s = (
+            LIVE_HOLDER_WAIT_S
+            if all(rid in state.sessions for rid in others)
+            else heartbeat_timeout_s
+        )
+        if now - first_joined < max(bound_s, heartbeat_timeout_s) - _EPSILON_S:
+            return None, (
+                f"New quorum not ready, {', '.join(lone)} committed a step that a later quorum "
+                f"trained again; waiting for {', '.join(others)} to heal from (waited for up "
+                f"to {bound_s:.0f} s) {metadata}"
+            )
+
     if not candidates:
         # Deliberate difference: only reachable when shrink_only filtered out every healthy
         # requester. The reference would issue an empty quorum (no one receives it) and then
@@ -469,6 +517,10 @@ _EPSILON_S = 1e-9
 #: run's commits without it). Two covers that, and a frozen member costs one more step once.
 STRAGGLER_GRACE_STEPS: float = 2.0
 
+
+#: How many of the latest steps :attr:`LighthouseState.redone` remembers. A group further
+#: behind than that heals anyway.
+REDONE_KEPT: int = 4096
 
 #: How long a member of the last quorum that may have committed a step the candidates would
 #: train again is waited for while its torchheal session lasts (see :func:`_live_holders_ahead`):
@@ -622,7 +674,40 @@ def propose(
         # Same members, but someone could not commit: a fresh id makes every group rebuild its
         # process group instead of reusing one that may be broken.
         quorum_id += 1
-    return Quorum(quorum_id=quorum_id, participants=tuple(candidates), created=wall), reason
+    members = tuple(_healing_if_superseded(state, candidates))
+    return Quorum(quorum_id=quorum_id, participants=members, created=wall), reason
+
+
+def _sources(
+    state: LighthouseState, candidates: list[QuorumMember], member: QuorumMember
+) -> list[QuorumMember]:
+    """Candidates a superseded ``member`` can heal from: not superseded, and holding at least
+    the step before its commit (the state the group held in common before it committed)."""
+    return [
+        m
+        for m in candidates
+        if m.step >= member.step - 1 and m is not member and not superseded(state, m)
+    ]
+
+
+def _healing_if_superseded(
+    state: LighthouseState, candidates: list[QuorumMember]
+) -> list[QuorumMember]:
+    """The candidates as issued: a superseded member with a source is issued below it.
+
+    The recovery plan heals a member whose step in the quorum is below the quorum's highest
+    step, so the member's step is issued one below the step it can heal to from its sources
+    (its own, or the sources' highest if lower): it receives the current history and its
+    superseded commit is dropped. Its request is otherwise issued as it came.
+    """
+    issued = []
+    for member in candidates:
+        sources = _sources(state, candidates, member) if superseded(state, member) else []
+        if sources:
+            target = min(member.step, max(m.step for m in sources))
+            member = replace(member, step=target - 1)
+        issued.append(member)
+    return issued
 
 
 def issue(state: LighthouseState, quorum: Quorum, now: float) -> None:
@@ -639,6 +724,10 @@ def issue(state: LighthouseState, quorum: Quorum, now: float) -> None:
     state.quorum_id = quorum.quorum_id
     state.prev_quorum = quorum
     state.prev_quorum_at = now
+    if quorum.participants:
+        state.redone[max(m.step for m in quorum.participants)] = quorum.quorum_id
+        if len(state.redone) > REDONE_KEPT:
+            del state.redone[min(state.redone)]
     state.restored = False
     state.fresh_id = False
     state.participants.clear()
