@@ -24,6 +24,15 @@ exit status says whether they are. The tables of refusal messages show what the 
 
 A PG receiver input needs a fresh two-process Gloo group (~0.2 s), so that endpoint gets
 ``--pg-inputs`` (default 2,000) instead. Timings depend on the machine and its load.
+
+Then slow clients (``tests/fuzz/slow_clients.py``) against every listener, each in a fresh
+process, with the job token set: ``--slow`` connections (half send a request that never
+completes, half nothing). Its table shows the server's RSS before and while they are held, a
+normal request made meanwhile, and how many connections the server closed at once, later
+(within ``--slow-watch`` seconds), or never. A failed normal request fails the run.
+
+    .venv/bin/python bench/fuzz.py --slow-only        # the slow clients alone (a few minutes)
+    .venv/bin/python bench/fuzz.py --slow-only --slow 400 --only "lighthouse direct TCP lane"
 """
 
 from __future__ import annotations
@@ -42,7 +51,7 @@ from pathlib import Path
 os.environ.setdefault("GRPC_VERBOSITY", "NONE")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.fuzz import grpc_targets, http_targets, receiver_targets, stream_targets
+from tests.fuzz import grpc_targets, http_targets, receiver_targets, slow_clients, stream_targets
 from tests.fuzz.runner import BAD, Tally, fuzz, table
 
 PG = receiver_targets.PgReceiverTarget.name
@@ -72,6 +81,30 @@ def run_one(name: str, n: int) -> Tally:
     return tally
 
 
+def run_slow(name: str, n: int, watch_s: float) -> slow_clients.SlowResult:
+    """Slow clients against one listener (in a fresh worker process: the RSS is its own)."""
+    logging.basicConfig(level=logging.CRITICAL)
+    logging.getLogger().setLevel(logging.CRITICAL)
+    return slow_clients.run_listener(name, n, watch_s)
+
+
+def slow(n: int, watch_s: float, jobs: int, names: list[str]) -> bool:
+    """Run and print the slow-client table; returns whether every normal request was served."""
+    start = time.monotonic()
+    ctx = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(
+        jobs, mp_context=ctx, max_tasks_per_child=1
+    ) as pool:
+        results = list(pool.map(run_slow, names, [n] * len(names), [watch_s] * len(names)))
+    print()
+    print(slow_clients.table(results))
+    print(f"\nslow clients: {time.monotonic() - start:.0f} s")
+    failed = [r.name for r in results if r.normal is not None]
+    if failed:
+        print(f"\nFAILED (normal request while held): {failed}")
+    return not failed
+
+
 def _picklable(value: object) -> bool:
     try:
         pickle.dumps(value)
@@ -92,7 +125,18 @@ def main() -> int:
         help="write each endpoint's first bad inputs, whole, to DIR/<endpoint>.pickle "
         "(a list of (Outcome, input); read it with pickle to replay them)",
     )
+    parser.add_argument("--slow", type=int, default=100, help="slow clients per listener (0: none)")
+    parser.add_argument("--slow-watch", type=float, default=90.0, help="seconds to watch them")
+    parser.add_argument("--slow-only", action="store_true", help="only the slow clients")
     args = parser.parse_args()
+    if args.slow_only:
+        listeners = args.only or list(slow_clients.LISTENERS)
+        unknown = set(listeners) - set(slow_clients.LISTENERS)
+        if unknown:
+            parser.error(
+                f"unknown listeners {sorted(unknown)}; known: {list(slow_clients.LISTENERS)}"
+            )
+        return 0 if slow(args.slow, args.slow_watch, args.jobs, listeners) else 1
     names = args.only or list(targets())
     unknown = set(names) - set(targets())
     if unknown:
@@ -133,7 +177,12 @@ def main() -> int:
     failed = [t.name for t in ordered if not t.ok or any(t.counts[k] for k in BAD)]
     if failed:
         print(f"\nFAILED: {failed}")
-    return 1 if failed else 0
+    served = (
+        slow(args.slow, args.slow_watch, args.jobs, list(slow_clients.LISTENERS))
+        if args.slow
+        else True
+    )
+    return 1 if failed or not served else 0
 
 
 if __name__ == "__main__":

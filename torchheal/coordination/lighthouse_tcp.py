@@ -19,6 +19,13 @@ Security (``docs/security.md``): with a job token, the session's first message m
 the connection with ``UNAUTHENTICATED`` before the lighthouse hears of the session. With TLS
 on, the lane is not opened at all (``Describe`` then announces port 0) and every session takes
 the gRPC stream, which is encrypted.
+
+Until its ``Hello`` has let it in, a connection is a stranger's, possibly without the token, so
+what strangers can make the lighthouse hold is bounded (:class:`LaneLimits`): a first frame of at
+most 1 MiB, a ``Hello`` complete within 10 s of connecting, at most 1,024 such connections (the
+oldest is closed to make room for a new one) and 32 MiB of unfinished hellos among them (the read
+that goes over ends its connection). A group's own connection sends its ``Hello`` at once: a few hundred bytes, and
+about 130 more per member of the last quorum it received.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -39,7 +47,7 @@ from torchheal.coordination.rpc.auth import RefusalLog, token_matches
 from torchheal.coordination.rpc.errors import StatusError
 from torchheal.coordination.rpc.frames import DEFAULT_MAX_FRAME, FrameError, FrameReader
 
-__all__ = ["MAX_UNSENT_BYTES", "DirectLane", "set_keepalive"]
+__all__ = ["LIMITS", "MAX_UNSENT_BYTES", "DirectLane", "LaneLimits", "set_keepalive"]
 
 # A child of the lighthouse's logger, so configuring that one configures the whole lighthouse.
 logger: logging.Logger = logging.getLogger("torchheal.coordination.lighthouse.tcp")
@@ -53,6 +61,39 @@ LINGER_S = 5.0
 #: with ``recv(256 KiB)``, and an allocation that large is an ``mmap``/``munmap`` pair each time
 #: (17-40 us per read measured here, more than the rest of a request's handling).
 READ_BYTES = 256 * 1024
+
+
+@dataclass(frozen=True)
+class LaneLimits:
+    """What connections may hold before their ``Hello`` has let them in (see the module's header).
+
+    Args:
+        hello_bytes: the largest first frame. A ``Hello`` carries the group's last quorum, about
+            130 bytes a member: 1 MiB holds some 8,000 groups.
+        hello_s: how long after connecting the ``Hello`` must be complete.
+        waiting: the most connections not let in at once (ended ones included until they
+            close); the oldest is closed to make room for a new one.
+        waiting_bytes: the most their unfinished hellos may hold together.
+    """
+
+    hello_bytes: int = 1024 * 1024
+    hello_s: float = 10.0
+    waiting: int = 1024
+    waiting_bytes: int = 32 * 1024 * 1024
+
+
+#: The limits a lane is made with unless told others.
+LIMITS = LaneLimits()
+
+
+class _Strangers:
+    """A lane's connections not let in yet (oldest first), and what their hellos hold."""
+
+    __slots__ = ("held", "waiting")
+
+    def __init__(self) -> None:
+        self.waiting: dict[_Connection, None] = {}  # an ordered set
+        self.held = 0
 
 
 def set_keepalive(sock: socket.socket, after_s: float) -> None:
@@ -108,6 +149,9 @@ class _Connection(asyncio.BufferedProtocol):
         token: str | None,
         refusals: RefusalLog,
         buffer: memoryview,
+        limits: LaneLimits,
+        strangers: _Strangers,
+        crowded: RefusalLog,
     ) -> None:
         self._buffer = buffer
         self._lighthouse = lighthouse
@@ -115,16 +159,36 @@ class _Connection(asyncio.BufferedProtocol):
         self._live = live
         self._token = token  # None once the hello proved it (or when there is none)
         self._refusals = refusals
-        self._reader = FrameReader(DEFAULT_MAX_FRAME)
+        self._limits = limits
+        self._strangers = strangers
+        self._crowded = crowded
+        self._reader = FrameReader(DEFAULT_MAX_FRAME, limits.hello_bytes)
         self._transport: asyncio.Transport | None = None
         self._session: SessionProtocol | None = None
         self._over = False
         self._linger: asyncio.TimerHandle | None = None
+        # Counted in ``strangers`` until the Hello is handled (or the connection is lost).
+        self._stranger = False
+        self._held = 0  # this connection's part of ``strangers.held``
+        self._hello_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         self._transport = transport
         self._live.add(self)
+        strangers = self._strangers
+        if len(strangers.waiting) >= self._limits.waiting:
+            # The oldest makes room rather than the newest: a group greets within moments of
+            # connecting, so a crowd of strangers cannot keep it out unless it is renewed
+            # faster than that.
+            oldest = next(iter(strangers.waiting))
+            why = f"{len(strangers.waiting)} connections were waiting for their hello"
+            self._crowded.refused("the oldest direct-lane connection", oldest._peername(), why)
+            oldest._evict()
+        strangers.waiting[self] = None
+        self._stranger = True
+        loop = asyncio.get_running_loop()
+        self._hello_timer = loop.call_later(self._limits.hello_s, self._no_hello)
         sock = transport.get_extra_info("socket")
         if sock is not None:
             try:
@@ -149,6 +213,10 @@ class _Connection(asyncio.BufferedProtocol):
                 if not session.handle(message):
                     self._end(None)  # goodbye
                     return
+                if self._stranger:
+                    self._no_longer_stranger()
+            if self._stranger:
+                self._hold(self._reader.pending)
             # Everything this read carried has joined: decide now if a round may be complete.
             self._lighthouse.decide_if_due()
         except FrameError as e:
@@ -173,15 +241,61 @@ class _Connection(asyncio.BufferedProtocol):
         given = request.hello.token if request.WhichOneof("kind") == "hello" else ""
         if not token_matches(given, self._token):
             why = "wrong job token" if given else "no job token"
-            assert self._transport is not None
-            self._refusals.refused(
-                "a direct-lane session", self._transport.get_extra_info("peername"), why
-            )
             raise StatusError(
                 grpc.StatusCode.UNAUTHENTICATED,
                 f"{why}: this lighthouse requires the job token (TORCHHEAL_TOKEN) in the hello",
             )
         self._token = None
+
+    def _hold(self, pending: int) -> None:
+        """Count what this stranger's unfinished hello holds now.
+
+        Raises:
+            StatusError: ``RESOURCE_EXHAUSTED``: the lane's strangers hold too much with it.
+        """
+        strangers = self._strangers
+        strangers.held += pending - self._held
+        self._held = pending
+        if strangers.held > self._limits.waiting_bytes:
+            raise StatusError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"unfinished hellos hold over {self._limits.waiting_bytes} bytes on this lane",
+            )
+
+    def _let_go(self) -> None:
+        """Stop counting what this stranger holds, and stop its hello's clock."""
+        self._strangers.held -= self._held
+        self._held = 0
+        if self._hello_timer is not None:
+            self._hello_timer.cancel()
+            self._hello_timer = None
+
+    def _no_longer_stranger(self) -> None:
+        """Leave the lane's strangers: let in (the Hello is handled), or gone."""
+        self._let_go()
+        del self._strangers.waiting[self]
+        self._stranger = False
+
+    def _evict(self) -> None:
+        """Close at once, dropping what was received, to make room for a newer stranger."""
+        self._no_longer_stranger()
+        self._over = True
+        self._reader = FrameReader(0)
+        self.abort()
+
+    def _no_hello(self) -> None:
+        self._hello_timer = None
+        if not self._over:
+            self._end(
+                StatusError(
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    f"no hello within {self._limits.hello_s:g}s of connecting",
+                )
+            )
+
+    def _peername(self) -> Any:
+        assert self._transport is not None
+        return self._transport.get_extra_info("peername")
 
     def eof_received(self) -> bool:
         return False  # the peer is done: close our side too
@@ -190,8 +304,17 @@ class _Connection(asyncio.BufferedProtocol):
         self._over = True
         transport = self._transport
         assert transport is not None and self._session is not None
+        self._reader = FrameReader(0)  # what was left unread is dropped (nothing more is read)
+        if self._stranger:
+            # It keeps its place among the strangers until it closes, so that those ended
+            # cannot pile up lingering either; what it held is let go now.
+            self._let_go()
         if error is not None:
-            logger.info("ending session of %s: %s", self._session.replica_id or "(no hello)", error)
+            if self._stranger:  # strangers come by the thousand: rate-limited lines
+                self._refusals.refused("a direct-lane connection", self._peername(), str(error))
+            else:
+                replica_id = self._session.replica_id or "(no hello)"
+                logger.info("ending session of %s: %s", replica_id, error)
             event = spb.SessionEvent(
                 closed=spb.SessionClosed(code=error.code.value[0], message=error.details)
             ).SerializeToString()
@@ -215,6 +338,8 @@ class _Connection(asyncio.BufferedProtocol):
         self._over = True
         if self._linger is not None:
             self._linger.cancel()
+        if self._stranger:
+            self._no_longer_stranger()
         self._live.discard(self)
         self._close_session()
 
@@ -254,15 +379,23 @@ class DirectLane:
         keepalive_s: how long a peer that stopped answering keeps its session.
         security: job token and TLS settings (default: read from the environment); with TLS
             on, :meth:`start` opens nothing and :attr:`port` stays 0.
+        limits: what connections may hold before their hello (default: :data:`LIMITS`).
     """
 
     def __init__(
-        self, lighthouse: Any, keepalive_s: float, security: SecurityEnv | None = None
+        self,
+        lighthouse: Any,
+        keepalive_s: float,
+        security: SecurityEnv | None = None,
+        limits: LaneLimits | None = None,
     ) -> None:
         self._lighthouse = lighthouse
         self._keepalive_s = keepalive_s
         self._security = SecurityEnv.from_env() if security is None else security
         self._refusals = RefusalLog(logger)
+        self._crowded = RefusalLog(logger)  # apart: a crowd must not hide why others failed
+        self._limits = LIMITS if limits is None else limits
+        self._strangers = _Strangers()
         self._buffer = memoryview(bytearray(READ_BYTES))
         self._live: set[_Connection] = set()
         self._server: asyncio.AbstractServer | None = None
@@ -289,6 +422,9 @@ class DirectLane:
                     token,
                     self._refusals,
                     self._buffer,
+                    self._limits,
+                    self._strangers,
+                    self._crowded,
                 ),
                 sock=sock,
             )

@@ -5,6 +5,13 @@ and nothing there should wait behind a browser, a Prometheus scrape or a kill RP
 would buy little: the lighthouse's observer only counts and queues (``recorder.py``), and
 ``LighthouseServer.status()`` is already safe to call from any thread. So the dashboard reads the
 queue and the snapshot from here, and a slow or broken dashboard can never delay a quorum.
+
+Limits (``docs/security.md``): the read-only pages are open to anyone who reaches the port, so
+what a client can make the dashboard hold is bounded by :class:`HttpLimits`: at most 128
+connections (a new one closes the oldest), a request's head at most 32 header lines of 8 KiB, a
+connection closed after 30 s without a complete request, and a TLS handshake within 10 s.
+aiohttp's own defaults keep a connection for an hour and take 128 lines of 8 KiB, which it
+holds about twice while parsing: some 1.6 MiB a connection, for anyone, without a cap.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ import socket
 import ssl
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -25,8 +33,9 @@ from aiohttp import web
 
 from torchheal.coordination.dashboard.app import STATIC_DIR, DashboardApp
 from torchheal.coordination.dashboard.recorder import LighthouseRecorder
+from torchheal.coordination.rpc.auth import RefusalLog
 
-__all__ = ["DEFAULT_DASHBOARD_PORT", "DashboardServer"]
+__all__ = ["DEFAULT_DASHBOARD_PORT", "LIMITS", "DashboardServer", "HttpLimits"]
 
 logger: logging.Logger = logging.getLogger(__name__)
 
@@ -34,6 +43,84 @@ logger: logging.Logger = logging.getLogger(__name__)
 DEFAULT_DASHBOARD_PORT = 29511
 # How often queued lighthouse events are folded into the history when nobody is looking.
 SYNC_INTERVAL_S = 0.25
+
+
+@dataclass(frozen=True)
+class HttpLimits:
+    """What clients may make the dashboard hold (see the module's header).
+
+    Args:
+        connections: the most open connections; a new one closes the oldest (a browser tab
+            keeps one or two; static files take up to six for a moment).
+        idle_s: how long a connection may go without a complete request (from connecting, or
+            since its last answer).
+        header_lines: the most header lines of a request (each at most 8 KiB, aiohttp's limit).
+        handshake_s: how long a TLS handshake may take.
+    """
+
+    connections: int = 128
+    idle_s: float = 30.0
+    header_lines: int = 32
+    handshake_s: float = 10.0
+
+
+#: The limits a dashboard is made with unless told others.
+LIMITS = HttpLimits()
+
+
+class _Gate(asyncio.Protocol):
+    """Keeps at most ``limit`` connections open; a new one closes the oldest to make room.
+
+    The oldest rather than the newest: a page's request is answered within moments of its
+    connection, so a crowd of slow clients cannot keep readers out unless it is renewed faster
+    than that. Counted once connected (after TLS's handshake, which ``handshake_s`` bounds): a
+    handshake that fails never reports its end to the protocol it wraps.
+    """
+
+    def __init__(
+        self,
+        handlers: Callable[[], Any],
+        open_: dict[_Gate, None],
+        limit: int,
+        refusals: RefusalLog,
+    ) -> None:
+        self._handlers = handlers
+        self._handler: Any = None  # aiohttp's, made once connected
+        self._transport: asyncio.Transport | None = None
+        self._open = open_
+        self._limit = limit
+        self._refusals = refusals
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        if len(self._open) >= self._limit:
+            oldest = next(iter(self._open))
+            del self._open[oldest]
+            assert oldest._transport is not None  # set before it joined
+            peer = oldest._transport.get_extra_info("peername")
+            self._refusals.refused("the oldest dashboard connection", peer, f"{self._limit} open")
+            oldest._transport.abort()
+        self._open[self] = None
+        self._transport = transport
+        self._handler = self._handlers()
+        self._handler.connection_made(transport)
+
+    def data_received(self, data: bytes) -> None:
+        self._handler.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        return self._handler.eof_received()
+
+    def pause_writing(self) -> None:
+        self._handler.pause_writing()
+
+    def resume_writing(self) -> None:
+        self._handler.resume_writing()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._open.pop(self, None)
+        if self._handler is not None:
+            self._handler.connection_lost(exc)
 
 
 def kill_replica(address: str, message: str) -> None:
@@ -70,6 +157,7 @@ class DashboardServer:
         static_dir: where the page's files are (default: the installed ones).
         metrics_auth: ``/metrics`` needs the token too (``TORCHHEAL_METRICS_AUTH``).
         ssl_context: serve HTTPS with this context (``rpc.tls.server_ssl_context``); None: HTTP.
+        limits: what clients may make it hold (default: :data:`LIMITS`).
 
     Raises:
         RuntimeError: the port could not be bound.
@@ -86,7 +174,9 @@ class DashboardServer:
         static_dir: Path = STATIC_DIR,
         metrics_auth: bool = False,
         ssl_context: ssl.SSLContext | None = None,
+        limits: HttpLimits | None = None,
     ) -> None:
+        self.limits = LIMITS if limits is None else limits
         self.app = DashboardApp(
             lighthouse.status,
             recorder,
@@ -102,6 +192,8 @@ class DashboardServer:
         self._loop = asyncio.new_event_loop()
         self._stopped = threading.Event()
         self._runner: web.AppRunner | None = None
+        self._listener: asyncio.AbstractServer | None = None
+        self._open: dict[_Gate, None] = {}  # an ordered set: the oldest first
         ready: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._thread = threading.Thread(
             target=self._run, args=(sock, ready), name="torchheal-dashboard", daemon=True
@@ -149,6 +241,8 @@ class DashboardServer:
         try:
             self._loop.run_forever()
         finally:
+            if self._listener is not None:
+                self._listener.close()
             if self._runner is not None:
                 self._loop.run_until_complete(self._runner.cleanup())
             for task in asyncio.all_tasks(self._loop):
@@ -157,11 +251,26 @@ class DashboardServer:
             self._loop.close()
 
     async def _start(self, sock: socket.socket) -> None:
+        limits = self.limits
         runner = web.AppRunner(
-            self.app.build(), access_log=None, handle_signals=False, shutdown_timeout=1.0
+            self.app.build(),
+            access_log=None,
+            handle_signals=False,
+            shutdown_timeout=1.0,
+            keepalive_timeout=limits.idle_s,
+            max_headers=limits.header_lines,
         )
         await runner.setup()
-        await web.SockSite(runner, sock, ssl_context=self._ssl).start()
+        handlers = runner.server
+        assert handlers is not None
+        refusals = RefusalLog(logger)
+        # Served through the gate rather than a ``web.SockSite``, which has no connection cap.
+        self._listener = await asyncio.get_running_loop().create_server(
+            lambda: _Gate(handlers, self._open, limits.connections, refusals),
+            sock=sock,
+            ssl=self._ssl,
+            ssl_handshake_timeout=limits.handshake_s if self._ssl is not None else None,
+        )
         self._runner = runner
         self._loop.create_task(self._sync_forever())
 

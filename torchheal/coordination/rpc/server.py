@@ -46,11 +46,18 @@ T = TypeVar("T")
 # Servers accept the clients' idle keep-alive pings (the default would answer them with
 # GOAWAY "too_many_pings") and refuse to share a port: gRPC sets SO_REUSEPORT by default on
 # Linux, which would let a second server "bind" a port that is already taken.
+#
+# A connection that has not finished its handshake (TLS, HTTP/2 preface) within 10 s, or that
+# carries no call for a minute, is closed (gRPC's defaults: 120 s, and never): otherwise anyone
+# who reaches the port, token or not, keeps connections open by saying nothing. A client whose
+# channel was closed idle reconnects on its next call.
 SERVER_OPTIONS: list[tuple[str, Any]] = [
     ("grpc.so_reuseport", 0),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
     ("grpc.http2.max_ping_strikes", 0),
+    ("grpc.server_handshake_timeout_ms", 10_000),
+    ("grpc.max_connection_idle_ms", 60_000),
 ]
 
 
