@@ -26,7 +26,7 @@ from torchheal._wire import session_pb2 as spb
 from torchheal._wire import torchft_pb2 as pb
 from torchheal.coordination import LighthouseServer, ManagerServer
 from torchheal.coordination.client import ManagerClient
-from torchheal.coordination.types import QuorumAsk
+from torchheal.coordination.types import Notice, NoticeKind, QuorumAsk
 
 LONG = timedelta(seconds=30)
 
@@ -125,7 +125,7 @@ def test_a_killed_group_is_gone_at_once_and_its_peers_are_told(
     lighthouse = make_lighthouse(heartbeat_timeout_ms=60_000)
     survivor = make_manager(loopback(lighthouse), replica_id="a:1")
     notices: queue.Queue = queue.Queue()
-    survivor.add_lost_listener(lambda *notice: notices.put(notice))
+    survivor.add_lost_listener(notices.put)
     victim = members(loopback(lighthouse), "b:1")
     assert victim.session_mode
 
@@ -135,7 +135,7 @@ def test_a_killed_group_is_gone_at_once_and_its_peers_are_told(
     assert victim.answer() == (1, 2)
 
     victim.proc.kill()
-    assert notices.get(timeout=20) == ("b:1", 1, "connection ended", False, False)
+    assert notices.get(timeout=20) == Notice(NoticeKind.LOST, "b:1", 1, "connection ended")
     alone = _quorum(survivor, 6).join()
     assert (alone.quorum_id, alone.replica_world_size) == (2, 1)
 
@@ -144,7 +144,7 @@ def test_a_frozen_group_is_lost_when_its_heartbeat_expires(make_lighthouse, make
     lighthouse = make_lighthouse(heartbeat_timeout_ms=1000)
     survivor = make_manager(loopback(lighthouse), replica_id="a:1")
     notices: queue.Queue = queue.Queue()
-    survivor.add_lost_listener(lambda *notice: notices.put(notice))
+    survivor.add_lost_listener(notices.put)
     frozen = members(loopback(lighthouse), "b:1")
     pending = _quorum(survivor, 5)
     frozen.ask(5)
@@ -153,7 +153,7 @@ def test_a_frozen_group_is_lost_when_its_heartbeat_expires(make_lighthouse, make
 
     frozen.proc.send_signal(signal.SIGSTOP)
     # Its session stays open (the kernel keeps the connection); its heartbeats stop.
-    assert notices.get(timeout=20) == ("b:1", 1, "heartbeat expired", False, False)
+    assert notices.get(timeout=20) == Notice(NoticeKind.LOST, "b:1", 1, "heartbeat expired")
     assert _quorum(survivor, 6).join().replica_world_size == 1
     frozen.proc.send_signal(signal.SIGCONT)
 
@@ -163,11 +163,11 @@ def test_a_group_that_shuts_down_says_goodbye(make_lighthouse, make_manager):
     a = make_manager(loopback(lighthouse), replica_id="a:1")
     b = make_manager(loopback(lighthouse), replica_id="b:1")
     notices: queue.Queue = queue.Queue()
-    a.add_lost_listener(lambda *notice: notices.put(notice))
+    a.add_lost_listener(notices.put)
     ra, rb = _quorum(a, 1), _quorum(b, 1)
     ra.join(), rb.join()
     b.shutdown()
-    assert notices.get(timeout=20) == ("b:1", 1, "left: shutdown", False, False)
+    assert notices.get(timeout=20) == Notice(NoticeKind.LOST, "b:1", 1, "left: shutdown")
     assert _quorum(a, 2).join().replica_world_size == 1
 
 
@@ -371,13 +371,13 @@ def test_sessions_travel_on_the_direct_lane_else_the_grpc_stream(
     survivor = make_manager(loopback(lighthouse), replica_id="a:1")
     assert survivor.session_mode and survivor._link.direct == (lane == "direct")
     notices: queue.Queue = queue.Queue()
-    survivor.add_lost_listener(lambda *notice: notices.put(notice))
+    survivor.add_lost_listener(notices.put)
     victim = members(loopback(lighthouse), "b:1")
     pending = _quorum(survivor, 5)
     victim.ask(5)
     assert pending.join().replica_world_size == 2
     victim.proc.kill()
-    assert notices.get(timeout=20) == ("b:1", 1, "connection ended", False, False)
+    assert notices.get(timeout=20) == Notice(NoticeKind.LOST, "b:1", 1, "connection ended")
     assert _quorum(survivor, 6).join().replica_world_size == 1
 
 
@@ -389,7 +389,7 @@ def _in_quorum_1(
     servers = {rid: make_manager(loopback(lighthouse), replica_id=f"{rid}:1") for rid in names}
     heard: dict[str, queue.Queue] = {rid: queue.Queue() for rid in servers}
     for rid, server in servers.items():
-        server.add_lost_listener(lambda *notice, q=heard[rid]: q.put(notice))
+        server.add_lost_listener(heard[rid].put)
     first = [_quorum(server, 5) for server in servers.values()]
     assert {r.join().quorum_id for r in first} == {1}
     return servers, heard
@@ -407,9 +407,9 @@ def test_a_live_group_left_out_of_a_newer_quorum_is_told_and_no_one_else(
 
     ra, rb = _quorum(servers["a"], 6), _quorum(servers["b"], 6)
     assert (ra.join().quorum_id, rb.join().replica_world_size) == (2, 2)
-    replica_id, quorum_id, reason, gave_up, superseded = heard["c"].get(timeout=20)
-    assert (replica_id, quorum_id, gave_up, superseded) == ("c:1", 1, False, True)
-    assert reason.startswith("not in quorum 2")
+    notice = heard["c"].get(timeout=20)
+    assert (notice.kind, notice.replica_id, notice.quorum_id) == (NoticeKind.SUPERSEDED, "c:1", 1)
+    assert notice.reason.startswith("not in quorum 2")
     # Only a build of quorum 1 is abandoned: its vote is not doubted (it commits such a step
     # as its peers did, as before the notice).
     assert servers["c"]._doubt() is None
@@ -438,12 +438,9 @@ def test_a_group_that_gives_up_a_build_is_announced_without_a_doubt_of_its_vote(
 
     servers["b"].report_gave_up(7, "not the latest quorum: ignored")
     servers["b"].report_gave_up(1, "ConnectionResetError: the store went away")
-    replica_id, quorum_id, reason, gave_up, superseded = heard["a"].get(timeout=20)
-    assert (replica_id, quorum_id, gave_up, superseded) == ("b:1", 1, True, False)
-    assert reason == (
-        "gave up building its process group: ConnectionResetError: the store went away"
-    )
-    assert heard["b"].get(timeout=20) == (replica_id, quorum_id, reason, True, False)
+    reason = "gave up building its process group: ConnectionResetError: the store went away"
+    assert heard["a"].get(timeout=20) == Notice(NoticeKind.LOST, "b:1", 1, reason, gave_up=True)
+    assert heard["b"].get(timeout=20) == Notice(NoticeKind.GAVE_UP, "b:1", 1, reason, gave_up=True)
     assert servers["b"]._doubt() is None
     # Both ask again and train on together.
     ra, rb = _quorum(servers["a"], 5), _quorum(servers["b"], 5)
@@ -458,7 +455,7 @@ def test_a_rank_other_than_0_reports_a_build_it_gave_up_through_its_server(
     a = make_manager(loopback(lighthouse), replica_id="a:1")
     b = make_manager(loopback(lighthouse), replica_id="b:1", world_size=2)
     notices: queue.Queue = queue.Queue()
-    a.add_lost_listener(lambda *notice: notices.put(notice))
+    a.add_lost_listener(notices.put)
     ra = _quorum(a, 3)
     rb = [Background(lambda r=r: b.quorum_in_process(_ask(r, 3, LONG))) for r in (0, 1)]
     assert ra.join().quorum_id == 1 and {r.join().quorum_id for r in rb} == {1}
@@ -470,10 +467,10 @@ def test_a_rank_other_than_0_reports_a_build_it_gave_up_through_its_server(
         client._gave_up(1, "RuntimeError: rank 1's own failure", timedelta(seconds=10))
     finally:
         client.close()
-    assert notices.get(timeout=20) == (
+    assert notices.get(timeout=20) == Notice(
+        NoticeKind.LOST,
         "b:1",
         1,
         "gave up building its process group: RuntimeError: rank 1's own failure",
-        True,
-        False,
+        gave_up=True,
     )

@@ -9,7 +9,7 @@ says so, the Manager now ends what is pending in that quorum and aborts the grou
 
 The collectives here never complete on their own (``PendingGroup``: the state of a woken Gloo
 receive that nothing wakes), so only the notice can end them. The notice is delivered as the
-manager server delivers it (``_on_member_lost``, the listener it calls for each notice); its
+manager server delivers it (``_on_notice``, the listener it calls for each notice); its
 way from the lighthouse is covered by ``tests/coordination_io/test_session.py``.
 """
 
@@ -26,6 +26,7 @@ import torch
 
 from tests.cluster import lighthouse, replica
 from tests.manager.twins import PendingGroup
+from torchheal.coordination.types import Notice, NoticeKind
 from torchheal.manager.failfast import DroppedError
 
 pytestmark = pytest.mark.timeout(60)
@@ -44,7 +45,8 @@ def _lands_and_commits(m, pg: PendingGroup, fut, value: float) -> None:  # type:
 
 def _notice(m, quorum_id: int, reason: str = "heartbeat expired", superseded: bool = False):  # type: ignore[no-untyped-def]
     """What the manager server calls when the lighthouse says this group was dropped."""
-    m._on_member_lost(m._full_replica_id, quorum_id, reason, False, superseded)
+    kind = NoticeKind.SUPERSEDED if superseded else NoticeKind.DROPPED
+    m._on_notice(Notice(kind, m._full_replica_id, quorum_id, reason))
 
 
 @contextmanager
@@ -163,7 +165,7 @@ def test_a_lost_peer_ends_collectives_its_abort_did_not_wake() -> None:
         assert lost in m._connected.members
         bucket = torch.full((3,), 2.0)
         fut = m.allreduce(bucket).as_future()
-        m._on_member_lost(lost, quorum_id, "connection ended", False, False)
+        m._on_notice(Notice(NoticeKind.LOST, lost, quorum_id, "connection ended"))
         assert fut.wait() is bucket
         assert f"{lost} of quorum {quorum_id} is lost (connection ended)" in str(m.errored())
         assert not isinstance(m.errored().original_exception, DroppedError)

@@ -13,8 +13,11 @@ from typing import Any, TypeVar
 
 from google.protobuf import timestamp_pb2
 
+from torchheal._wire import session_pb2 as spb
 from torchheal._wire import torchft_pb2 as pb
 from torchheal.coordination.types import (
+    Notice,
+    NoticeKind,
     Quorum,
     QuorumAsk,
     QuorumMember,
@@ -27,6 +30,7 @@ __all__ = [
     "data_to_wire",
     "member_from_pb",
     "member_to_pb",
+    "notice_from_pb",
     "quorum_ask_from_pb",
     "quorum_ask_to_pb",
     "quorum_from_pb",
@@ -300,3 +304,21 @@ def quorum_ask_from_pb(msg: pb.ManagerQuorumRequest, timeout: timedelta) -> Quor
         commit_failures=msg.commit_failures,
         timeout=timeout,
     )
+
+
+def notice_from_pb(lost: spb.MemberLost, own_replica_id: str) -> Notice:
+    """The one decoding of a lighthouse's ``MemberLost`` notice, as heard by group ``own_replica_id``.
+
+    Args:
+        lost: the notice as received.
+        own_replica_id: the full id of the group that heard it.
+    """
+    if lost.replica_id != own_replica_id:
+        kind = NoticeKind.LOST
+    elif lost.gave_up:
+        kind = NoticeKind.GAVE_UP
+    elif lost.superseded_by:
+        kind = NoticeKind.SUPERSEDED
+    else:
+        kind = NoticeKind.DROPPED
+    return Notice(kind, lost.replica_id, lost.quorum_id, lost.reason, bool(lost.gave_up))

@@ -14,16 +14,12 @@ import logging
 from collections.abc import AsyncIterator, Callable
 
 from torchheal._wire import session_pb2 as spb
+from torchheal.coordination import convert
+from torchheal.coordination.types import Notice, NoticeKind
 
-__all__ = ["NoticeFanout", "listener_args"]
+__all__ = ["NoticeFanout"]
 
 logger: logging.Logger = logging.getLogger("torchheal.coordination.manager_server.notices")
-
-
-def listener_args(lost: spb.MemberLost) -> tuple[str, int, str, bool, bool]:
-    """What a lost-member listener is called with: ``(replica_id, quorum_id, reason, gave_up,
-    superseded)``."""
-    return lost.replica_id, lost.quorum_id, lost.reason, lost.gave_up, bool(lost.superseded_by)
 
 
 class NoticeFanout:
@@ -38,27 +34,26 @@ class NoticeFanout:
         self._replica_id = replica_id
         self._prefix = log_prefix
         self._watchers: set[asyncio.Queue[bytes]] = set()
-        self._listeners: list[Callable[[str, int, str, bool, bool], None]] = []
+        self._listeners: list[Callable[[Notice], None]] = []
 
-    def add_listener(self, listener: Callable[[str, int, str, bool, bool], None]) -> None:
-        """Also call ``listener(replica_id, quorum_id, reason, gave_up, superseded)`` for every
-        notice (on the loop thread; ``gave_up``: the group gave that quorum's build up, it is
-        not gone; ``superseded``: about this group, left out of a newer quorum while still at
-        work in this one, not dropped)."""
+    def add_listener(self, listener: Callable[[Notice], None]) -> None:
+        """Also call ``listener(notice)`` for every notice (on the loop thread), decoded as this
+        group hears it (``convert.notice_from_pb``)."""
         self._listeners.append(listener)
 
     def forward(self, lost: spb.MemberLost) -> None:
         """The lighthouse says a group of quorum ``lost.quorum_id`` is gone: tell every rank."""
-        if lost.replica_id == self._replica_id and lost.gave_up:
+        notice = convert.notice_from_pb(lost, self._replica_id)
+        if notice.kind is NoticeKind.GAVE_UP:
             # A rank of ours gave that quorum's build up: every rank ends its build or group
             # for that quorum (the peers end theirs).
             logger.warning(
                 "%s lighthouse: this group gave up building quorum %d (%s)",
                 self._prefix,
-                lost.quorum_id,
-                lost.reason,
+                notice.quorum_id,
+                notice.reason,
             )
-        elif lost.replica_id == self._replica_id:
+        elif notice.kind is not NoticeKind.LOST:
             # About ourselves: the lighthouse dropped this group (it was frozen past its
             # heartbeat timeout, or it issued a newer quorum without it while it was still at
             # work in this one); the link made a freeze a doubt of the vote (standing.py). The
@@ -68,26 +63,26 @@ class NoticeFanout:
             logger.warning(
                 "%s lighthouse: this group was dropped from quorum %d (%s)",
                 self._prefix,
-                lost.quorum_id,
-                lost.reason,
+                notice.quorum_id,
+                notice.reason,
             )
         else:
             # A group that said goodbye finished its job (INFO, as the lighthouse logs it); one
             # that vanished is a failure (WARNING).
             logger.log(
-                logging.INFO if lost.reason.startswith("left") else logging.WARNING,
+                logging.INFO if notice.reason.startswith("left") else logging.WARNING,
                 "%s lighthouse: replica %s of quorum %d is lost (%s)",
                 self._prefix,
-                lost.replica_id,
-                lost.quorum_id,
-                lost.reason,
+                notice.replica_id,
+                notice.quorum_id,
+                notice.reason,
             )
-        notice = spb.Notice(lost=lost).SerializeToString()
+        wire = spb.Notice(lost=lost).SerializeToString()
         for queue in list(self._watchers):
-            queue.put_nowait(notice)
+            queue.put_nowait(wire)
         for listener in list(self._listeners):
             try:
-                listener(*listener_args(lost))
+                listener(notice)
             except Exception:
                 logger.exception("%s a lost-member listener failed", self._prefix)
 

@@ -79,7 +79,7 @@ from torchheal.coordination.rpc.addresses import format_target, parse_address
 from torchheal.coordination.rpc.errors import StatusError, status_error
 from torchheal.coordination.rpc.in_process import IN_PROCESS_GRACE_S, InProcessCaller
 from torchheal.coordination.rpc.server import AioServerThread, unary_handler, unary_stream_handler
-from torchheal.coordination.types import Quorum, QuorumAsk, QuorumMember, QuorumResult
+from torchheal.coordination.types import Notice, Quorum, QuorumAsk, QuorumMember, QuorumResult
 
 __all__ = ["ManagerServer"]
 
@@ -249,14 +249,13 @@ class ManagerServer:
         link = self._link
         return bool(link is not None and link.joined_running)
 
-    def add_lost_listener(self, listener: Callable[[str, int, str, bool, bool], None]) -> None:
+    def add_lost_listener(self, listener: Callable[[Notice], None]) -> None:
         """Also tell ``listener`` about lost members (for a rank living in this process).
 
         Args:
-            listener: called as ``listener(replica_id, quorum_id, reason, gave_up,
-                superseded)`` on the server's event-loop thread, so it must be quick and
-                thread-safe (``gave_up``: the group gave that quorum's build up, it is not
-                gone; ``superseded``: this group was left out of a newer quorum, not dropped).
+            listener: called with each :class:`~torchheal.coordination.types.Notice` as this
+                group hears it, on the server's event-loop thread, so it must be quick and
+                thread-safe.
         """
 
         async def add() -> None:

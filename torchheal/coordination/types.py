@@ -7,6 +7,7 @@ from the wire lives in `convert.py`.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -134,3 +135,38 @@ class QuorumResult:
     heal: bool = False
     commit_failures: int = 0
     replica_ids: list[str] = field(default_factory=list)
+
+
+class NoticeKind(enum.Enum):
+    """What a lighthouse notice about a member of a quorum says (``MemberLost`` on the wire)."""
+
+    #: Another group of the quorum is gone (its session ended, its heartbeat expired), or gave
+    #: up building the quorum's process group: nothing waited on from it in that quorum comes.
+    LOST = "lost"
+    #: This group (one of its ranks) gave up building the quorum's process group.
+    GAVE_UP = "gave_up"
+    #: This group was dropped from the quorum (frozen past its heartbeat timeout, or its
+    #: session ended): its peers may have trained the step again without it.
+    DROPPED = "dropped"
+    #: This group was left out of a newer quorum while still at work in this one: its peers
+    #: went on, after completing this quorum's collectives with it.
+    SUPERSEDED = "superseded"
+
+
+@dataclass(frozen=True)
+class Notice:
+    """A lighthouse notice as a group's ranks act on it, decoded once (``convert.notice_from_pb``).
+
+    Args:
+        kind: what it says (see :class:`NoticeKind`).
+        replica_id: the group it is about.
+        quorum_id: the quorum it is about.
+        reason: why, for the logs.
+        gave_up: (``LOST``) the group gave up building the quorum's process group; it is alive.
+    """
+
+    kind: NoticeKind
+    replica_id: str
+    quorum_id: int
+    reason: str
+    gave_up: bool = False

@@ -23,10 +23,10 @@ from datetime import timedelta
 from torch.distributed import TCPStore
 
 from torchheal.coordination.client import ManagerClient
-from torchheal.coordination.manager_notices import listener_args
+from torchheal.coordination.convert import notice_from_pb
 from torchheal.coordination.manager_server import ManagerServer
 from torchheal.coordination.rpc.addresses import format_target
-from torchheal.coordination.types import QuorumAsk, QuorumResult
+from torchheal.coordination.types import Notice, QuorumAsk, QuorumResult
 from torchheal.process_group.store import connect_store
 
 __all__ = ["MANAGER_ADDR_KEY", "REPLICA_ID_KEY", "GroupEndpoints", "open_endpoints"]
@@ -139,12 +139,9 @@ class GroupEndpoints:
         except Exception as e:
             logger.warning(f"could not report the build of quorum {quorum_id} given up: {e}")
 
-    def watch_lost(
-        self, group_rank: int, listener: Callable[[str, int, str, bool, bool], None]
-    ) -> None:
-        """Calls ``listener(replica_id, quorum_id, reason, gave_up, superseded)`` for every
-        lost-member notice (``gave_up``: the group gave that quorum's build up, it is not gone;
-        ``superseded``: this group was left out of a newer quorum, not dropped).
+    def watch_lost(self, group_rank: int, listener: Callable[[Notice], None]) -> None:
+        """Calls ``listener(notice)`` for every lost-member notice, decoded as this group hears
+        it (``convert.notice_from_pb``).
 
         The lighthouse sends a notice when a group of the current quorum is gone (its session
         ended, or its heartbeat expired). Group rank 0 hears it in-process from its server;
@@ -163,7 +160,7 @@ class GroupEndpoints:
             while not self._closed.is_set():
                 try:
                     for lost in self.client._watch(group_rank):
-                        listener(*listener_args(lost))
+                        listener(notice_from_pb(lost, self.replica_id))
                 except Exception as e:
                     if self._closed.is_set():
                         return

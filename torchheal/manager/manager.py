@@ -41,6 +41,7 @@ from torch.distributed import ReduceOp
 from torchheal._base import config
 from torchheal.checkpointing import CheckpointTransport, HTTPTransport
 from torchheal.coordination.plan import Participation, WorldSizeMode
+from torchheal.coordination.types import Notice, NoticeKind
 from torchheal.coordination.vote import local_vote, retry_limit_error
 from torchheal.futures import Expiry, timed_then
 from torchheal.manager.allreduce import IS_TRITON_AVAILABLE, averaging, start_allreduce
@@ -224,22 +225,22 @@ class Manager:
         # This step's contributors, as seen from this replica; None before the first quorum.
         self._participation: Participation | None = None
         self._worker.guard_builds(self._connected.building)
-        self._endpoints.watch_lost(self._group_rank, self._on_member_lost)
+        self._endpoints.watch_lost(self._group_rank, self._on_notice)
 
-    def _on_member_lost(
-        self, replica_id: str, quorum_id: int, reason: str, gave_up: bool, superseded: bool
-    ) -> None:
-        """A lost-member notice: abort what waits on that group (collectives, a receive)."""
-        if replica_id == self._full_replica_id:
-            if gave_up:
-                # A rank of ours gave that build up: ours for that quorum, built or not, will
-                # never run with it (the peers abandon theirs too).
-                self._connected.on_member_lost(replica_id, quorum_id, reason)
-            else:
-                self._connected.on_dropped(replica_id, quorum_id, reason, superseded)
+    def _on_notice(self, notice: Notice) -> None:
+        """What a lighthouse notice does (the one place): stop waiting on what it ends."""
+        kind = notice.kind
+        if kind is NoticeKind.DROPPED or kind is NoticeKind.SUPERSEDED:
+            self._connected.on_dropped(
+                notice.replica_id, notice.quorum_id, notice.reason, kind is NoticeKind.SUPERSEDED
+            )
             return
-        self._recovery.on_member_lost(replica_id, quorum_id, reason)  # a socket shutdown
-        self._connected.on_member_lost(replica_id, quorum_id, reason)
+        if kind is NoticeKind.LOST:
+            # A heal from that group ends at once (a socket shutdown).
+            self._recovery.on_member_lost(notice.replica_id, notice.quorum_id, notice.reason)
+        # Lost, or a rank of ours gave that build up: ours for that quorum, built or not, will
+        # never run with the others (they abandon theirs too).
+        self._connected.on_member_lost(notice.replica_id, notice.quorum_id, notice.reason)
 
     # -- test-visible attributes of the reference (§2.2), kept as views of the parts ----------
 
