@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from torchheal.coordination.vote import CommitVote, Decision, StaleVoteError
+from torchheal.coordination.vote import Ballot, CommitVote, Decision, StaleVoteError, ballot
 
 
 def test_should_commit_all_true() -> None:
@@ -178,3 +178,17 @@ def test_only_a_commit_just_decided_is_overruled() -> None:
     with pytest.raises(RuntimeError, match="only a commit decision"):
         votes.overrule("why")  # the next round has opened
     assert votes.step == 1
+
+
+def test_a_ballot_votes_on_the_step_its_group_healed_to_until_the_counters_get_there() -> None:
+    yes = dict(num_participants=2, min_replica_size=1, errored=False)
+    assert ballot(step=5, heal_target=0, **yes) == Ballot(True, 5, 0)
+    assert ballot(step=5, heal_target=0, num_participants=1, min_replica_size=2, errored=False) == (
+        Ballot(False, 5, 0)
+    )
+    assert ballot(step=5, heal_target=0, num_participants=2, min_replica_size=1, errored=True) == (
+        Ballot(False, 5, 0)
+    )
+    # A heal to 7 failed on this rank: it votes no on 7, its group's step, until it gets there.
+    assert ballot(step=5, heal_target=7, **yes) == Ballot(False, 7, 7)
+    assert ballot(step=7, heal_target=7, **yes) == Ballot(True, 7, 0)

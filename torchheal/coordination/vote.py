@@ -1,6 +1,7 @@
 """The per-step commit decision of one replica group, as plain data (reference §5, §6.7).
 
-Each rank's own vote (:func:`local_vote`), the group's barrier over those votes
+Each rank's own vote (:func:`local_vote`, and :func:`ballot`: the step it votes on), the group's
+barrier over those votes
 (:class:`CommitVote`) and the limit on consecutive failed commits (:func:`retry_limit_error`)
 live here. Every rank of a replica group votes once per step whether its step went well; the
 group commits only if nobody voted no. :class:`CommitVote` collects ``(group_rank, step, vote)`` and hands back a
@@ -16,7 +17,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["CommitVote", "Decision", "StaleVoteError", "local_vote", "retry_limit_error"]
+__all__ = [
+    "Ballot",
+    "CommitVote",
+    "Decision",
+    "StaleVoteError",
+    "ballot",
+    "local_vote",
+    "retry_limit_error",
+]
 
 
 def local_vote(num_participants: int, min_replica_size: int, errored: bool) -> bool:
@@ -30,6 +39,46 @@ def local_vote(num_participants: int, min_replica_size: int, errored: bool) -> b
     if errored:
         return False
     return num_participants >= min_replica_size
+
+
+@dataclass(frozen=True)
+class Ballot:
+    """One rank's vote on its step (:func:`ballot`).
+
+    Args:
+        vote: yes or no.
+        step: the step voted on.
+        heal_target: the step of a heal the rank's counters have not reached yet (0: none),
+            kept for its next vote.
+    """
+
+    vote: bool
+    step: int
+    heal_target: int
+
+
+def ballot(
+    *, step: int, heal_target: int, num_participants: int, min_replica_size: int, errored: bool
+) -> Ballot:
+    """One rank's vote on its step: :func:`local_vote`, on the step its group healed to.
+
+    A heal that failed on this rank leaves its counters at the step they had, while the
+    group's other ranks may have healed to the quorum's step (``heal_target``). The rank votes
+    no on that step, and on no lower one after it, until a heal or commits bring its counters
+    there: a vote for another step than its peers' would be refused as stale, and the group,
+    seen at its lowest rank's step, heals again.
+
+    Args:
+        step: the rank's step counter.
+        heal_target: the step of a heal it was part of (0: none).
+        num_participants: replicas that contributed to this step.
+        min_replica_size: the fewest with which a step may commit.
+        errored: whether anything failed on this rank during the step.
+    """
+    if step >= heal_target:
+        # Reached: a later rollback of the counters is the user's.
+        return Ballot(local_vote(num_participants, min_replica_size, errored), step, 0)
+    return Ballot(False, heal_target, heal_target)
 
 
 def retry_limit_error(commit_failures: int, max_retries: int | None) -> str | None:

@@ -44,6 +44,7 @@ from typing import Any, Protocol
 
 from torchheal.checkpointing.timeline import mark
 from torchheal.checkpointing.transport import TornCheckpointError
+from torchheal.coordination.vote import Ballot, ballot
 from torchheal.manager.log import ManagerLogger
 from torchheal.manager.quorum_worker import QuorumOutcome, Transfer
 
@@ -201,19 +202,25 @@ class HealStep:
         # The quorum's step, whatever step the sender's counters were captured at.
         self._host.load_state_dict({**self._host.state_dict(), "step": max_step})
 
-    def vote_step(self, step: int) -> int:
-        """The step this replica votes on, at ``step`` by its counters.
+    def ballot(
+        self, step: int, num_participants: int, min_replica_size: int, errored: bool
+    ) -> Ballot:
+        """This rank's vote on its step (``vote.ballot``), at ``step`` by its counters: after a
+        heal that failed here, on the step its group healed to. Keeps what the vote leaves of
+        the heal's target."""
+        choice = ballot(
+            step=step,
+            heal_target=self.heal_target,
+            num_participants=num_participants,
+            min_replica_size=min_replica_size,
+            errored=errored,
+        )
+        self.heal_target = choice.heal_target
+        return choice
 
-        A heal that failed here leaves the counters at the step they had, while the group's
-        other ranks may have healed to the quorum's step. Every rank of the group votes on that
-        step then (a vote for another step than its peers' would be refused as stale), and on no
-        lower one after it, until a heal or commits bring the counters there: the step fails,
-        and the group, seen at its lowest rank's step, heals again.
-        """
-        if step >= self.heal_target:
-            self.heal_target = 0  # reached: a later rollback of the counters is the user's
-            return step
-        return self.heal_target
+    def vote_step(self, step: int) -> int:
+        """The step this replica votes on, at ``step`` by its counters (see :meth:`ballot`)."""
+        return self.ballot(step, 0, 0, False).step
 
     def settle(self) -> None:
         """Training thread: waits for the transfer that ran beside the step's collectives.

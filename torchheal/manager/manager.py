@@ -42,7 +42,7 @@ from torchheal._base import config
 from torchheal.checkpointing import CheckpointTransport, HTTPTransport
 from torchheal.coordination.plan import Participation, WorldSizeMode
 from torchheal.coordination.types import Notice, NoticeKind
-from torchheal.coordination.vote import local_vote, retry_limit_error
+from torchheal.coordination.vote import retry_limit_error
 from torchheal.futures import Expiry, timed_then
 from torchheal.manager.allreduce import IS_TRITON_AVAILABLE, averaging, start_allreduce
 from torchheal.manager.build import build_parts, copies_state
@@ -583,33 +583,40 @@ class Manager:
         if self._heal.end_warmup():
             return False  # the warm-up step is not voted on
         while True:
-            self._heal.settle()
-            self._heal.synchronize()
-            if torch.cuda.is_available():
-                torch.cuda.current_stream().synchronize()
-
-            pg_error = self._pg.errored()
-            if pg_error is not None:
-                self._fail_step(pg_error)
-            if self._healing:
-                self._apply_pending_state_dict()
-            self._heal.check_torn()
-
-            num_participants = self.num_participants()
-            errored = self._errored is not None
-            local = local_vote(num_participants, self._min_replica_size, errored)
+            self._settle_step()
+            choice = self._heal.ballot(
+                self._step,
+                self.num_participants(),
+                self._min_replica_size,
+                self._errored is not None,
+            )
             # A "no" that a redo would cure says so, and the group redoes the step only when
             # every rank's "no" does (a group of one rank: when its own does).
-            salvageable = not local and self._salvageable()
-            vote_step = self._heal.vote_step(self._step)
-            if vote_step != self._step and local:
-                local = False  # this rank's heal failed (its error should already say so)
+            salvageable = not choice.vote and self._salvageable()
             decision, redo = self._endpoints.vote(
-                self._group_rank, vote_step, local, timeout or self._timeout, salvageable
+                self._group_rank, choice.step, choice.vote, timeout or self._timeout, salvageable
             )
             if not redo or self._salvaged:
                 break
             self._redo_step(self._kept.take())
+        return self._conclude(decision, choice.vote)
+
+    def _settle_step(self) -> None:
+        """Before the vote: the heal's transfer, device work, errors, the heal's load."""
+        self._heal.settle()
+        self._heal.synchronize()
+        if torch.cuda.is_available():
+            torch.cuda.current_stream().synchronize()
+        pg_error = self._pg.errored()
+        if pg_error is not None:
+            self._fail_step(pg_error)
+        if self._healing:
+            self._apply_pending_state_dict()
+        self._heal.check_torn()
+
+    def _conclude(self, decision: bool, local: bool) -> bool:
+        """After the group's decision: the log, telemetry, the counters, the retry limit."""
+        num_participants = self.num_participants()
         # Every step, so a commit logs at DEBUG (formatted only when enabled); a skipped step at
         # INFO.
         self._logger.log(
@@ -619,7 +626,7 @@ class Manager:
             local,
             num_participants,
             self._min_replica_size,
-            errored,
+            self._errored is not None,
         )
         self._telemetry.committed(self._step, self._quorum_id, decision)
         if not copies_state(self._checkpoint_transport):
