@@ -452,15 +452,8 @@ def quorum_compute(
     holders = _live_holders_ahead(prev, candidates, healthy_replicas, healthy_participants)
     if holders:
         # Its stragglers include the holders, so the window's start is defined.
-        first_joined = _straggler_window_start(prev, healthy_participants)
-        # A holder with a live session is surely alive: waited for longer than one that
-        # only heartbeats (a reference peer, or a member whose session is reopening).
-        bound_s = (
-            LIVE_HOLDER_WAIT_S
-            if all(rid in state.sessions for rid in holders)
-            else heartbeat_timeout_s
-        )
-        if now - first_joined < max(bound_s, heartbeat_timeout_s) - _EPSILON_S:
+        bound_s = _wait_for_alive_s(state, holders, config)
+        if now - _straggler_window_start(prev, healthy_participants) < bound_s - _EPSILON_S:
             behind = max((member.step for member in candidates), default=0)
             prev_max = max(m.step for m in prev.participants)
             if behind < prev_max:
@@ -484,13 +477,8 @@ def quorum_compute(
     if lone and others:
         # A group whose history was superseded must heal from one that holds the current
         # one; if none asks yet, the quorum waits for the others (bounded as for holders).
-        first_joined = _straggler_window_start(prev, healthy_participants)
-        bound_s = (
-            LIVE_HOLDER_WAIT_S
-            if all(rid in state.sessions for rid in others)
-            else heartbeat_timeout_s
-        )
-        if now - first_joined < max(bound_s, heartbeat_timeout_s) - _EPSILON_S:
+        bound_s = _wait_for_alive_s(state, others, config)
+        if now - _straggler_window_start(prev, healthy_participants) < bound_s - _EPSILON_S:
             return None, (
                 f"New quorum not ready, {', '.join(lone)} committed a step that a later quorum "
                 f"trained again; waiting for {', '.join(others)} to heal from (waited for up "
@@ -676,6 +664,19 @@ def propose(
         quorum_id += 1
     members = tuple(_healing_if_superseded(state, candidates))
     return Quorum(quorum_id=quorum_id, participants=members, created=wall), reason
+
+
+def _wait_for_alive_s(state: LighthouseState, waited: list[str], config: LighthouseConfig) -> float:
+    """How long, from the round's start, members known alive but not asking are waited for.
+
+    A member with a live session is surely alive: it is waited for longer
+    (:data:`LIVE_HOLDER_WAIT_S`) than one that only heartbeats (a reference peer, or a member
+    whose session is reopening), which is waited for up to the heartbeat timeout.
+    """
+    heartbeat_timeout_s = config.heartbeat_timeout_ms / 1000.0
+    if all(rid in state.sessions for rid in waited):
+        return max(LIVE_HOLDER_WAIT_S, heartbeat_timeout_s)
+    return heartbeat_timeout_s
 
 
 def _sources(
