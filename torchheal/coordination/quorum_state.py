@@ -1,0 +1,362 @@
+"""The lighthouse's memory and the plain updates to it: who asked, who is alive, what was issued.
+
+Part of the pure quorum core (:mod:`torchheal.coordination.quorum` decides; this module holds the
+state it decides on and the events that change it: requests, heartbeats, sessions, restores,
+withdrawals). Nothing here does I/O, starts threads or reads a clock: ``now`` is a monotonic time
+in float seconds supplied by the caller. Import these names from ``quorum``, which re-exports them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torchheal.coordination.types import Quorum, QuorumMember
+
+__all__ = [
+    "GAVE_UP_REASON",
+    "LighthouseConfig",
+    "LighthouseState",
+    "forget_stale_heartbeats",
+    "heartbeat",
+    "join",
+    "left_out",
+    "lost_members",
+    "requeue",
+    "restore",
+    "session_ended",
+    "session_opened",
+    "superseded",
+    "withdraw",
+]
+
+
+@dataclass(frozen=True)
+class LighthouseConfig:
+    """Options of the quorum decision.
+
+    Args:
+        min_replicas: fewest replica groups a quorum may have outside the fast path (>= 1).
+        join_timeout_ms: how long to wait for heartbeating replicas that have not asked to join,
+            counted from the earliest healthy request of the round.
+        quorum_tick_ms: period of the server's background tick (kept here so one object carries
+            all lighthouse options; the pure core does not use it).
+        heartbeat_timeout_ms: a replica is healthy while its last heartbeat is younger than this.
+    """
+
+    min_replicas: int
+    join_timeout_ms: int = 100
+    quorum_tick_ms: int = 100
+    heartbeat_timeout_ms: int = 5000
+
+    def validate(self) -> None:
+        """Check every field; raise ``ValueError`` naming the first bad one.
+
+        Raises:
+            ValueError: ``min_replicas`` < 1 or a timeout that is not > 0.
+        """
+        value = self.min_replicas
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"min_replicas must be an integer >= 1, got {value!r}")
+        for name in ("join_timeout_ms", "quorum_tick_ms", "heartbeat_timeout_ms"):
+            value = getattr(self, name)
+            # bool is an int subclass; a flag passed by mistake is not a timeout.
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"{name} must be a number > 0, got {value!r}")
+
+
+@dataclass
+class LighthouseState:
+    """The lighthouse's whole memory; mutated only by the functions of this module.
+
+    Args:
+        participants: replica_id -> (joined_at, member) for requests waiting for a quorum.
+        heartbeats: replica_id -> monotonic time it was last seen.
+        prev_quorum: the last issued quorum, or None before the first.
+        quorum_id: id of the last issued quorum; 0 before the first, so the first is 1.
+        prev_quorum_at: monotonic time ``prev_quorum`` was issued (None before the first).
+        sessions: replicas with a live torchheal session: the lighthouse knows they are alive
+            for as long as it lasts, and that they are gone as soon as it ends.
+        restored: ``prev_quorum`` was learned (:func:`restore`), not issued by this lighthouse.
+        fresh_id: the next issued quorum must take a new id, whatever its membership: ids up
+            to ``quorum_id`` may be in use by quorums this lighthouse did not issue.
+        lineages: replica_id -> the id of the quorum in which the group last committed, as its
+            latest request said (torchheal groups; 0: not said).
+        redone: step -> the latest quorum id issued to train that step (its highest member
+            step): a group that committed the step in an older quorum holds a history that
+            was superseded (:func:`superseded`). The most recent :data:`REDONE_KEPT` steps.
+    """
+
+    participants: dict[str, tuple[float, QuorumMember]] = field(default_factory=dict)
+    heartbeats: dict[str, float] = field(default_factory=dict)
+    prev_quorum: Quorum | None = None
+    quorum_id: int = 0
+    prev_quorum_at: float | None = None
+    sessions: set[str] = field(default_factory=set)
+    restored: bool = False
+    fresh_id: bool = False
+    lineages: dict[str, int] = field(default_factory=dict)
+    redone: dict[int, int] = field(default_factory=dict)
+
+
+def heartbeat(state: LighthouseState, replica_id: str, now: float) -> None:
+    """Record that ``replica_id`` is alive at ``now``.
+
+    Args:
+        state: the lighthouse state to update.
+        replica_id: the replica group's full id.
+        now: monotonic time in seconds.
+    """
+    state.heartbeats[replica_id] = now
+
+
+def join(state: LighthouseState, member: QuorumMember, now: float, lineage: int = 0) -> None:
+    """Register a quorum request; it also counts as a heartbeat.
+
+    A second request from the same replica overwrites the first and resets its join time, as in
+    the reference (the newest step/commit_failures are what the replica reports now).
+
+    Args:
+        state: the lighthouse state to update.
+        member: the requester as it presents itself.
+        now: monotonic time in seconds.
+        lineage: the id of the quorum in which the group last committed (its session's
+            request says it; 0: unknown, as for a reference peer, which is never judged).
+    """
+    state.heartbeats[member.replica_id] = now
+    state.participants[member.replica_id] = (now, member)
+    state.lineages[member.replica_id] = lineage
+
+
+def superseded(state: LighthouseState, member: QuorumMember) -> bool:
+    """Whether ``member`` holds a commit that a later quorum trained again without it.
+
+    A group that committed step ``s`` in quorum ``q`` and was then declared lost (frozen past
+    the heartbeat timeout: a host stall, a pause that held the interpreter) may come back at
+    step ``s + 1`` after the others trained step ``s`` again in a newer quorum. Its step says
+    nothing wrong, and at an equal step nobody would heal: the groups would hold different
+    weights for the rest of the job (issue 40). Its history is known superseded when a quorum
+    newer than ``q`` was issued to train step ``s``. Only torchheal groups say in which quorum
+    they committed; a reference peer is never judged.
+    """
+    lineage = state.lineages.get(member.replica_id, 0)
+    return lineage > 0 and state.redone.get(member.step - 1, 0) > lineage
+
+
+def session_opened(state: LighthouseState, replica_id: str, now: float) -> None:
+    """A replica group opened a torchheal session (its Hello arrived); it counts as a heartbeat.
+
+    Args:
+        state: the lighthouse state to update.
+        replica_id: the group's full id.
+        now: monotonic time in seconds.
+    """
+    state.sessions.add(replica_id)
+    state.heartbeats[replica_id] = now
+
+
+def session_ended(state: LighthouseState, replica_id: str) -> bool:
+    """A replica group's session ended: the group is gone now, not when its heartbeat expires.
+
+    The end of the stream is the lighthouse's own evidence (the group's process died, or it left
+    and said so), never a peer's claim, so the split-brain guard stays sound: a group that is in
+    fact alive (a network blip) opens a new session, heartbeats again and rejoins at the next
+    round, healing if it fell behind. Its pending request, if any, is dropped.
+
+    Args:
+        state: the lighthouse state to update.
+        replica_id: the group's full id.
+
+    Returns:
+        Whether the group was a member of the last issued quorum (its peers must hear of it).
+    """
+    state.sessions.discard(replica_id)
+    state.heartbeats.pop(replica_id, None)
+    state.participants.pop(replica_id, None)
+    prev = state.prev_quorum
+    return prev is not None and any(m.replica_id == replica_id for m in prev.participants)
+
+
+def restore(state: LighthouseState, quorum: Quorum, now: float) -> bool:
+    """Learn of a quorum issued before this lighthouse (re)started; adopt it if it is newer.
+
+    A restarted lighthouse starts from nothing, while the groups still hold the quorum they got
+    from its previous life (each torchheal group reports its last one in its session's Hello; a
+    state file or etcd remembers it for groups that do not). Two rules keep a restart safe:
+
+    * **Ids never go backwards, and never repeat.** The next issued quorum takes an id above
+      every reported one, even with the same members: a group only rebuilds its process group
+      when the id changes, so an id it already holds must never name a different quorum.
+    * **The restored quorum is waited for as the last quorum would have been.** Its members
+      that have not come back yet count as heard from now, so the first quorum after the
+      restart is not issued to the first group that reconnects while the others are still
+      reopening their sessions: the split-brain guard and the straggler wait treat them as
+      they would have without the restart, until their heartbeat timeout (a member that died
+      with the lighthouse is then dropped, as it would have been).
+
+    A quorum with no members carries only an id: a group that restarted, with its lighthouse,
+    reports the last id its replica group's store records (the store still holds the process
+    groups' keys under ``/torchft/{id}/``, so no id it used may name a new quorum); only the
+    id moves.
+
+    A quorum older than the latest known one changes nothing (every ordinary reconnection
+    reports one): the lighthouse never adopts an older past. A newer one arriving after this
+    lighthouse already issued quorums (a group that was slow to reconnect) only moves the id.
+
+    Args:
+        state: the lighthouse state to update.
+        quorum: the reported quorum (its members as they were when it was issued).
+        now: monotonic time in seconds.
+
+    Returns:
+        Whether the quorum was newer than any known and was adopted.
+    """
+    if quorum.quorum_id <= state.quorum_id:
+        return False
+    state.quorum_id = quorum.quorum_id
+    state.fresh_id = True
+    if not quorum.participants:
+        # Only an id (a group that restarted too reports the last id its store records): it
+        # moves the id, but there is no membership to wait for.
+        return True
+    if state.prev_quorum is None or state.restored:
+        state.prev_quorum = quorum
+        state.prev_quorum_at = None
+        state.restored = True
+        for member in quorum.participants:
+            state.heartbeats.setdefault(member.replica_id, now)
+    return True
+
+
+def lost_members(state: LighthouseState, config: LighthouseConfig, now: float) -> list[str]:
+    """Members of the last issued quorum that are no longer healthy (gone, or heartbeat expired).
+
+    Args:
+        state: the lighthouse state.
+        config: the quorum options (the heartbeat timeout).
+        now: monotonic time in seconds.
+
+    Returns:
+        Their replica ids, sorted.
+    """
+    prev = state.prev_quorum
+    if prev is None:
+        return []
+    timeout_s = config.heartbeat_timeout_ms / 1000.0
+    lost = []
+    for member in prev.participants:
+        seen = state.heartbeats.get(member.replica_id)
+        if seen is None or now - seen >= timeout_s:
+            lost.append(member.replica_id)
+    return sorted(lost)
+
+
+#: How the reason of a ``MemberLost`` notice about a group that gave up building its quorum's
+#: process group (``SessionRequest.gave_up``) begins, for the logs; the notice says so in its
+#: ``gave_up`` field. The group is alive: its own ranks abort their group for that quorum like
+#: any other rank, and its vote needs no doubt (the rank that gave up votes no).
+GAVE_UP_REASON = "gave up building its process group"
+
+
+def left_out(state: LighthouseState, before: Quorum | None, issued: Quorum) -> list[str]:
+    """Members of ``before`` that ``issued`` left out while they are alive and not asking.
+
+    Such a member is still at work in ``before`` (a long step, or a process-group build that
+    waits for a peer's address), but its peers have left that quorum for ``issued``: nothing it
+    waits on there will ever complete, and without a word it would wait for its own timeout. A
+    member is alive while its torchheal session lasts; one that is asking (a request the issue
+    put back) already left ``before`` and will be answered the next quorum. A reference peer
+    has no session and is never told (the reference tells nobody anything).
+
+    Call it after ``issued`` was delivered (its left-out requesters put back).
+
+    Args:
+        state: the lighthouse state.
+        before: the quorum issued before ``issued`` (None: there was none).
+        issued: the quorum just issued.
+
+    Returns:
+        Their replica ids, sorted.
+    """
+    if before is None or before.quorum_id == issued.quorum_id:
+        return []
+    kept = {m.replica_id for m in issued.participants}
+    return sorted(
+        m.replica_id
+        for m in before.participants
+        if m.replica_id not in kept
+        and m.replica_id in state.sessions
+        and m.replica_id not in state.participants
+    )
+
+
+def requeue(state: LighthouseState, member: QuorumMember, joined_at: float) -> None:
+    """Put back a requester that an issued quorum left out, without counting a heartbeat.
+
+    The server calls this for each waiting request that was not in the quorum it received
+    (reference §4 step 3: "not in quorum, retrying"); the request keeps waiting for the next one.
+
+    Args:
+        state: the lighthouse state to update.
+        member: the waiting requester.
+        joined_at: the join time to record (the server passes the current time).
+    """
+    state.participants[member.replica_id] = (joined_at, member)
+
+
+def withdraw(state: LighthouseState, member: QuorumMember) -> bool:
+    """Take back a request that nobody waits for any more (its caller gave up or went away).
+
+    Only that very request is taken out: a newer request of the same replica stays.
+
+    Args:
+        state: the lighthouse state to update.
+        member: the request, as it was joined.
+
+    Returns:
+        Whether it was still waiting.
+    """
+    entry = state.participants.get(member.replica_id)
+    if entry is None or entry[1] is not member:
+        return False
+    del state.participants[member.replica_id]
+    return True
+
+
+def forget_stale_heartbeats(
+    state: LighthouseState,
+    now: float,
+    older_than_s: float,
+    *,
+    config: LighthouseConfig | None = None,
+) -> list[str]:
+    """Drop heartbeat entries at least ``older_than_s`` old, so the map stays bounded.
+
+    The reference never removes heartbeats, so a long-lived lighthouse grows without bound as
+    replicas come and go. A missing heartbeat and an expired one mean the same thing to
+    :func:`quorum_compute` (not healthy), so dropping entries older than the heartbeat timeout
+    changes no decision. The caller must therefore pass ``older_than_s`` >= the heartbeat
+    timeout; give ``config`` to have that checked.
+
+    Args:
+        state: the lighthouse state to prune.
+        now: monotonic time in seconds.
+        older_than_s: minimum age, in seconds, of the entries to drop (> 0).
+        config: if given, ``older_than_s`` must be >= its heartbeat timeout.
+
+    Returns:
+        The forgotten replica ids, sorted.
+
+    Raises:
+        ValueError: ``older_than_s`` is not > 0, or is below ``config``'s heartbeat timeout.
+    """
+    if not older_than_s > 0:
+        raise ValueError(f"older_than_s must be > 0, got {older_than_s!r}")
+    if config is not None and older_than_s < config.heartbeat_timeout_ms / 1000.0:
+        raise ValueError(
+            f"older_than_s={older_than_s} is below heartbeat_timeout_ms="
+            f"{config.heartbeat_timeout_ms}: it would forget replicas that are still healthy"
+        )
+    stale = sorted(rid for rid, seen in state.heartbeats.items() if now - seen >= older_than_s)
+    for rid in stale:
+        del state.heartbeats[rid]
+    return stale
