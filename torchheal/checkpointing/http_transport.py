@@ -26,7 +26,8 @@ Access control (``docs/security.md``): with a token (argument, else
 every request must carry ``Authorization: Bearer <token>``: a missing or wrong one is answered
 401 (and logged), nothing served. With TLS configured (``TORCHHEAL_TLS_*``) the server speaks
 HTTPS only, publishes an ``https://`` address, and the client verifies the server's certificate;
-a TLS client refuses to fetch from a plain ``http://`` peer.
+a TLS client refuses to fetch from a plain ``http://`` peer. What a client can make the server
+hold before that (connections, a request head's bytes and time) is bounded by ``_http_limits``.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ import socket
 import ssl
 import threading
 from datetime import timedelta
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from socketserver import TCPServer
 from typing import Any, TypeVar
 from urllib.parse import parse_qs, urlsplit
@@ -45,6 +46,7 @@ from torchheal._base.config import SecurityEnv, checkpoint_token
 from torchheal._base.timeouts import to_seconds
 from torchheal.checkpointing._direct_send import SocketDirectSend
 from torchheal.checkpointing._http_fetch import Aborts, Client, fetch
+from torchheal.checkpointing._http_limits import LimitedHandler, LimitedServer
 from torchheal.checkpointing.live import LIVE_FROM_BYTES, LiveCheckpoint
 from torchheal.checkpointing.serialization import (
     DEFAULT_BLOCK_BYTES,
@@ -73,8 +75,8 @@ _MAX_CHUNKS = 1024
 UNANNOUNCED_WAIT_S = 2.0
 
 
-class _Server(ThreadingHTTPServer):
-    """Threading HTTP server bound dual-stack; its handler reaches the transport through it."""
+class _Server(LimitedServer, ThreadingHTTPServer):
+    """Threading HTTP server bound dual-stack, limited; its handler reaches the transport."""
 
     daemon_threads = True
     request_queue_size = 1024
@@ -105,11 +107,8 @@ class _Server(ThreadingHTTPServer):
             )
         return sock, address
 
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        logger.warning("checkpoint server: error serving %s", client_address, exc_info=True)
 
-
-class _Handler(BaseHTTPRequestHandler):
+class _Handler(LimitedHandler):
     server: _Server
     # A request too broken to name a version still gets a status line (not an HTTP/0.9 page).
     default_request_version = "HTTP/1.1"
