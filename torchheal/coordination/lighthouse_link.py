@@ -206,8 +206,6 @@ class LighthouseLink:
         self._last_quorum: pb.Quorum | None = (
             pb.Quorum(quorum_id=last_quorum_id) if last_quorum_id > 0 else None
         )
-        # A welcome at that id is the lighthouse adopting it, not a job already running.
-        self._reported_quorum_id = max(0, last_quorum_id)
         # The id of the quorum in which the group last committed, told with every request so
         # a lighthouse can tell a history it superseded (quorum.superseded). Any thread.
         self._lineage = 0
@@ -516,8 +514,10 @@ class LighthouseLink:
         self._protocol = event.welcome.protocol
         if self.first_welcome_quorum_id is None:
             self.first_welcome_quorum_id = event.welcome.quorum_id
-            # Above the id we reported: the lighthouse had issued quorums of its own since.
-            self.joined_running = event.welcome.quorum_id > self._reported_quorum_id
+            # Any id: the job was running, or restarted with its groups, which then each warm
+            # up one step too (the id a restarted group reports is adopted before the welcome,
+            # and a job whose peers have not yet formed their next quorum says the same).
+            self.joined_running = event.welcome.quorum_id > 0
         if event.welcome.heartbeat_timeout_ms > 0:
             with self._standing_lock:
                 self._standing.limit_s = limit_for(
