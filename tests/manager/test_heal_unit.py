@@ -47,7 +47,12 @@ class _Event:
 
 
 def _heal(
-    host: _Host, loaded: list[Any], *, timeout: float = 5.0, warmup: bool = False
+    host: _Host,
+    loaded: list[Any],
+    *,
+    timeout: float = 5.0,
+    warmup: bool = False,
+    healed: Any = lambda: None,
 ) -> tuple[HealStep, list[float]]:
     waits: list[float] = []
 
@@ -63,6 +68,7 @@ def _heal(
         waited=waits.append,
         log=ManagerLogger(lambda: host.counters["step"], "unit", 0),
         warmup=warmup,
+        healed=healed,
     )
     return heal, waits
 
@@ -259,3 +265,15 @@ def test_a_failed_load_votes_on_the_step_its_group_healed_to() -> None:
     heal.take_outcome(_outcome(healing=True, max_step=7, received=_received("broken")))
     heal.apply()
     assert host.counters["step"] == 3 and heal.vote_step(3) == 7
+
+
+def test_a_heal_that_loads_reports_it_and_one_that_fails_does_not() -> None:
+    # The group's manager server tells the lighthouse whose history the group holds
+    # (quorum.superseded): a group that healed holds its source's, not its own last commit's.
+    for received, want in ((_received("broken"), []), (_received(), [True])):
+        host, loaded = _Host(step=3), []
+        healed: list[bool] = []
+        heal, _ = _heal(host, loaded, healed=lambda healed=healed: healed.append(True))
+        heal.take_outcome(_outcome(healing=True, max_step=7, received=received))
+        heal.apply()
+        assert healed == want

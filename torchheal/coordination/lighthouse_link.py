@@ -206,8 +206,9 @@ class LighthouseLink:
         self._last_quorum: pb.Quorum | None = (
             pb.Quorum(quorum_id=last_quorum_id) if last_quorum_id > 0 else None
         )
-        # The id of the quorum in which the group last committed, told with every request so
-        # a lighthouse can tell a history it superseded (quorum.superseded). Any thread.
+        # The id of the quorum whose history the group holds (it last committed or healed in
+        # it), told with every request so a lighthouse can tell a history it superseded
+        # (quorum.superseded). Any thread.
         self._lineage = 0
         self._call: Any = None  # the live session stream, or None while it is (re)opening
         self._opened = asyncio.Event()  # set while there is a live session
@@ -663,8 +664,9 @@ class LighthouseLink:
                 except Exception:
                     logger.exception("%s handling a lost-member notice failed", self._prefix)
 
-    def committed(self) -> None:
-        """The group committed a step, in the last quorum it received (any thread)."""
+    def holds_last_quorum(self) -> None:
+        """The group holds the history of the last quorum it received: it committed a step in
+        it, or healed in it from a peer that holds it (any thread)."""
         last = self._last_quorum
         if last is not None and last.participants:
             self._lineage = last.quorum_id

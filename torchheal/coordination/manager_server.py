@@ -414,7 +414,13 @@ class ManagerServer:
         """The group committed a step (any thread): in the link's last quorum."""
         link = self._link
         if link is not None:
-            link.committed()
+            link.holds_last_quorum()
+
+    def healed(self) -> None:
+        """Group rank 0 loaded a peer's state in the last quorum (any thread)."""
+        link = self._link
+        if link is not None:
+            link.holds_last_quorum()
 
     def _doubt(self) -> str | None:
         """Why the lighthouse may have dropped the group during the step, or None (any thread)."""

@@ -133,12 +133,14 @@ def quorum_compute(
                 f"{extended}{metadata}"
             )
 
-    holders = _live_holders_ahead(prev, candidates, healthy_replicas, healthy_participants)
+    # As they would be issued: a superseded member's own step must not hide a live holder.
+    issued = _healing_if_superseded(state, candidates)
+    holders = _live_holders_ahead(prev, issued, healthy_replicas, healthy_participants)
     if holders:
         # Its stragglers include the holders, so the window's start is defined.
         bound_s = _wait_for_alive_s(state, holders, config)
         if now - _straggler_window_start(prev, healthy_participants) < bound_s - _EPSILON_S:
-            behind = max((member.step for member in candidates), default=0)
+            behind = max((member.step for member in issued), default=0)
             prev_max = max(m.step for m in prev.participants)
             if behind < prev_max:
                 return None, (

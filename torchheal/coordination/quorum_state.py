@@ -79,8 +79,9 @@ class LighthouseState:
         restored: ``prev_quorum`` was learned (:func:`restore`), not issued by this lighthouse.
         fresh_id: the next issued quorum must take a new id, whatever its membership: ids up
             to ``quorum_id`` may be in use by quorums this lighthouse did not issue.
-        lineages: replica_id -> the id of the quorum in which the group last committed, as its
-            latest request said (torchheal groups; 0: not said).
+        lineages: replica_id -> the id of the quorum whose history the group holds (it last
+            committed or healed in it), as its latest request said (torchheal groups; 0: not
+            said).
         redone: step -> the latest quorum id issued to train that step (its highest member
             step): a group that committed the step in an older quorum holds a history that
             was superseded (:func:`superseded`). The most recent :data:`REDONE_KEPT` steps.
@@ -119,8 +120,9 @@ def join(state: LighthouseState, member: QuorumMember, now: float, lineage: int 
         state: the lighthouse state to update.
         member: the requester as it presents itself.
         now: monotonic time in seconds.
-        lineage: the id of the quorum in which the group last committed (its session's
-            request says it; 0: unknown, as for a reference peer, which is never judged).
+        lineage: the id of the quorum whose history the group holds: it last committed, or
+            healed, in it (its session's request says it; 0: unknown, as for a reference peer,
+            which is never judged).
     """
     state.heartbeats[member.replica_id] = now
     state.participants[member.replica_id] = (now, member)

@@ -169,6 +169,12 @@ class GroupEndpoints:
 
         threading.Thread(target=watch, name="torchheal-notices", daemon=True).start()
 
+    def healed(self) -> None:
+        """Group rank 0: this rank loaded a peer's state; the group holds that quorum's history
+        (its session says so to the lighthouse with its next request, ``quorum.superseded``)."""
+        if self.server is not None:
+            self.server.healed()
+
     def record_quorum(self, quorum_id: int) -> None:
         """Group rank 0: record in the store that the group builds a process group for
         ``quorum_id`` (before the build writes any key under its prefix).

@@ -88,8 +88,10 @@ class HealStep:
         waited: Callable[[float], None],
         log: ManagerLogger,
         warmup: bool = False,
+        healed: Callable[[], None] = lambda: None,
     ) -> None:
         self._host = host
+        self._healed = healed
         self._load_user = load_user
         self._timeout = timeout
         self._waited = waited
@@ -289,6 +291,7 @@ class HealStep:
             mark("load.end")
             self._log.info("loaded the recovered state dict")
             self.torn = False
+            self._healed()
         except Exception as e:
             self._log.exception(f"loading the recovered state dict failed: {e}")
             self._host.report_error(e)

@@ -213,6 +213,7 @@ class Manager:
             waited=self._telemetry.waited,
             log=self._logger,
             warmup=parts.warmup,
+            healed=self._endpoints.healed,
         )
 
         self._connected = ConnectedQuorum(
