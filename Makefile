@@ -8,7 +8,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.torchheal-installed
 
-.PHONY: demo test lint bench setup clean torchtitan
+.PHONY: demo test lint bench setup clean torchtitan check-protocol
 
 setup: $(STAMP)
 
@@ -29,6 +29,14 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python bench/quorum.py
+
+# The exhaustive interleaving checker of the commit protocol (issue 40) at its large size: every
+# interleaving of failures over the real lighthouse core; prints the states explored and the
+# invariants checked, and the trace of the first violation (exit status 1). The suite runs a
+# smaller size (tests/protocol). CHECK_ARGS passes options through, e.g. CHECK_ARGS="--faults 1".
+check-protocol: $(STAMP)
+	$(BIN)/python -m tests.protocol.checker --size large $(CHECK_ARGS)
+	$(BIN)/python -m tests.protocol.checker --size tiny --events die,error --faults 2
 
 # Every scenario on torchheal (must pass), then on the reference (its crash is reported, not
 # failed), then both as one table. The exit status is torchheal's.
