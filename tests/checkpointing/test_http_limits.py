@@ -12,7 +12,6 @@ progress is never closed to make room.
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -23,6 +22,7 @@ import torch
 
 from tests.checkpointing.test_serialization import assert_same, sample_state
 from tests.coordination_io.helpers import wait_until
+from tests.raw_client import RawClient
 from torchheal.checkpointing import HTTPTransport, _http_limits
 
 TOKEN = "limits-token"
@@ -40,42 +40,8 @@ def request(*extra: bytes) -> bytes:
     return b"\r\n".join([*lines, *extra]) + b"\r\n\r\n"
 
 
-class Client:
-    """A raw connection that sends what it is told and notices when the server closes it."""
-
-    def __init__(self, port: int, data: bytes = b"", rcvbuf: int | None = None) -> None:
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        if rcvbuf is not None:  # before connecting: it sets the window the server may fill
-            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
-        self.sock.settimeout(10)
-        self.sock.connect(("127.0.0.1", port))
-        self.received = b""
-        self.closed_by_server = False
-        if data:
-            self.send(data)
-        self.sock.settimeout(0)  # from now on reads only take what has arrived
-
-    def send(self, data: bytes) -> None:
-        try:
-            self.sock.sendall(data)
-        except OSError:
-            self.closed_by_server = True  # refused at once: the reset can beat the last bytes
-
-    def ended(self) -> bool:
-        """Whether the server has closed this connection (reads what arrived, never waits)."""
-        while not self.closed_by_server:
-            try:
-                data = self.sock.recv(65536)
-            except BlockingIOError:
-                return False
-            except ConnectionResetError:
-                data = b""
-            self.received += data
-            self.closed_by_server = not data
-        return True
-
-    def close(self) -> None:
-        self.sock.close()
+class Client(RawClient):
+    """A raw connection to the checkpoint server."""
 
 
 class Transfer(Client):

@@ -8,7 +8,6 @@ server close it; a head with too many lines is answered 400; a normal page is st
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from typing import Any
@@ -16,35 +15,12 @@ from typing import Any
 import pytest
 
 from tests.dashboard.helpers import get_json, lighthouse_with_dashboard, wait_until
+from tests.raw_client import RawClient
 from torchheal.coordination.dashboard import server as dashboard_server
 
 
-class Client:
-    """A raw connection to the dashboard that sends what it is told and reads what comes."""
-
-    def __init__(self, port: int, data: bytes = b"") -> None:
-        self.sock = socket.create_connection(("127.0.0.1", port), timeout=5)
-        if data:
-            self.sock.sendall(data)
-        self.sock.settimeout(0)  # from now on reads only take what has arrived
-        self.received = b""
-        self.closed_by_server = False
-
-    def ended(self) -> bool:
-        """Whether the server has closed this connection (reads what arrived, never waits)."""
-        while not self.closed_by_server:
-            try:
-                data = self.sock.recv(65536)
-            except BlockingIOError:
-                return False
-            except ConnectionResetError:
-                data = b""
-            self.received += data
-            self.closed_by_server = not data
-        return True
-
-    def close(self) -> None:
-        self.sock.close()
+class Client(RawClient):
+    """A raw connection to the dashboard."""
 
 
 @pytest.fixture

@@ -11,8 +11,6 @@ client's socket reach its end.
 
 from __future__ import annotations
 
-import errno
-import socket
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
@@ -21,6 +19,7 @@ import grpc
 import pytest
 
 from tests.coordination_io.helpers import wait_until
+from tests.raw_client import RawClient
 from torchheal._wire import session_pb2 as spb
 from torchheal._wire.splice import varint
 from torchheal.coordination import LighthouseClient, LighthouseServer, lighthouse_tcp
@@ -29,39 +28,16 @@ from torchheal.coordination.rpc.frames import FrameReader
 KIB = 1024
 
 
-class Stranger:
-    """A raw connection to the direct lane that sends what it is told and reads what comes."""
+class Stranger(RawClient):
+    """A raw connection to the direct lane that sends what it is told and reads its events."""
 
     def __init__(self, lighthouse: LighthouseServer, data: bytes = b"") -> None:
-        self.sock = socket.create_connection(("127.0.0.1", lighthouse.direct_port()), timeout=5)
-        self.address = self.sock.getsockname()[:2]
-        self.sent = 0
-        self.closed_by_server = False
         self.events: list[spb.SessionEvent] = []
         self._reader = FrameReader(1 << 20)
-        if data:
-            try:
-                self.sock.sendall(data)
-                self.sent = len(data)
-            except OSError:  # refused at once: the reset can beat the last bytes
-                self.closed_by_server = True
-        self.sock.settimeout(0)  # from now on reads only take what has arrived
+        super().__init__(lighthouse.direct_port(), data)
 
-    def ended(self) -> bool:
-        """Whether the server has closed this connection (reads what arrived, never waits)."""
-        while not self.closed_by_server:
-            try:
-                data = self.sock.recv(65536)
-            except BlockingIOError:
-                return False
-            except OSError as e:
-                assert e.errno in (errno.ECONNRESET, errno.EPIPE), e
-                data = b""
-            if not data:
-                self.closed_by_server = True
-            else:
-                self.events += [spb.SessionEvent.FromString(m) for m in self._reader.feed(data)]
-        return True
+    def arrived(self, data: bytes) -> None:
+        self.events += [spb.SessionEvent.FromString(m) for m in self._reader.feed(data)]
 
     def closed_with(self) -> str | None:
         """The status name the server ended this session with, if it said one."""
@@ -69,9 +45,6 @@ class Stranger:
             if event.WhichOneof("kind") == "closed":
                 return next(c.name for c in grpc.StatusCode if c.value[0] == event.closed.code)
         return None
-
-    def close(self) -> None:
-        self.sock.close()
 
 
 def held_by_server(lighthouse: LighthouseServer) -> dict[tuple[Any, ...], int]:
