@@ -381,7 +381,9 @@ def main() -> None:
         record = None
         # A salvaged step redoes its allreduces in a new quorum: its first one is recorded
         # again (the new quorum and divisor are the ones the commit used).
-        replay = getattr(manager, "_replaying", False) and not attempt.get("replayed")
+        # (A reference Manager has no salvage.)
+        salvage = getattr(manager, "_salvage", None)
+        replay = salvage is not None and salvage.replaying and not attempt.get("replayed")
         if replay:
             attempt["replayed"] = True
         if not manager.errored() and ("reduce" not in attempt or replay):

@@ -21,6 +21,7 @@ from torch.distributed.distributed_c10d import ReduceOp
 
 from bench.store_freeze import frozen_host
 from tests.process_group.helpers import new_store, on_thread, run_ranks
+from torchheal.coordination.types import Notice, NoticeKind
 from torchheal.manager.failfast import ConnectedQuorum, MemberLostError
 from torchheal.manager.log import ManagerLogger
 from torchheal.process_group import ProcessGroupGloo
@@ -30,6 +31,10 @@ BOUND_S = 20.0
 SHORT = timedelta(seconds=3)  # a group timeout that must bound a build nobody abandons
 #: SHORT plus slack for a loaded machine, well below Gloo's own wait (five times SHORT).
 SHORT_BOUND_S = 10.0
+
+
+def _no_heal(_end: object) -> None:
+    """No heal runs here: a notice's ``EndHeal`` has nothing to end."""
 
 
 class Job:
@@ -45,6 +50,14 @@ class Job:
     def _aborted(self) -> None:
         self.aborts += 1
 
+    def lost(self, replica_id: str, quorum_id: int, reason: str) -> None:
+        """The lighthouse's notice that ``replica_id`` of ``quorum_id`` is gone."""
+        self.connected.on_notice(Notice(NoticeKind.LOST, replica_id, quorum_id, reason), _no_heal)
+
+    def dropped(self, quorum_id: int, reason: str) -> None:
+        """The lighthouse's notice that this group was dropped from ``quorum_id``."""
+        self.connected.on_notice(Notice(NoticeKind.DROPPED, "me", quorum_id, reason), _no_heal)
+
     def connect(self, quorum_id: int, members: list[str]) -> None:
         """Builds the group of ``quorum_id`` (this rank alone in Gloo) and adopts it."""
         store, addr = new_store()
@@ -56,7 +69,7 @@ class Job:
 def test_notice_before_the_build_fails_it_before_it_starts() -> None:
     _store, addr = new_store()
     job = Job()
-    job.connected.on_member_lost("peer", 7, "connection ended")
+    job.lost("peer", 7, "connection ended")
     with pytest.raises(MemberLostError, match="peer of quorum 7 was lost before"):
         with job.connected.building(7, ["me", "peer"], _store.port):
             pytest.fail("the build ran although a member was already lost")
@@ -94,8 +107,8 @@ def test_notice_during_the_build_abandons_the_rendezvous() -> None:
     store, addr = new_store()
     job = Job()
     builder, outcome = build_in_rendezvous(job, store, addr)  # the peer never publishes
-    job.connected.on_member_lost("other", 3, "not a member: ignored")
-    job.connected.on_member_lost("peer", 3, "connection ended")
+    job.lost("other", 3, "not a member: ignored")
+    job.lost("peer", 3, "connection ended")
     builder.join(BOUND_S)
     assert not builder.is_alive(), "the build waited on although its peer was lost"
     assert isinstance(outcome[0], MemberLostError), outcome
@@ -110,17 +123,17 @@ def test_a_group_dropped_from_the_quorum_it_builds_abandons_the_build_and_nothin
     job = Job()
     job.connect(2, ["me"])  # a group in use, which being dropped from quorum 3 leaves alone
     builder, outcome = build_in_rendezvous(job, store, addr)  # the peer left: never publishes
-    job.connected.on_dropped("me", 2, "heartbeat expired")  # not the quorum being built
+    job.dropped(2, "heartbeat expired")  # not the quorum being built
     builder.join(0.5)
     assert builder.is_alive(), f"a drop from another quorum ended the build: {outcome}"
-    job.connected.on_dropped("me", 3, "heartbeat expired")
+    job.dropped(3, "heartbeat expired")
     builder.join(BOUND_S)
     assert not builder.is_alive(), "the build waited for peers that left"
     assert isinstance(outcome[0], MemberLostError), outcome
     assert "me of quorum 3 was lost while its process group was being built" in str(outcome[0])
     assert job.aborts == 0
     # Woken, the notice may also come before the build starts: that build fails at once.
-    job.connected.on_dropped("me", 4, "heartbeat expired")
+    job.dropped(4, "heartbeat expired")
     with pytest.raises(MemberLostError, match="me of quorum 4 was lost before"):
         with job.connected.building(4, ["me", "peer"], store.port):
             pytest.fail("the build ran although this group was dropped from its quorum")
@@ -141,7 +154,7 @@ def test_notice_during_the_build_ends_it_when_the_lost_group_hosts_a_frozen_stor
         builder, outcome = on_thread(build)
         builder.join(0.5)
         assert builder.is_alive(), f"the build ended before the notice: {outcome}"
-        job.connected.on_member_lost("host", 6, "heartbeat expired")
+        job.lost("host", 6, "heartbeat expired")
         builder.join(BOUND_S)
         assert not builder.is_alive(), "the build waited on the frozen store host"
         assert isinstance(outcome[0], MemberLostError), outcome
@@ -219,7 +232,7 @@ def test_notice_ends_a_build_whose_pair_waits_for_a_peer_gone_after_the_rendezvo
     builder, outcome, addr, _began = build_with_gone_peers(job, world_size)
     builder.join(0.5)
     assert builder.is_alive(), f"the build ended before the notice: {outcome}"
-    job.connected.on_member_lost(f"peer{world_size - 1}", 3, "gave up the build")
+    job.lost(f"peer{world_size - 1}", 3, "gave up the build")
     builder.join(BOUND_S)
     assert not builder.is_alive(), "the build waited on for a peer that will never connect"
     assert isinstance(outcome[0], MemberLostError), outcome
@@ -248,7 +261,7 @@ def test_notice_the_build_outran_aborts_the_group_at_adoption() -> None:
     job = Job()
     with job.connected.building(5, ["me"], store.port):
         job.pg.configure(f"{addr}/q5", "me", 0, 1)
-        job.connected.on_member_lost("me", 5, "heartbeat expired")  # too late to cut anything
+        job.lost("me", 5, "heartbeat expired")  # too late to cut anything
     job.connected.adopt(5, ["me"])
     assert job.connected.quorum_id == -1, "a group whose quorum lost a member was adopted"
     assert job.aborts == 1
@@ -259,9 +272,9 @@ def test_notice_the_build_outran_aborts_the_group_at_adoption() -> None:
 def test_notice_for_the_connected_quorum_aborts_it() -> None:
     job = Job()
     job.connect(2, ["me"])
-    job.connected.on_member_lost("me", 1, "an older quorum: ignored")
+    job.lost("me", 1, "an older quorum: ignored")
     assert (job.connected.quorum_id, job.aborts) == (2, 0)
-    job.connected.on_member_lost("me", 2, "connection ended")
+    job.lost("me", 2, "connection ended")
     assert (job.connected.quorum_id, job.aborts) == (-1, 1)
 
 
@@ -271,9 +284,7 @@ def test_a_failed_step_waits_for_the_notice_that_explains_it() -> None:
     job.connect(3, ["me"])
     assert job.connected.wait_aborted(0.0) is None
 
-    notice = threading.Thread(
-        target=job.connected.on_member_lost, args=("me", 3, "connection ended")
-    )
+    notice = threading.Thread(target=job.lost, args=("me", 3, "connection ended"))
 
     class NoticeDuringTheWait(threading.Event):
         """The lighthouse's notice is sent only once the step has begun to wait for it."""
@@ -299,7 +310,7 @@ def test_a_peer_that_said_goodbye_is_no_warning(
     job = Job()
     job.connect(2, ["me", "peer"])
     with caplog.at_level(logging.INFO, logger="torchheal.manager"):
-        job.connected.on_member_lost("peer", 2, reason)
+        job.lost("peer", 2, reason)
     assert job.aborts == 1  # aborted either way
     (record,) = [r for r in caplog.records if "aborting the cross-replica" in r.getMessage()]
     assert record.levelno == level

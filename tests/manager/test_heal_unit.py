@@ -1,4 +1,5 @@
-"""HealStep alone: a heal's bookkeeping on the training thread, with plain futures, no servers."""
+"""HealStep alone, with its step machine: a heal on the training thread, plain futures, no
+servers."""
 
 from __future__ import annotations
 
@@ -12,24 +13,28 @@ from torchheal.coordination.plan import Participation
 from torchheal.coordination.types import QuorumResult
 from torchheal.manager.heal import HealStep
 from torchheal.manager.log import ManagerLogger
+from torchheal.manager.machine import StepMachine
 from torchheal.manager.quorum_worker import QuorumOutcome, Transfer
 
 
 class _Host:
-    """The Manager's counters and step error, as plain fields."""
+    """The Manager's step machine and step error."""
 
-    def __init__(self, step: int = 3, batches: int = 30) -> None:
-        self.counters = {"step": step, "batches_committed": batches}
+    def __init__(self, step: int = 3, batches: int = 30, warmup: bool = False) -> None:
+        self.machine = StepMachine(
+            min_replica_size=1, max_retries=None, salvage=False, warmup=warmup
+        )
+        self.machine.step, self.machine.batches_committed = step, batches
         self.errors: list[Exception] = []
 
-    def state_dict(self) -> dict[str, int]:
-        return dict(self.counters)
+    @property
+    def counters(self) -> dict[str, int]:
+        return {"step": self.machine.step, "batches_committed": self.machine.batches_committed}
 
-    def load_state_dict(self, state_dict: dict[str, int]) -> None:
-        self.counters = {
-            "step": state_dict["step"],
-            "batches_committed": state_dict["batches_committed"],
-        }
+    def vote_step(self, step: int) -> int:
+        """The step this rank votes on with its counters at ``step``."""
+        self.machine.step = step
+        return self.machine.ballot(errored=False).step
 
     def report_error(self, e: Exception) -> None:
         self.errors.append(e)
@@ -51,7 +56,6 @@ def _heal(
     loaded: list[Any],
     *,
     timeout: float = 5.0,
-    warmup: bool = False,
     healed: Any = lambda: None,
 ) -> tuple[HealStep, list[float]]:
     waits: list[float] = []
@@ -63,11 +67,11 @@ def _heal(
 
     heal = HealStep(
         host=host,
+        machine=host.machine,
         load_user=load_user,
         timeout=timedelta(seconds=timeout),
         waited=waits.append,
-        log=ManagerLogger(lambda: host.counters["step"], "unit", 0),
-        warmup=warmup,
+        log=ManagerLogger(lambda: host.machine.step, "unit", 0),
         healed=healed,
     )
     return heal, waits
@@ -95,21 +99,21 @@ def test_a_transfer_beside_the_step_is_settled_then_loaded_at_the_quorums_step()
     assert heal.begin() is False
     future: Future[Transfer] = Future()
     heal.take_outcome(_outcome(healing=True, transfer=future))
-    assert heal.healing and heal.pending is None and host.counters["step"] == 3
+    assert host.machine.healing and heal.pending is None and host.counters["step"] == 3
 
     # The transfer thread finishes while the training thread waits in settle.
     event = _Event()
     threading.Timer(0.05, future.set_result, [Transfer(_received(), [], event)]).start()
     heal.settle()
     assert heal.transfer is None and len(waits) == 1
-    assert heal.pending == _received() and heal.pre_heal == {"step": 3, "batches_committed": 30}
+    assert heal.pending == _received() and host.machine.pre_heal == (3, 30)
     # The sender's batch count, the quorum's step.
     assert host.counters == {"step": 7, "batches_committed": 50}
     heal.synchronize()
     assert event.synchronized == 1 and heal.recovery_event is None
 
     heal.apply()
-    assert loaded == ["weights"] and heal.pending is None and heal.pre_heal is None
+    assert loaded == ["weights"] and heal.pending is None and host.machine.pre_heal is None
     assert host.errors == [] and host.counters["step"] == 7
 
 
@@ -175,18 +179,19 @@ def test_the_next_step_drains_an_unsettled_transfer_and_forgets_the_heal() -> No
     heal.drain()  # logged and dropped, not reported: the step it belonged to is over
     assert heal.transfer is None and host.errors == []
     heal.begin()
-    assert (heal.healing, heal.pending, heal.pre_heal) == (False, None, None)
+    assert (host.machine.healing, heal.pending, host.machine.pre_heal) == (False, None, None)
 
 
 def test_the_warm_up_is_one_step_and_can_be_skipped() -> None:
-    heal, _ = _heal(_Host(), [], warmup=True)
+    heal, _ = _heal(_Host(warmup=True), [])
     assert heal.end_warmup() is False  # no step yet
     assert heal.begin() is True and heal.warming_up
     assert heal.end_warmup() is True and not heal.warming_up
     assert heal.begin() is False and heal.end_warmup() is False
 
-    skipped, _ = _heal(_Host(), [], warmup=True)
-    skipped.skip_warmup()
+    host = _Host(warmup=True)
+    skipped, _ = _heal(host, [])
+    host.machine.warmup_pending = False  # Manager.skip_warmup
     assert skipped.begin() is False and not skipped.warming_up
 
 
@@ -200,7 +205,7 @@ def test_a_heal_torn_part_way_fails_every_step_until_a_heal_succeeds() -> None:
     heal.settle()
     heal.apply()
     heal.check_torn()
-    assert heal.torn and torn in host.errors
+    assert host.machine.torn and torn in host.errors
     # A later step that does not heal (no peer ahead of it) still fails: its state is a mix.
     host.errors.clear()
     heal.begin()
@@ -215,19 +220,20 @@ def test_a_heal_torn_part_way_fails_every_step_until_a_heal_succeeds() -> None:
     heal.begin()
     heal.take_outcome(_outcome(healing=False, max_step=0))
     heal.check_torn()
-    assert not heal.torn and host.errors == []
-    heal.torn = True
+    assert not host.machine.torn and host.errors == []
+    host.machine.torn = True
     # Torn inside the quorum (a synchronous heal) counts the same.
-    other, _ = _heal(_Host(step=0, batches=0), [])
+    other_host = _Host(step=0, batches=0)
+    other, _ = _heal(other_host, [])
     other.take_outcome(_outcome(healing=True, errors=[torn]))
-    assert other.torn
+    assert other_host.machine.torn
     # A heal that succeeds mends it.
     host.errors.clear()
     heal.begin()
     heal.take_outcome(_outcome(healing=True, received=_received()))
     heal.apply()
     heal.check_torn()
-    assert not heal.torn and host.errors == [] and loaded == ["weights"]
+    assert not host.machine.torn and host.errors == [] and loaded == ["weights"]
 
 
 def test_a_failed_heal_votes_on_the_step_its_group_healed_to_until_it_gets_there() -> None:
@@ -239,15 +245,15 @@ def test_a_failed_heal_votes_on_the_step_its_group_healed_to_until_it_gets_there
     heal.take_outcome(_outcome(healing=True, max_step=7, transfer=future))
     heal.settle()
     assert host.counters["step"] == 3 and len(host.errors) == 1
-    assert heal.vote_step(3) == 7  # the step its group healed to, not its own
+    assert host.vote_step(3) == 7  # the step its group healed to, not its own
     # The next step's quorum failed (no heal): its vote stays at 7, a retry of that step.
     heal.begin()
-    assert heal.vote_step(3) == 7
+    assert host.vote_step(3) == 7
     # A heal that succeeds brings the counters there; from then on they alone count.
     heal.take_outcome(_outcome(healing=True, max_step=9, received=_received()))
     heal.apply()
-    assert host.counters["step"] == 9 and heal.vote_step(9) == 9
-    assert heal.vote_step(2) == 2  # a later rollback of the counters is the user's
+    assert host.counters["step"] == 9 and host.vote_step(9) == 9
+    assert host.vote_step(2) == 2  # a later rollback of the counters is the user's
 
 
 def test_a_heal_that_succeeds_votes_on_its_counters() -> None:
@@ -255,8 +261,8 @@ def test_a_heal_that_succeeds_votes_on_its_counters() -> None:
     heal, _ = _heal(host, loaded)
     heal.take_outcome(_outcome(healing=True, max_step=7, received=_received()))
     heal.apply()
-    assert heal.vote_step(host.counters["step"]) == 7
-    assert heal.vote_step(8) == 8
+    assert host.vote_step(host.counters["step"]) == 7
+    assert host.vote_step(8) == 8
 
 
 def test_a_failed_load_votes_on_the_step_its_group_healed_to() -> None:
@@ -264,7 +270,7 @@ def test_a_failed_load_votes_on_the_step_its_group_healed_to() -> None:
     heal, _ = _heal(host, loaded)
     heal.take_outcome(_outcome(healing=True, max_step=7, received=_received("broken")))
     heal.apply()
-    assert host.counters["step"] == 3 and heal.vote_step(3) == 7
+    assert host.counters["step"] == 3 and host.vote_step(3) == 7
 
 
 def test_a_heal_that_loads_reports_it_and_one_that_fails_does_not() -> None:

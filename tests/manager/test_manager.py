@@ -13,6 +13,7 @@ from torch.distributed import ReduceOp
 from tests.cluster import TIMEOUT, lighthouse, replica
 from tests.manager.twins import PendingGroup
 from torchheal._base.config import TimeoutBudgetWarning
+from torchheal.coordination.types import Notice, NoticeKind
 from torchheal.manager import ExceptionWithTraceback, Manager
 from torchheal.process_group.dummy import ProcessGroupDummy
 from torchheal.process_group.gloo import ProcessGroupGloo
@@ -401,7 +402,7 @@ def test_a_collective_after_a_lost_peers_abort_is_skipped_without_a_traceback(
         m.wait_quorum()
         member, quorum_id = next(iter(m._connected.members)), m._connected.quorum_id
         # What the manager server calls when the lighthouse says a member is gone.
-        m._connected.on_member_lost(member, quorum_id, "connection ended")
+        m._on_notice(Notice(NoticeKind.LOST, member, quorum_id, "connection ended"))
         with caplog.at_level(logging.INFO, logger="torchheal.manager"):
             work = m.allreduce(torch.ones(2))
         assert isinstance(work, _DummyWork)

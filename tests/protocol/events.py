@@ -55,6 +55,8 @@ from tests.protocol.model import (
     fresh_group,
     put,
 )
+from torchheal.coordination.plan import Participation
+from torchheal.manager.machine import StepMachine
 
 Event = tuple[str, int, object]
 #: (event, next state or None when it broke an invariant, fault, commit, violation or None)
@@ -224,21 +226,31 @@ def _complete(m: Model, state: tuple, i: int):
 
 
 def _vote(m: Model, state: tuple, i: int):
+    """The group votes and the real step machine decides (one rank: its ballot is the group's)."""
     grp = state[1][i]
-    if grp[DOUBT]:
+    quorum = m.quorums[grp[Q]]
+    machine = StepMachine(
+        min_replica_size=m.o.min_replicas, max_retries=None, salvage=False, warmup=False
+    )
+    machine.step, machine.commit_failures = grp[STEP], grp[CF]
+    machine.quorum_taken(
+        Participation(0, len(quorum.participants)), healing=False, max_step=m.qinfo[grp[Q]][0]
+    )
+    if not machine.ballot(errored=bool(grp[DOUBT])).vote:
         return _fail(m, state, i)
     groups = _groups(state)
     commit = grp[STEP] < m.o.cap
-    lineage = m.quorums[grp[Q]].quorum_id
+    lineage = quorum.quorum_id
     if commit:
+        machine.decided(True)
         hist = m.intern_hist((*m.hist[grp[HIST]], grp[AUX]))
         groups[i] = put(
             grp,
             phase=IDLE,
             q=None,
             aux=None,
-            cf=0,
-            step=grp[STEP] + 1,
+            cf=machine.commit_failures,
+            step=machine.step,
             hist=hist,
             lineage=lineage,
             out=False,

@@ -59,7 +59,7 @@ class NoticeFanout:
             # work in this one); the link made a freeze a doubt of the vote (standing.py). The
             # ranks are told too: they abandon a build of that quorum (their peers abandoned
             # it) and, unless only superseded, abort a group built for it
-            # (``ConnectedQuorum.on_dropped``).
+            # (``machine.Connection.on_notice``).
             logger.warning(
                 "%s lighthouse: this group was dropped from quorum %d (%s)",
                 self._prefix,

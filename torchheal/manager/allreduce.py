@@ -1,4 +1,4 @@
-"""The Manager's allreduce on the wire: which collective runs, and the average after it.
+"""The Manager's collectives: which collective runs, the average after it, and its failures.
 
 The process group only sums: an AVG across replicas is a SUM divided afterwards by the number
 of *participating* replicas (healers and spares send zeros and are not counted), which the
@@ -7,20 +7,32 @@ on the work sees the average. Quantized data goes through
 :func:`~torchheal.collectives.allreduce_quantized` (torch ops shipped with torchheal, so
 always available; the reference needs triton for it).
 
-Failures are not handled here: the Manager reports them and makes the step not commit.
+:class:`ManagerCollectives` holds the Manager's ``allreduce``, ``report_error``, ``errored``
+and ``wrap_future``: a failure is reported to the step's ledger and makes the step not commit.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from datetime import timedelta
+from typing import Any, TypeVar
 
 import torch
 from torch.distributed import AllreduceOptions, ReduceOp
 
 from torchheal.collectives import allreduce_quantized
+from torchheal.futures import Expiry, timed_then
+from torchheal.manager.failfast import ConnectedQuorum
+from torchheal.manager.heal import HealStep
+from torchheal.manager.salvage import Salvage
+from torchheal.manager.step import ExceptionWithTraceback, StepLedger
+from torchheal.manager.telemetry import Telemetry
+from torchheal.process_group.work import _DummyWork, _ErrorRecordingWork
+from torchheal.work import _ManagedWork
 
-__all__ = ["IS_TRITON_AVAILABLE", "averaging", "start_allreduce"]
+__all__ = ["IS_TRITON_AVAILABLE", "ManagerCollectives", "averaging", "start_allreduce"]
+
+T = TypeVar("T")
 
 #: Name kept from the reference, where quantized collectives need triton; ours are torch ops
 #: that ship with torchheal, so they are always available.
@@ -74,3 +86,140 @@ def averaging(
         return tensor
 
     return normalize
+
+
+def _value(f: torch.futures.Future[T]) -> T:
+    return f.value()
+
+
+class ManagerCollectives:
+    """The Manager's collectives and step errors (part of ``Manager``, whose ``wait_quorum``,
+    ``num_participants`` and ``is_participating`` they use)."""
+
+    _pg: Any
+    _ledger: StepLedger
+    _heal: HealStep
+    _salvage: Salvage
+    _connected: ConnectedQuorum
+    _telemetry: Telemetry
+    _timeout: timedelta
+
+    def _fail_step(
+        self,
+        e: Exception,
+        foreign: bool = False,
+        how: str = "step failed",
+        trace: bool = False,
+        cause: bool = True,
+    ) -> None:
+        """Fails the step (``StepLedger.fail``; ``torchheal.work`` calls it too)."""
+        self._ledger.fail(e, foreign, how, trace, cause)
+
+    def allreduce(
+        self,
+        tensor: torch.Tensor,
+        should_quantize: bool = False,
+        reduce_op: ReduceOp = ReduceOp.AVG,
+    ) -> torch.distributed.Work:
+        """Fault-tolerant allreduce across the participating replicas, in place.
+
+        AVG is a SUM divided by the number of participating replicas. Errors are not raised:
+        they are reported, the returned work completes with the (garbage) tensor, and every
+        later allreduce of the step is a no-op.
+
+        Args:
+            tensor: the tensor to reduce in place.
+            should_quantize: send 8-bit quantized data (SUM/AVG only).
+            reduce_op: the reduction; AVG needs a floating point tensor.
+
+        Raises:
+            ValueError: AVG on a non-floating point tensor.
+            TimeoutError, RuntimeError: the quorum of this step failed.
+        """
+        if self._heal.warming_up:
+            return _DummyWork(tensor)  # the warm-up step's collectives are local no-ops
+        self._salvage.keep(tensor, reduce_op, should_quantize)  # before it is reduced
+        if self.errored():
+            return _DummyWork(tensor)
+        self.wait_quorum()
+        num_participants = self.num_participants()
+        is_avg = reduce_op == ReduceOp.AVG
+        if is_avg and not tensor.is_floating_point():
+            # Worded as the reference's; its tests match this text.
+            raise ValueError("average reduce op is only supported for floating point tensors")
+        if not self.is_participating():
+            # Healing replicas and spares contribute zeros but stay in lock-step.
+            tensor.zero_()
+        # Before it starts: an abort of the group for its quorum (a lost peer, or this group's
+        # own drop) ends what is pending in it, this collective included.
+        expiry = self._connected.expiry
+        try:
+            work = start_allreduce(self._pg, tensor, reduce_op, should_quantize)
+        except Exception as e:
+            lost = self._connected.aborted_for
+            self._telemetry.allreduce_failed()
+            if lost is not None:  # the fail-fast abort of a lost peer: expected, no traceback
+                how = f"allreduce not started: the process group was aborted as {lost}"
+                self._fail_step(e, how=how, cause=False)
+            else:
+                self._fail_step(e, how="allreduce failed to start", trace=True)
+            return _DummyWork(tensor)
+
+        # Counts this allreduce's failure once, whether wait() or its future reports it.
+        work = _ErrorRecordingWork(work, self._telemetry.allreduce_error_counter())
+        managed = _ManagedWork(self, work, tensor, expiry)
+        managed.get_future().then(averaging(tensor, num_participants if is_avg else 1))
+        self._ledger.track_work(managed)
+        return managed
+
+    def report_error(self, e: Exception) -> None:
+        """Marks this step as failed: it will not commit, and the PG is rebuilt next step.
+
+        Args:
+            e: what failed.
+        """
+        self._fail_step(e, foreign=True)
+
+    def errored(self) -> ExceptionWithTraceback | None:
+        """Returns the error reported in this step, or None."""
+        return self._ledger.error
+
+    def wrap_future(
+        self,
+        fut: torch.futures.Future[T],
+        default: T,
+        timeout: timedelta | None = None,
+    ) -> torch.futures.Future[T]:
+        """Adds a timeout to ``fut`` and swallows its error into ``report_error``.
+
+        Args:
+            fut: the future to wrap.
+            default: the value the returned future holds when ``fut`` fails or times out.
+            timeout: defaults to the manager's ``timeout``.
+        """
+
+        # The loop's own future: a salvage would not redo it, so its failure stands.
+        return self._wrap_future_then(fut, _value, default, timeout, foreign=True)
+
+    def _wrap_future_then(
+        self,
+        fut: torch.futures.Future[Any],
+        then: Callable[[torch.futures.Future[Any]], T],
+        default: T,
+        timeout: timedelta | None = None,
+        foreign: bool = False,
+        expiry: Expiry | None = None,
+    ) -> torch.futures.Future[T]:
+        # ``wrap_future(fut.then(then), default)`` in one callback on ``fut``: this runs for
+        # every gradient bucket, on the thread completing its collective (torchheal.work).
+        def callback(f: torch.futures.Future[Any]) -> T:
+            try:
+                return then(f)
+            except Exception as e:
+                # The loop's own futures may fail for a bug: their first failure keeps its trace.
+                self._fail_step(e, foreign, "future failed, skipping the step", trace=foreign)
+                return default
+
+        wrapped = timed_then(fut, timeout or self._timeout, callback, expiry)
+        self._ledger.track_future(wrapped)
+        return wrapped

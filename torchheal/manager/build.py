@@ -27,11 +27,17 @@ from typing import Any
 
 from torchheal.coordination.plan import WorldSizeMode
 from torchheal.manager.endpoints import GroupEndpoints, open_endpoints
+from torchheal.manager.failfast import ConnectedQuorum
+from torchheal.manager.heal import HealHost, HealStep
 from torchheal.manager.log import ManagerLogger
-from torchheal.manager.quorum_worker import QuorumWorker
+from torchheal.manager.machine import StepMachine
+from torchheal.manager.quorum_thread import QuorumThread
+from torchheal.manager.quorum_worker import QuorumOutcome, QuorumWorker
 from torchheal.manager.recovery import Recovery, metadata_over_grpc
+from torchheal.manager.salvage import Salvage
 from torchheal.manager.settings import ManagerSettings
 from torchheal.manager.state import StateRegistry
+from torchheal.manager.step import StepLedger
 from torchheal.manager.telemetry import Telemetry
 
 __all__ = ["ManagerParts", "build_parts", "copies_state", "needs_no_snapshot"]
@@ -67,7 +73,12 @@ class ManagerParts:
         worker: the quorum thread's work.
         recovery: the transfers (the worker's), told when a heal's source is lost.
         background_transfer: heal beside the step's collectives.
-        warmup: this group's first step runs alone (it joined a running job).
+        machine: the step machine (it decides; the parts below do).
+        ledger: the step's errors and outstanding work.
+        quorums: the quorum thread.
+        heal: the heal on the training thread.
+        connected: the fail-fast aborts.
+        salvage: the redo of a step a group died in.
     """
 
     endpoints: GroupEndpoints
@@ -76,7 +87,12 @@ class ManagerParts:
     worker: QuorumWorker
     recovery: Recovery
     background_transfer: bool
-    warmup: bool
+    machine: StepMachine
+    ledger: StepLedger
+    quorums: QuorumThread
+    heal: HealStep
+    connected: ConnectedQuorum
+    salvage: Salvage
 
 
 def build_parts(
@@ -85,7 +101,8 @@ def build_parts(
     transport: Any,
     state: StateRegistry,
     process_group: Callable[[], Any],
-    current_step: Callable[[], int],
+    host: HealHost,
+    apply_outcome: Callable[[QuorumOutcome], None],
     replica_name: str | None,
     hostname: str,
     heartbeat_interval: timedelta,
@@ -93,6 +110,8 @@ def build_parts(
     init_sync: bool,
     world_size_mode: WorldSizeMode,
     min_replica_size: int,
+    max_retries: int | None,
+    salvage: bool,
 ) -> ManagerParts:
     """Opens the group's endpoints and builds the parts that use them.
 
@@ -101,7 +120,8 @@ def build_parts(
         transport: the checkpoint transport.
         state: the user's state functions and their lock.
         process_group: returns the Manager's current cross-replica process group.
-        current_step: returns the Manager's step (for the log prefix).
+        host: the Manager (a heal reports its failures to it).
+        apply_outcome: takes in what a step's quorum work produced (the quorum thread's).
         replica_name: the user's replica id (None: a uuid alone).
         hostname: the host name advertised to other groups.
         heartbeat_interval: how often the manager server heartbeats the lighthouse.
@@ -109,6 +129,8 @@ def build_parts(
         init_sync: heal replicas at step 0 so all start identical.
         world_size_mode: DYNAMIC or FIXED_WITH_SPARES.
         min_replica_size: fewest participating replicas with which a step may commit.
+        max_retries: failed commits in a row tolerated (None: no limit).
+        salvage: ``salvage_step``.
     """
     timeouts = settings.timeouts
     endpoints = open_endpoints(
@@ -124,7 +146,13 @@ def build_parts(
         connect_timeout=timeouts.connect_timeout,
         quorum_retries=timeouts.quorum_retries,
     )
-    logger = ManagerLogger(current_step, endpoints.replica_id, settings.group_rank)
+    machine = StepMachine(
+        min_replica_size=min_replica_size,
+        max_retries=max_retries,
+        salvage=salvage,
+        warmup=use_async_quorum and endpoints.joined_running,
+    )
+    logger = ManagerLogger(lambda: machine.step, endpoints.replica_id, settings.group_rank)
     try:
         # Metrics (group rank 0, when TORCHHEAL_METRICS_PORT is set) and structured records.
         telemetry = Telemetry(
@@ -162,6 +190,20 @@ def build_parts(
         log=logger,
         group_world_size=settings.group_world_size,
     )
+    ledger = StepLedger(logger, telemetry.error)
+    heal = HealStep(
+        host=host,
+        machine=machine,
+        load_user=state.load,
+        timeout=timeouts.timeout,
+        waited=telemetry.waited,
+        log=logger,
+        healed=endpoints.healed,
+    )
+    connected = ConnectedQuorum(
+        process_group, logger, telemetry.process_group_aborted, gave_up=endpoints.gave_up
+    )
+    worker.guard_builds(connected.building)
     return ManagerParts(
         endpoints=endpoints,
         logger=logger,
@@ -173,5 +215,17 @@ def build_parts(
             and getattr(transport, "runs_beside_collectives", False) is True
             and endpoints.session_mode
         ),
-        warmup=use_async_quorum and endpoints.joined_running,
+        machine=machine,
+        ledger=ledger,
+        quorums=QuorumThread(worker, apply_outcome, telemetry),
+        heal=heal,
+        connected=connected,
+        salvage=Salvage(
+            machine=machine,
+            connected=connected,
+            ledger=ledger,
+            heal=heal,
+            log=logger,
+            salvaged=telemetry.salvaged,
+        ),
     )

@@ -16,7 +16,7 @@ outlives the manager's timeout fails the step; what it delivers later is dropped
 Receiving in place: a replica at step 0 that has never committed (a restarted group) holds
 nothing worth keeping, so its heal receives straight into its own tensors (no fresh memory, no
 copy when loading; ``StepRequest.heal_in_place``). If that receive fails part way, its tensors
-hold a mix of old and unverified bytes: the replica is *torn* (:attr:`HealStep.torn`) until a
+hold a mix of old and unverified bytes: the replica is *torn* (``StepMachine.torn``) until a
 later heal succeeds. A torn replica never commits a step it did not heal in, except when the
 plan makes it the source at step 0 (its source died mid-transfer, so every survivor is torn):
 its state becomes the job's initial state.
@@ -30,8 +30,10 @@ the quorum and heals at full speed. It is decided once, from the lighthouse's we
 torchheal lighthouse that had issued a quorum before this group said hello), so it is the same
 on every rank of the group.
 
-:class:`HealStep` knows nothing of servers or process groups; it is tested with plain futures
-and a small host (``tests/manager/test_heal_unit.py``).
+What a heal decides (healing, torn, the warm-up, the counters) is the step machine's
+(:class:`~torchheal.manager.machine.StepMachine`); :class:`HealStep` does the waiting and the
+loading. It knows nothing of servers or process groups; it is tested with plain futures and a
+small host (``tests/manager/test_heal_unit.py``).
 """
 
 from __future__ import annotations
@@ -44,19 +46,15 @@ from typing import Any, Protocol
 
 from torchheal.checkpointing.timeline import mark
 from torchheal.checkpointing.transport import TornCheckpointError
-from torchheal.coordination.vote import Ballot, ballot
 from torchheal.manager.log import ManagerLogger
+from torchheal.manager.machine import StepMachine
 from torchheal.manager.quorum_worker import QuorumOutcome, Transfer
 
 __all__ = ["HealHost", "HealStep"]
 
 
 class HealHost(Protocol):
-    """What a heal needs of its Manager: its counters and its step's error (public methods)."""
-
-    def state_dict(self) -> dict[str, int]: ...
-
-    def load_state_dict(self, state_dict: dict[str, int]) -> None: ...
+    """What a heal needs of its Manager: to fail its step, and to read its step's error."""
 
     def report_error(self, e: Exception) -> None: ...
 
@@ -64,58 +62,50 @@ class HealHost(Protocol):
 
 
 class HealStep:
-    """One step's heal as the training thread sees it, and the warm-up before the first one.
+    """One step's heal as the training thread sees it: the transfer, the load, the warm-up.
 
-    Attributes written from the quorum thread (:meth:`take_outcome`) are read by the training
-    thread only after it has waited for that quorum, as the Manager's own fields always were.
+    What :meth:`take_outcome` writes from the quorum thread is read by the training thread
+    only after it has waited for that quorum.
 
     Args:
-        host: the Manager (its counters are restored from the received state; failures are
-            reported to it).
+        host: the Manager (failures are reported to it).
+        machine: the Manager's step machine (it decides; this does).
         load_user: loads the received user state (``StateRegistry.load``).
         timeout: how long ``should_commit`` waits for a transfer that runs beside the step.
         waited: told how long the training thread waited for a transfer (seconds).
         log: the Manager's prefixed logger.
-        warmup: this group (re)started into a running job: its first step runs alone.
+        healed: told after a heal's state was loaded (the manager server reports it).
     """
 
     def __init__(
         self,
         *,
         host: HealHost,
+        machine: StepMachine,
         load_user: Callable[[Any], None],
         timeout: timedelta,
         waited: Callable[[float], None],
         log: ManagerLogger,
-        warmup: bool = False,
         healed: Callable[[], None] = lambda: None,
     ) -> None:
         self._host = host
+        self._machine = machine
         self._healed = healed
         self._load_user = load_user
         self._timeout = timeout
         self._waited = waited
         self._log = log
-        #: This replica is behind and receives its state this step.
-        self.healing = False
         #: The received state (``{"user", "torchft"}``) waiting for the training thread.
         self.pending: dict[str, Any] | None = None
-        #: The Manager's counters before a heal overwrote them; restored if loading fails.
-        self.pre_heal: dict[str, int] | None = None
         #: A CUDA event after the last transfer (None without CUDA).
         self.recovery_event: Any = None
         #: The transfer running beside the step's collectives, with the quorum's max step.
         self.transfer: tuple[Future[Transfer], int] | None = None
-        #: The next step is the warm-up (cleared by :meth:`skip_warmup` or when it starts).
-        self.warmup_pending = warmup
-        #: This step is the warm-up.
-        self.warming_up = False
-        #: A receive into this replica's own tensors failed part way: they hold a mix of old
-        #: and unverified bytes until a heal succeeds.
-        self.torn = False
-        #: The step of a heal this replica was part of and its counters have not reached yet
-        #: (its receive or load failed): its votes are not below it (see :meth:`vote_step`).
-        self.heal_target = 0
+
+    @property
+    def warming_up(self) -> bool:
+        """This step is the warm-up (its collectives are local no-ops)."""
+        return self._machine.warming_up
 
     def drain(self) -> None:
         """Training thread, step start: the last step's transfer (its should_commit never
@@ -133,21 +123,12 @@ class HealStep:
         Returns:
             True when this step is the warm-up (it joins no quorum).
         """
-        self.healing = False
         self.pending = None
-        self.pre_heal = None
-        self.warming_up = False
-        if not self.warmup_pending:
+        if not self._machine.begin():
             return False
-        self.warmup_pending = False
-        self.warming_up = True
         mark("warmup.begin")
         self._log.info("joining a running job: warming up with one local step first")
         return True
-
-    def skip_warmup(self) -> None:
-        """The first step joins the quorum even when the job is already running."""
-        self.warmup_pending = False
 
     def end_warmup(self) -> bool:
         """Training thread, ``should_commit``: ends the warm-up step.
@@ -155,9 +136,8 @@ class HealStep:
         Returns:
             True when this step was the warm-up (it is not voted on).
         """
-        if not self.warming_up:
+        if not self._machine.end_warmup():
             return False
-        self.warming_up = False
         mark("warmup.end")
         self._log.info("warm-up step done (not committed); the next step joins the quorum")
         return True
@@ -165,13 +145,10 @@ class HealStep:
     def take_outcome(self, outcome: QuorumOutcome) -> None:
         """Quorum thread: keeps the heal part of the step's quorum work."""
         self._note_torn(outcome.errors)
-        if self.torn and not outcome.healing and outcome.quorum.max_step == 0:
-            # Torn replicas are replicas at step 0 whose source died while they received its
-            # initial state, so usually every survivor is torn. The plan made this one the
-            # source: nothing trained yet, its state is as good an initial state as any, and
-            # the others sync to it. Refusing would bring the same plan back every round, and
-            # no step would ever commit (issue 40, bug 2).
-            self.torn = False
+        max_step = outcome.quorum.max_step
+        if self._machine.quorum_taken(
+            outcome.participation, healing=outcome.healing, max_step=max_step
+        ):
             self._log.warning(
                 "this replica's initial state was partly overwritten by a heal that failed, "
                 "and it is now the quorum's source at step 0: its state becomes the initial "
@@ -181,48 +158,20 @@ class HealStep:
             self.recovery_event = outcome.recovery_event
         if outcome.transfer is not None:
             # Runs beside the step's collectives; should_commit waits for it.
-            self.transfer = (outcome.transfer, outcome.quorum.max_step)
-        if not outcome.healing:
-            return
-        self.healing = True
-        self.heal_target = max(self.heal_target, outcome.quorum.max_step)
-        if outcome.received is not None:
-            # The manager's own counters are restored now, as the reference does; the user
-            # state waits for the training thread.
-            self.take(outcome.received, outcome.quorum.max_step)
+            self.transfer = (outcome.transfer, max_step)
+        if outcome.healing and outcome.received is not None:
+            self.take(outcome.received, max_step)
 
     def take(self, received: dict[str, Any], max_step: int) -> None:
-        """Keeps what arrived for the training thread and restores the manager's counters.
+        """Keeps what arrived for the training thread; the counters become the sender's now,
+        as the reference does (the user state waits for the training thread).
 
         Args:
             received: the state that arrived (``{"user", "torchft"}``).
             max_step: the quorum's step, which the healer joins.
         """
-        self.pre_heal = self._host.state_dict()
         self.pending = received
-        self._host.load_state_dict(received["torchft"])
-        # The quorum's step, whatever step the sender's counters were captured at.
-        self._host.load_state_dict({**self._host.state_dict(), "step": max_step})
-
-    def ballot(
-        self, step: int, num_participants: int, min_replica_size: int, errored: bool
-    ) -> Ballot:
-        """This rank's vote on its step (``vote.ballot``), at ``step`` by its counters: after a
-        heal that failed here, on the step its group healed to. Keeps what the vote leaves of
-        the heal's target."""
-        choice = ballot(
-            step=step,
-            heal_target=self.heal_target,
-            num_participants=num_participants,
-            min_replica_size=min_replica_size,
-            errored=errored,
-        )
-        self.heal_target = choice.heal_target
-        return choice
-
-    def vote_step(self, step: int) -> int:
-        """The step this replica votes on, at ``step`` by its counters (see :meth:`ballot`)."""
-        return self.ballot(step, 0, 0, False).step
+        self._machine.heal_arrived(received["torchft"]["batches_committed"], max_step)
 
     def settle(self) -> None:
         """Training thread: waits for the transfer that ran beside the step's collectives.
@@ -250,27 +199,21 @@ class HealStep:
         self._note_torn(transfer.errors)
         if transfer.recovery_event is not None:
             self.recovery_event = transfer.recovery_event
-        if transfer.received is not None and self.healing:
+        if transfer.received is not None and self._machine.healing:
             self.take(transfer.received, max_step)
 
     def _note_torn(self, errors: list[Exception]) -> None:
-        if any(isinstance(e, TornCheckpointError) for e in errors):
-            if not self.torn:
-                self._log.warning(
-                    "a heal into this replica's own tensors failed part way: it will not commit "
-                    "or send its state until a heal succeeds"
-                )
-            self.torn = True
+        if any(isinstance(e, TornCheckpointError) for e in errors) and self._machine.tore():
+            self._log.warning(
+                "a heal into this replica's own tensors failed part way: it will not commit "
+                "or send its state until a heal succeeds"
+            )
 
     def check_torn(self) -> None:
         """Training thread, before the vote: a torn replica's step does not commit."""
-        if self.torn:
-            self._host.report_error(
-                RuntimeError(
-                    "this replica's state was partly overwritten by a heal that failed; it "
-                    "must heal from a peer before it may commit"
-                )
-            )
+        why = self._machine.torn_error()
+        if why is not None:
+            self._host.report_error(RuntimeError(why))
 
     def synchronize(self) -> None:
         """Training thread: waits for the device work of the last transfer (CUDA only)."""
@@ -289,13 +232,12 @@ class HealStep:
             mark("load.begin")
             self._load_user(pending["user"])
             mark("load.end")
-            self._log.info("loaded the recovered state dict")
-            self.torn = False
-            self._healed()
         except Exception as e:
             self._log.exception(f"loading the recovered state dict failed: {e}")
             self._host.report_error(e)
-            # Not healed after all: report the old step so the next quorum heals again.
-            if self.pre_heal is not None:
-                self._host.load_state_dict(self.pre_heal)
-        self.pre_heal = None
+            # Not healed after all: the old step is reported, so the next quorum heals again.
+            self._machine.loaded(ok=False)
+            return
+        self._log.info("loaded the recovered state dict")
+        self._machine.loaded(ok=True)
+        self._healed()

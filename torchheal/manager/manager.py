@@ -1,79 +1,46 @@
 """The :class:`Manager`: the per-step fault-tolerance lifecycle on every rank (reference §6).
 
-It composes parts that each do one job and are tested alone (see the package docstring), built
-by :func:`~torchheal.manager.build.build_parts`. The Manager alone writes its step, quorum id
-and participation; the rules it applies are pure functions in ``torchheal.coordination.plan``
-(who participates) and ``torchheal.coordination.vote`` (the local vote, the retry limit).
+When a step commits, and what a lighthouse notice does, is decided by the pure step machine
+(:mod:`torchheal.manager.machine`); the Manager drives it and does what it says with parts that
+each do one job (built by :func:`~torchheal.manager.build.build_parts`): the quorum thread, the
+heal (:class:`~torchheal.manager.heal.HealStep`: the transfer and the load, on the training
+thread only, a deliberate difference from the reference), the fail-fast aborts
+(:class:`~torchheal.manager.failfast.ConnectedQuorum`) and the salvage of a step a group died in
+(:mod:`torchheal.manager.salvage`). ``docs/architecture.md`` ("The step machine") lists the
+rules and their invariants.
 
-Deliberate difference from the reference: the user's ``state_dict``/``load_state_dict`` run
-only on the training thread. ``start_quorum`` captures ``_manager_state_dict()`` (tensor
-references, cheap) before handing the quorum to the background thread, which only moves a
-copy; the received state is loaded on the training thread
-(:class:`~torchheal.manager.heal.HealStep`, which also holds why and when a healer's transfer
-runs beside the step's collectives, and the warm-up of a group joining a running job).
-
-Failing fast: when the lighthouse says a group of the current quorum is gone, every rank
-aborts its cross-replica process group at once
-(:class:`~torchheal.manager.failfast.ConnectedQuorum`), so a collective blocked on a dead group
-fails now instead of at its timeout.
-
-Salvaging (``salvage_step=True``, :mod:`torchheal.manager.salvage`): a step failed by such an
-abort is redone in ``should_commit``, in a new quorum without the lost group, instead of being
-skipped.
-
-Errors: a quorum RPC error (timeout, lighthouse unreachable, not in the quorum) and a
-``should_commit`` RPC error are raised; any other failure in a step (process-group
-reconfiguration, checkpoint transfer, a collective) is reported and makes the step not commit.
+Errors: a quorum RPC error and a ``should_commit`` RPC error are raised; any other failure in a
+step (reconfiguration, transfer, a collective) is reported and makes the step not commit.
 """
 
 from __future__ import annotations
 
 import logging
 import socket
-import warnings
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, TypeVar
 
 import torch
-from torch.distributed import ReduceOp
 
 from torchheal._base import config
 from torchheal.checkpointing import CheckpointTransport, HTTPTransport
 from torchheal.coordination.plan import Participation, WorldSizeMode
-from torchheal.coordination.types import Notice, NoticeKind
-from torchheal.coordination.vote import retry_limit_error
-from torchheal.futures import Expiry, timed_then
-from torchheal.manager.allreduce import IS_TRITON_AVAILABLE, averaging, start_allreduce
+from torchheal.coordination.types import Notice
+from torchheal.manager.allreduce import IS_TRITON_AVAILABLE, ManagerCollectives
 from torchheal.manager.build import build_parts, copies_state
-from torchheal.manager.failfast import ConnectedQuorum
-from torchheal.manager.heal import HealStep
-from torchheal.manager.quorum_thread import QuorumThread
+from torchheal.manager.machine import EndHeal
 from torchheal.manager.quorum_worker import QuorumOutcome, StepRequest
-from torchheal.manager.salvage import (
-    LOSS_NOTICE_GRACE_S,
-    NOT_A_LOSS,
-    KeptAllreduce,
-    KeptInputs,
-    salvage_refusal,
-)
 from torchheal.manager.settings import ManagerSettings
-from torchheal.manager.state import StateRegistry
-from torchheal.manager.step import ExceptionWithTraceback, StepLedger
-from torchheal.manager.views import View
-from torchheal.process_group.work import _DummyWork, _ErrorRecordingWork
-from torchheal.work import _ManagedWork
+from torchheal.manager.state import ManagerUserState, StateRegistry
+from torchheal.manager.views import ReferenceViews
 
 __all__ = ["IS_TRITON_AVAILABLE", "Manager"]
 
 T = TypeVar("T")
 
 
-def _value(f: torch.futures.Future[T]) -> T:
-    return f.value()
-
-
-class Manager:
+class Manager(ManagerCollectives, ManagerUserState, ReferenceViews):
     """Manages the fault-tolerant training loop of one rank of one replica group.
 
     The replica group's TCPStore must already run at ``store_addr:store_port`` (torchrun
@@ -150,13 +117,13 @@ class Manager:
             lighthouse_addr=lighthouse_addr,
             port=port,
         )
-        self._timeouts = settings.timeouts
-        self._timeout: timedelta = settings.timeouts.timeout
-        self._quorum_timeout: timedelta = settings.timeouts.quorum_timeout
-        self._connect_timeout: timedelta = settings.timeouts.connect_timeout
-        self._quorum_retries: int = settings.timeouts.quorum_retries
-        self._group_rank: int = settings.group_rank
-        self._group_world_size: int = settings.group_world_size
+        timeouts = settings.timeouts
+        self._timeout, self._quorum_timeout = timeouts.timeout, timeouts.quorum_timeout
+        self._connect_timeout, self._quorum_retries = (
+            timeouts.connect_timeout,
+            timeouts.quorum_retries,
+        )
+        self._group_rank, self._group_world_size = settings.group_rank, settings.group_world_size
 
         self._state = StateRegistry(lock_timeout=self._timeout)
         self._replica_id = replica_id
@@ -167,28 +134,19 @@ class Manager:
             raise ValueError(f"min_replica_size must be >= 1, got {min_replica_size}")
         self._min_replica_size = min_replica_size
         self._use_async_quorum = use_async_quorum
-        self._replica_world_size_mode = world_size_mode
-        self._init_sync = init_sync
-        self._max_retries = max_retries
-        self._commit_failures = 0
-        self._salvage = config.salvage_step() if salvage_step is None else salvage_step
-        self._kept = KeptInputs()
-        self._salvaged = False  # this step was redone in a new quorum
-        self._replaying = False
 
         if checkpoint_transport is None:
             checkpoint_transport = HTTPTransport(timeout=self._timeout, num_chunks=0)
         self._checkpoint_transport: CheckpointTransport[Any] = checkpoint_transport
 
         self._pg = pg
-
-        self._step = 0
         parts = build_parts(
             settings,
             transport=self._checkpoint_transport,
             state=self._state,
             process_group=lambda: self._pg,
-            current_step=self.current_step,
+            host=self,
+            apply_outcome=self._apply_outcome,
             replica_name=replica_id,
             hostname=hostname,
             heartbeat_interval=heartbeat_interval,
@@ -196,130 +154,32 @@ class Manager:
             init_sync=init_sync,
             world_size_mode=world_size_mode,
             min_replica_size=min_replica_size,
+            max_retries=max_retries,
+            salvage=config.salvage_step() if salvage_step is None else salvage_step,
         )
-        self._endpoints = parts.endpoints
-        self._full_replica_id: str = self._endpoints.replica_id
-        self._logger = parts.logger
-        self._telemetry = parts.telemetry
-        self._worker = parts.worker
-        self._recovery = parts.recovery
-        self._ledger = StepLedger()
-        self._quorums = QuorumThread(self._worker, self._apply_outcome, self._telemetry)
+        self._endpoints, self._logger, self._telemetry = (
+            parts.endpoints,
+            parts.logger,
+            parts.telemetry,
+        )
+        self._worker, self._recovery, self._quorums = parts.worker, parts.recovery, parts.quorums
+        self._machine, self._ledger, self._heal = parts.machine, parts.ledger, parts.heal
+        self._connected, self._salvage = parts.connected, parts.salvage
         self._background_transfer = parts.background_transfer
-        self._heal = HealStep(
-            host=self,
-            load_user=self._state.load,
-            timeout=self._timeout,
-            waited=self._telemetry.waited,
-            log=self._logger,
-            warmup=parts.warmup,
-            healed=self._endpoints.healed,
-        )
-
-        self._connected = ConnectedQuorum(
-            lambda: self._pg,
-            self._logger,
-            self._telemetry.process_group_aborted,
-            gave_up=self._endpoints.gave_up,
-        )
-        self._batches_committed = 0
-        # This step's contributors, as seen from this replica; None before the first quorum.
-        self._participation: Participation | None = None
-        self._worker.guard_builds(self._connected.building)
+        self._full_replica_id: str = self._endpoints.replica_id
         self._endpoints.watch_lost(self._group_rank, self._on_notice)
 
     def _on_notice(self, notice: Notice) -> None:
-        """What a lighthouse notice does (the one place): stop waiting on what it ends."""
-        kind = notice.kind
-        if kind is NoticeKind.DROPPED or kind is NoticeKind.SUPERSEDED:
-            self._connected.on_dropped(
-                notice.replica_id, notice.quorum_id, notice.reason, kind is NoticeKind.SUPERSEDED
-            )
-            return
-        if kind is NoticeKind.LOST:
-            # A heal from that group ends at once (a socket shutdown).
-            self._recovery.on_member_lost(notice.replica_id, notice.quorum_id, notice.reason)
-        # Lost, or a rank of ours gave that build up: ours for that quorum, built or not, will
-        # never run with the others (they abandon theirs too).
-        self._connected.on_member_lost(notice.replica_id, notice.quorum_id, notice.reason)
+        """Does what a lighthouse notice does (decided by ``machine.Connection.on_notice``)."""
+        self._connected.on_notice(notice, self._end_heal)
 
-    # -- test-visible attributes of the reference (§2.2), kept as views of the parts ----------
-
-    _errored = View("_ledger", "error")
-    _healing = View("_heal", "healing")
-    _pending_state_dict = View("_heal", "pending")
-    _quorum_id = View("_connected", "quorum_id")
-    _quorum_future = View("_quorums", "future")
-    _state_dict_lock = View("_state", "lock", writable=False)
-    _is_state_dict_read_allowed = View("_state", "reads_allowed", writable=False)
-
-    @property
-    def _participating_replica_rank(self) -> int | None:
-        return None if self._participation is None else self._participation.rank
-
-    @_participating_replica_rank.setter
-    def _participating_replica_rank(self, rank: int | None) -> None:
-        self._participation = Participation(rank, self._participating_replica_world_size)
-
-    @property
-    def _participating_replica_world_size(self) -> int:
-        return 0 if self._participation is None else self._participation.count
-
-    @_participating_replica_world_size.setter
-    def _participating_replica_world_size(self, count: int) -> None:
-        self._participation = Participation(self._participating_replica_rank, count)
+    def _end_heal(self, end: EndHeal) -> None:
+        self._recovery.on_member_lost(end.replica_id, end.quorum_id, end.reason)
 
     @property
     def salvage_step(self) -> bool:
         """Whether a step a replica group dies in is redone without it (``salvage_step``)."""
-        return self._salvage
-
-    # -- user state ----------------------------------------------------------------------
-
-    def register_state_dict_fn(
-        self, key: str, load_state_dict: Callable[[T], None], state_dict: Callable[[], T]
-    ) -> None:
-        """Registers a named pair of user state functions sent to healing peers.
-
-        Args:
-            key: unique name; the receiver loads ``state["user"][key]`` with its function.
-            load_state_dict: loads the received state (called on the training thread).
-            state_dict: returns the state to send (called on the training thread).
-
-        Raises:
-            AssertionError: ``key`` is already registered.
-        """
-        self._state.register(key, load_state_dict, state_dict)
-
-    def set_state_dict_fns(
-        self, load_state_dict: Callable[[T], None], state_dict: Callable[[], T]
-    ) -> None:
-        """Deprecated: use :meth:`register_state_dict_fn`.
-
-        Args:
-            load_state_dict: see ``register_state_dict_fn``.
-            state_dict: see ``register_state_dict_fn``.
-        """
-        warnings.warn(
-            "Manager.set_state_dict_fns is deprecated; use register_state_dict_fn",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        self.register_state_dict_fn("set_state_dict_fns", load_state_dict, state_dict)
-
-    def allow_state_dict_read(self) -> None:
-        """Lets peers read the state dict again after :meth:`disallow_state_dict_read`."""
-        self._state.unblock_reads()
-
-    def disallow_state_dict_read(self) -> None:
-        """Makes state-dict reads wait while the state is being changed (idempotent)."""
-        self._state.block_reads()
-        if getattr(self._checkpoint_transport, "copies_on_write", False) is True:
-            # A transport serving the state where it lies copies what a healer still needs now.
-            self._checkpoint_transport.disallow_checkpoint()
-
-    def _manager_state_dict(self) -> dict[str, Any]:
-        return self._state.read(self.state_dict)
+        return self._machine.salvage
 
     # -- step lifecycle -----------------------------------------------------------------
 
@@ -345,10 +205,9 @@ class Manager:
         self._quorums.raise_unobserved()
         self._heal.drain()  # the last step's transfer, if its should_commit never came
         self._ledger.begin()
-        self._kept.begin()
-        self._salvaged = False
-        if self._heal.begin():
-            self._start_warmup()
+        self._salvage.kept.begin()
+        if self._heal.begin():  # the warm-up (see torchheal.manager.heal): no quorum
+            self._quorums.skip()
             return
         self._quorums.submit(self._step_request(allow_heal, shrink_only, timeout))
         if not self._use_async_quorum:
@@ -362,12 +221,12 @@ class Manager:
         self, allow_heal: bool, shrink_only: bool, timeout: timedelta | None
     ) -> StepRequest:
         """This step's quorum request (captures the state a healing peer would receive)."""
-        # Captured on this (the training) thread. A torn replica (a heal into its own tensors
-        # failed part way, at step 0) sends it only as the source at step 0 (HealStep).
+        # Captured on this (the training) thread.
         captured = self._capture_state_dict() if allow_heal else None
+        machine = self._machine
         return StepRequest(
-            step=self._step,
-            commit_failures=self._commit_failures,
+            step=machine.step,
+            commit_failures=machine.commit_failures,
             current_quorum_id=self._quorum_id,
             allow_heal=allow_heal,
             shrink_only=shrink_only,
@@ -377,14 +236,13 @@ class Manager:
             can_load=not self._state.empty,
             background=self._background_transfer,
             # Nothing worth keeping (never committed): a heal receives into its own tensors.
-            heal_in_place=self._step == 0 and self._batches_committed == 0,
+            heal_in_place=machine.step == 0 and machine.batches_committed == 0,
         )
 
-    def _start_warmup(self) -> None:
-        """This group (re)started into a running job: its first step runs alone (see
-        :mod:`torchheal.manager.heal`). It joins no quorum and counts no participant."""
-        self._quorums.skip()
-        self._participation = Participation(rank=None, count=0)
+    def _requorum(self) -> None:
+        """A new quorum of the same step, nobody admitted (a salvage's redo)."""
+        self._quorums.submit(self._step_request(True, True, None))
+        self.wait_quorum()
 
     def skip_warmup(self) -> None:
         """Joins the quorum at the first step even when the job is already running.
@@ -392,7 +250,7 @@ class Manager:
         For training loops whose first ``start_quorum`` comes after many local steps (LocalSGD),
         where the warm-up is already done and a local first sync would only delay the heal.
         """
-        self._heal.skip_warmup()
+        self._machine.warmup_pending = False
 
     def wait_quorum(self) -> None:
         """Waits for the in-flight quorum; re-raises its error.
@@ -402,25 +260,8 @@ class Manager:
         """
         self._quorums.wait()
 
-    def _capture_state_dict(self) -> dict[str, Any] | None:
-        if self._state.empty:
-            return None
-        if not self._state.reads_allowed:
-            # This thread holds the writer side; reading would wait for ourselves.
-            self._logger.warning(
-                "state-dict reads are disallowed at start_quorum; cannot serve recovery this step"
-            )
-            return None
-        try:
-            return self._manager_state_dict()
-        except Exception as e:
-            self._logger.exception(f"capturing the state dict failed: {e}")
-            self.report_error(e)
-            return None
-
     def _apply_outcome(self, outcome: QuorumOutcome) -> None:
         """Quorum thread: takes in what the step's quorum work produced (the only writer)."""
-        self._participation = outcome.participation
         if outcome.reconfigured:
             self._connected.adopt(outcome.quorum.quorum_id, outcome.quorum.replica_ids)
         for error in outcome.errors:
@@ -432,139 +273,6 @@ class Manager:
         assert self._healing, "must be in healing state"
         self.wait_quorum()
         self._heal.apply()
-
-    # -- collectives --------------------------------------------------------------------
-
-    def allreduce(
-        self,
-        tensor: torch.Tensor,
-        should_quantize: bool = False,
-        reduce_op: ReduceOp = ReduceOp.AVG,
-    ) -> torch.distributed.Work:
-        """Fault-tolerant allreduce across the participating replicas, in place.
-
-        AVG is a SUM divided by the number of participating replicas. Errors are not raised:
-        they are reported, the returned work completes with the (garbage) tensor, and every
-        later allreduce of the step is a no-op.
-
-        Args:
-            tensor: the tensor to reduce in place.
-            should_quantize: send 8-bit quantized data (SUM/AVG only).
-            reduce_op: the reduction; AVG needs a floating point tensor.
-
-        Raises:
-            ValueError: AVG on a non-floating point tensor.
-            TimeoutError, RuntimeError: the quorum of this step failed.
-        """
-        if self._heal.warming_up:
-            return _DummyWork(tensor)  # the warm-up step's collectives are local no-ops
-        if self._salvage and not self._replaying:
-            self._kept.keep(tensor, reduce_op, should_quantize)  # before it is reduced
-        if self.errored():
-            return _DummyWork(tensor)
-        self.wait_quorum()
-        num_participants = self.num_participants()
-        is_avg = reduce_op == ReduceOp.AVG
-        if is_avg and not tensor.is_floating_point():
-            # Worded as the reference's; its tests match this text.
-            raise ValueError("average reduce op is only supported for floating point tensors")
-        if not self.is_participating():
-            # Healing replicas and spares contribute zeros but stay in lock-step.
-            tensor.zero_()
-        # Before it starts: an abort of the group for its quorum (a lost peer, or this group's
-        # own drop) ends what is pending in it, this collective included.
-        expiry = self._connected.expiry
-        try:
-            work = start_allreduce(self._pg, tensor, reduce_op, should_quantize)
-        except Exception as e:
-            lost = self._connected.aborted_for
-            self._telemetry.allreduce_failed()
-            if lost is not None:  # the fail-fast abort of a lost peer: expected, no traceback
-                how = f"allreduce not started: the process group was aborted as {lost}"
-                self._fail_step(e, how=how, cause=False)
-            else:
-                self._fail_step(e, how="allreduce failed to start", trace=True)
-            return _DummyWork(tensor)
-
-        # Counts this allreduce's failure once, whether wait() or its future reports it.
-        work = _ErrorRecordingWork(work, self._telemetry.allreduce_error_counter())
-        managed = _ManagedWork(self, work, tensor, expiry)
-        managed.get_future().then(averaging(tensor, num_participants if is_avg else 1))
-        self._ledger.track_work(managed)
-        return managed
-
-    def report_error(self, e: Exception) -> None:
-        """Marks this step as failed: it will not commit, and the PG is rebuilt next step.
-
-        Args:
-            e: what failed.
-        """
-        self._fail_step(e, foreign=True)
-
-    def _fail_step(
-        self,
-        e: Exception,
-        foreign: bool = False,
-        how: str = "step failed",
-        trace: bool = False,
-        cause: bool = True,
-    ) -> None:
-        # ``foreign``: reported by the training loop, not by the step's collectives or quorum
-        # (a new quorum would not cure it: such a step is never salvaged). One failure fails
-        # every collective of the step after it (a lost peer: each bucket's allreduce), so only
-        # the step's first error is logged where users look; the rest go to debug. ``cause``
-        # False: ``how`` says it all (the error itself only repeats it in the backend's words).
-        first = self._ledger.report(e, foreign=foreign)
-        self._telemetry.error()
-        if first:
-            line = f"{how}: {type(e).__name__}: {e}" if cause else how
-            self._logger.warning(line, exc_info=e if trace else None)
-        else:
-            self._logger.debug(f"{how} (the step had failed already): {type(e).__name__}: {e}")
-
-    def errored(self) -> ExceptionWithTraceback | None:
-        """Returns the error reported in this step, or None."""
-        return self._ledger.error
-
-    def wrap_future(
-        self,
-        fut: torch.futures.Future[T],
-        default: T,
-        timeout: timedelta | None = None,
-    ) -> torch.futures.Future[T]:
-        """Adds a timeout to ``fut`` and swallows its error into ``report_error``.
-
-        Args:
-            fut: the future to wrap.
-            default: the value the returned future holds when ``fut`` fails or times out.
-            timeout: defaults to the manager's ``timeout``.
-        """
-
-        # The loop's own future: a salvage would not redo it, so its failure stands.
-        return self._wrap_future_then(fut, _value, default, timeout, foreign=True)
-
-    def _wrap_future_then(
-        self,
-        fut: torch.futures.Future[Any],
-        then: Callable[[torch.futures.Future[Any]], T],
-        default: T,
-        timeout: timedelta | None = None,
-        foreign: bool = False,
-        expiry: Expiry | None = None,
-    ) -> torch.futures.Future[T]:
-        # ``wrap_future(fut.then(then), default)`` in one callback on ``fut``: this runs for
-        # every gradient bucket, on the thread completing its collective (torchheal.work).
-        def callback(f: torch.futures.Future[Any]) -> T:
-            try:
-                return then(f)
-            except Exception as e:
-                # The loop's own futures may fail for a bug: their first failure keeps its trace.
-                self._fail_step(e, foreign, "future failed, skipping the step", trace=foreign)
-                return default
-
-        wrapped = timed_then(fut, timeout or self._timeout, callback, expiry)
-        self._ledger.track_future(wrapped)
-        return wrapped
 
     def should_commit(self, timeout: timedelta | None = None) -> bool:
         """The replica group's vote on this step; advances the step on success.
@@ -585,21 +293,18 @@ class Manager:
             return False  # the warm-up step is not voted on
         while True:
             self._settle_step()
-            choice = self._heal.ballot(
-                self._step,
-                self.num_participants(),
-                self._min_replica_size,
-                self._errored is not None,
-            )
+            choice = self._machine.ballot(self._errored is not None)
             # A "no" that a redo would cure says so, and the group redoes the step only when
             # every rank's "no" does (a group of one rank: when its own does).
-            salvageable = not choice.vote and self._salvageable()
+            salvageable = not choice.vote and self._salvage.salvageable(
+                self._pg.errored() is not None
+            )
             decision, redo = self._endpoints.vote(
                 self._group_rank, choice.step, choice.vote, timeout or self._timeout, salvageable
             )
-            if not redo or self._salvaged:
+            if not redo or self._machine.salvaged:
                 break
-            self._redo_step(self._kept.take())
+            self._salvage.redo(self._requorum, self.allreduce)
         return self._conclude(decision, choice.vote)
 
     def _settle_step(self) -> None:
@@ -629,107 +334,27 @@ class Manager:
             self._min_replica_size,
             self._errored is not None,
         )
-        self._telemetry.committed(self._step, self._quorum_id, decision)
+        self._telemetry.committed(self._machine.step, self._quorum_id, decision)
         if not copies_state(self._checkpoint_transport):
             # The state changes after this: stop serving it (a transport that copies on write
             # copies what a healer still needs and lets it finish from the copy). One that
             # served its own copy lets a slow healer finish too (its next send replaces it).
             self._checkpoint_transport.disallow_checkpoint()
-        if decision:
-            self._step += 1
-            self._batches_committed += num_participants
-            self._commit_failures = 0
-        else:
-            self._commit_failures += 1
-            message = retry_limit_error(self._commit_failures, self._max_retries)
-            if message is not None:
-                self._logger.warning(message)
-                raise RuntimeError(message)
+        fatal = self._machine.decided(decision)
+        if fatal is not None:
+            self._logger.warning(fatal)
+            raise RuntimeError(fatal)
         return decision
-
-    def _salvageable(self) -> bool:
-        """Whether a redo in a new quorum would cure this step (``salvage_refusal``).
-
-        See :mod:`torchheal.manager.salvage`. On the training thread, in ``should_commit``,
-        once every collective of the step has ended.
-        """
-        if not self._salvage:
-            return False  # the default: nothing kept, nothing asked
-        facts = dict(
-            enabled=self._salvage,
-            errored=self._errored is not None or self._pg.errored() is not None,
-            foreign=self._ledger.foreign_error,
-            kept=len(self._kept.records),
-            healing=self._healing,
-            contributed=self.is_participating(),
-            already_salvaged=self._salvaged,
-        )
-        refusal = salvage_refusal(
-            aborted_for=self._connected.aborted_for, dropped=self._connected.dropped, **facts
-        )
-        if refusal == NOT_A_LOSS:
-            # A collective fails on the dead group's connections before the notice arrives.
-            lost = self._connected.wait_aborted(LOSS_NOTICE_GRACE_S)
-            refusal = salvage_refusal(aborted_for=lost, dropped=self._connected.dropped, **facts)
-        if refusal is not None and self._errored is not None:
-            self._logger.info(f"step {self._step} not salvaged: {refusal}")
-        return refusal is None
-
-    def _redo_step(self, kept: list[KeptAllreduce]) -> None:
-        """Redoes the step's allreduces from their kept inputs, in a new quorum of the step."""
-        if not self._salvage:
-            # Another rank of the group salvages and this one kept nothing to redo from: its
-            # gradients would disagree with theirs. The step fails instead.
-            self._fail_step(RuntimeError("the group's ranks disagree on salvage_step"))
-            return
-        why = self._connected.aborted_for or "another rank of the group lost a replica group"
-        self._logger.warning(
-            f"salvaging step {self._step}: {why}; redoing its {len(kept)} allreduces in a new "
-            "quorum"
-        )
-        self._salvaged = True
-        self._ledger.drain()  # nothing of the failed attempt may still write into the tensors
-        self._heal.drain()  # a transfer of the failed attempt's quorum: dropped
-        self._ledger.begin()
-        self._quorums.submit(self._step_request(True, True, None))
-        try:
-            self.wait_quorum()
-        except Exception as e:
-            self._fail_step(e)
-            return
-        self._replaying = True
-        try:
-            for k in kept:
-                k.tensor.copy_(k.kept)
-                self.allreduce(k.tensor, k.should_quantize, k.reduce_op)
-        finally:
-            self._replaying = False
-        self._ledger.settle()
-        if self._errored is None:
-            self._telemetry.salvaged()
 
     # -- manager state and queries --------------------------------------------------------
 
-    def load_state_dict(self, state_dict: dict[str, int]) -> None:
-        """Restores the step and batch counters (from a checkpoint or a healing peer).
-
-        Args:
-            state_dict: ``{"step": int, "batches_committed": int}``.
-        """
-        self._step = state_dict["step"]
-        self._batches_committed = state_dict["batches_committed"]
-
-    def state_dict(self) -> dict[str, int]:
-        """Returns ``{"step", "batches_committed"}``; checkpoint it with the user state."""
-        return {"step": self._step, "batches_committed": self._batches_committed}
-
     def current_step(self) -> int:
         """Returns the number of committed steps (the first step is 0)."""
-        return self._step
+        return self._machine.step
 
     def batches_committed(self) -> int:
         """Returns the total batches committed over all steps and participating replicas."""
-        return self._batches_committed
+        return self._machine.batches_committed
 
     def participating_rank(self) -> int | None:
         """This replica's rank among the step's contributors, after the quorum in flight.
@@ -746,8 +371,7 @@ class Manager:
 
     def is_participating(self) -> bool:
         """Whether this replica's data counts this step (not a spare, not outside, not healing)."""
-        current = self._participation
-        return current is not None and current.contributes(healing=self._healing)
+        return self._machine.contributes()
 
     def _settled_participation(self) -> Participation | None:
         # Nothing to wait for before the first start_quorum; afterwards the quorum in flight
@@ -755,7 +379,7 @@ class Manager:
         if self._quorums.future is None:
             return None
         self.wait_quorum()
-        return self._participation
+        return self._machine.participation
 
     def shutdown(self, wait: bool = True) -> None:
         """Stops the checkpoint transport, the ManagerServer and the quorum thread.

@@ -29,22 +29,34 @@ step failed salvageably votes "no, but a redo would cure it" (a torchheal-only f
 group's vote), and when every "no" of the round says so, the manager server answers "redo" to
 all the group's ranks, which redo the step together (those whose own step went well too, from
 their kept inputs) and vote again. A group of one rank goes the same way (its own vote
-decides). :func:`salvage_refusal` is the rule, kept free of I/O. Only the lighthouse's word
+decides). :func:`~torchheal.manager.machine.salvage_refusal` is the rule, in the step machine. Only the lighthouse's word
 that a group is lost (the process group's fail-fast abort) starts a salvage, never a
 collective's error alone: a new quorum cures a lost group, not a flaky link.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.distributed import ReduceOp
 
-__all__ = ["LOSS_NOTICE_GRACE_S", "NOT_A_LOSS", "KeptAllreduce", "KeptInputs", "salvage_refusal"]
+from torchheal.manager.failfast import ConnectedQuorum
+from torchheal.manager.heal import HealStep
+from torchheal.manager.log import ManagerLogger
+from torchheal.manager.machine import NOT_A_LOSS, StepMachine, salvage_refusal
+from torchheal.manager.step import StepLedger
 
-#: The refusal of a step whose failure no lost group explains (yet).
-NOT_A_LOSS = "the failure was not the loss of a replica group"
+__all__ = [
+    "LOSS_NOTICE_GRACE_S",
+    "NOT_A_LOSS",
+    "KeptAllreduce",
+    "KeptInputs",
+    "Salvage",
+    "salvage_refusal",
+]
 
 #: How long a failed step waits for the lighthouse's notice that a group is lost before it is
 #: given up. A collective often fails first, on the dead group's reset connections, and the
@@ -103,46 +115,102 @@ class KeptInputs:
         return records
 
 
-def salvage_refusal(
-    *,
-    enabled: bool,
-    errored: bool,
-    foreign: bool,
-    aborted_for: str | None,
-    kept: int,
-    healing: bool,
-    contributed: bool,
-    already_salvaged: bool,
-    dropped: bool = False,
-) -> str | None:
-    """Why this step cannot be salvaged (None: it can).
+class Salvage:
+    """Keeps the step's allreduce inputs and redoes them when the step machine says so.
 
     Args:
-        enabled: the Manager was asked to salvage.
-        errored: the step failed.
-        foreign: the training loop itself reported a failure (``report_error``): it stands.
-        aborted_for: why the process group was aborted (None: it was not, so the failure is
-            something else, which a new quorum would not cure).
-        kept: allreduces kept this step.
-        healing: this replica healed in this step (its inputs were zeros).
-        contributed: this replica's data counted in this step.
-        already_salvaged: this step was salvaged once already.
-        dropped: the process group was aborted because the lighthouse dropped this group
-            (frozen past its heartbeat timeout): its peers redid the step without it, and it
-            heals instead.
+        machine: the Manager's step machine (its ``salvage_refusal`` decides).
+        connected: the fail-fast part (why the process group was aborted, if it was).
+        ledger: the step's errors and outstanding work.
+        heal: the step's heal (a transfer of the failed attempt's quorum is dropped).
+        log: the Manager's prefixed logger.
+        salvaged: told after a step was redone without a new failure (a counter).
     """
-    if not enabled or not errored:
-        return "not enabled" if not enabled else "nothing failed"
-    if foreign:
-        return "the training loop reported an error"
-    if already_salvaged:
-        return "the step was salvaged once already"
-    if healing or not contributed:
-        return "this replica did not contribute to the step"
-    if kept == 0:
-        return "no allreduce was kept"
-    if dropped:
-        return "this group was dropped from the quorum"
-    if aborted_for is None:
-        return NOT_A_LOSS  # checked last: the one a short wait may change
-    return None
+
+    def __init__(
+        self,
+        *,
+        machine: StepMachine,
+        connected: ConnectedQuorum,
+        ledger: StepLedger,
+        heal: HealStep,
+        log: ManagerLogger,
+        salvaged: Callable[[], None],
+    ) -> None:
+        self._machine = machine
+        self._connected = connected
+        self._ledger = ledger
+        self._heal = heal
+        self._log = log
+        self._salvaged = salvaged
+        self.kept = KeptInputs()
+        #: The step's allreduces are being redone (none of them is kept again).
+        self.replaying = False
+
+    def keep(self, tensor: torch.Tensor, reduce_op: ReduceOp, should_quantize: bool) -> None:
+        """Before an allreduce of the step: keeps its input (not while redoing)."""
+        if self._machine.salvage and not self.replaying:
+            self.kept.keep(tensor, reduce_op, should_quantize)
+
+    def salvageable(self, pg_errored: bool) -> bool:
+        """Whether a redo in a new quorum would cure this step (after its collectives ended).
+
+        Args:
+            pg_errored: the process group reports an error.
+        """
+        machine, connected = self._machine, self._connected
+        if not machine.salvage:
+            return False  # the default: nothing kept, nothing asked
+        facts = dict(
+            errored=self._ledger.error is not None or pg_errored,
+            foreign=self._ledger.foreign_error,
+            kept=len(self.kept.records),
+        )
+        refusal = machine.salvage_refusal(
+            aborted_for=connected.aborted_for, dropped=connected.dropped, **facts
+        )
+        if refusal == NOT_A_LOSS:
+            # A collective fails on the dead group's connections before the notice arrives.
+            lost = connected.wait_aborted(LOSS_NOTICE_GRACE_S)
+            refusal = machine.salvage_refusal(aborted_for=lost, dropped=connected.dropped, **facts)
+        if refusal is not None and self._ledger.error is not None:
+            self._log.info(f"step {machine.step} not salvaged: {refusal}")
+        return refusal is None
+
+    def redo(self, requorum: Callable[[], None], allreduce: Callable[..., Any]) -> None:
+        """Redoes the step's allreduces from their kept inputs, in a new quorum of the step.
+
+        Args:
+            requorum: asks for and waits for a new quorum of the same step (shrink only).
+            allreduce: the Manager's allreduce.
+        """
+        kept = self.kept.take()
+        if not self._machine.salvage:
+            # Another rank of the group salvages and this one kept nothing to redo from: its
+            # gradients would disagree with theirs. The step fails instead.
+            self._ledger.fail(RuntimeError("the group's ranks disagree on salvage_step"))
+            return
+        why = self._connected.aborted_for or "another rank of the group lost a replica group"
+        self._log.warning(
+            f"salvaging step {self._machine.step}: {why}; redoing its {len(kept)} allreduces "
+            "in a new quorum"
+        )
+        self._machine.redo()
+        self._ledger.drain()  # nothing of the failed attempt may still write into the tensors
+        self._heal.drain()  # a transfer of the failed attempt's quorum: dropped
+        self._ledger.begin()
+        try:
+            requorum()
+        except Exception as e:
+            self._ledger.fail(e)
+            return
+        self.replaying = True
+        try:
+            for k in kept:
+                k.tensor.copy_(k.kept)
+                allreduce(k.tensor, k.should_quantize, k.reduce_op)
+        finally:
+            self.replaying = False
+        self._ledger.settle()
+        if self._ledger.error is None:
+            self._salvaged()

@@ -15,16 +15,21 @@ on the training thread; background threads only ever see copies.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Mapping
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from torchheal._base.timeouts import to_seconds
 from torchheal.checkpointing.rwlock import RWLock
+from torchheal.manager.log import ManagerLogger
+from torchheal.manager.machine import StepMachine
 
-__all__ = ["StateRegistry", "copy_tensors"]
+T = TypeVar("T")
+
+__all__ = ["ManagerUserState", "StateRegistry", "copy_tensors"]
 
 
 class StateRegistry:
@@ -146,3 +151,87 @@ def copy_tensors(tree: Any) -> Any:
     if isinstance(tree, (list, tuple)) and not hasattr(tree, "_fields"):
         return type(tree)(copy_tensors(value) for value in tree)
     return tree
+
+
+class ManagerUserState:
+    """The Manager's methods for the user's state and its own counters (part of ``Manager``,
+    whose ``report_error`` they use)."""
+
+    _state: StateRegistry
+    _machine: StepMachine
+    _checkpoint_transport: Any
+    _logger: ManagerLogger
+
+    def register_state_dict_fn(
+        self, key: str, load_state_dict: Callable[[T], None], state_dict: Callable[[], T]
+    ) -> None:
+        """Registers a named pair of user state functions sent to healing peers.
+
+        Args:
+            key: unique name; the receiver loads ``state["user"][key]`` with its function.
+            load_state_dict: loads the received state (called on the training thread).
+            state_dict: returns the state to send (called on the training thread).
+
+        Raises:
+            AssertionError: ``key`` is already registered.
+        """
+        self._state.register(key, load_state_dict, state_dict)
+
+    def set_state_dict_fns(
+        self, load_state_dict: Callable[[T], None], state_dict: Callable[[], T]
+    ) -> None:
+        """Deprecated: use :meth:`register_state_dict_fn`.
+
+        Args:
+            load_state_dict: see ``register_state_dict_fn``.
+            state_dict: see ``register_state_dict_fn``.
+        """
+        warnings.warn(
+            "Manager.set_state_dict_fns is deprecated; use register_state_dict_fn",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        self.register_state_dict_fn("set_state_dict_fns", load_state_dict, state_dict)
+
+    def allow_state_dict_read(self) -> None:
+        """Lets peers read the state dict again after :meth:`disallow_state_dict_read`."""
+        self._state.unblock_reads()
+
+    def disallow_state_dict_read(self) -> None:
+        """Makes state-dict reads wait while the state is being changed (idempotent)."""
+        self._state.block_reads()
+        if getattr(self._checkpoint_transport, "copies_on_write", False) is True:
+            # A transport serving the state where it lies copies what a healer still needs now.
+            self._checkpoint_transport.disallow_checkpoint()
+
+    def _manager_state_dict(self) -> dict[str, Any]:
+        return self._state.read(self.state_dict)
+
+    def _capture_state_dict(self) -> dict[str, Any] | None:
+        if self._state.empty:
+            return None
+        if not self._state.reads_allowed:
+            # This thread holds the writer side; reading would wait for ourselves.
+            self._logger.warning(
+                "state-dict reads are disallowed at start_quorum; cannot serve recovery this step"
+            )
+            return None
+        try:
+            return self._manager_state_dict()
+        except Exception as e:
+            self._logger.exception(f"capturing the state dict failed: {e}")
+            self.report_error(e)
+            return None
+
+    def load_state_dict(self, state_dict: dict[str, int]) -> None:
+        """Restores the step and batch counters (from a checkpoint or a healing peer).
+
+        Args:
+            state_dict: ``{"step": int, "batches_committed": int}``.
+        """
+        self._machine.step = state_dict["step"]
+        self._machine.batches_committed = state_dict["batches_committed"]
+
+    def state_dict(self) -> dict[str, int]:
+        """Returns ``{"step", "batches_committed"}``; checkpoint it with the user state."""
+        return {"step": self._machine.step, "batches_committed": self._machine.batches_committed}

@@ -10,8 +10,10 @@ process groups or transports, so it is tested with plain objects.
 
 from __future__ import annotations
 
+import logging
 import threading
 import traceback
+from collections.abc import Callable
 from typing import Any, Protocol
 
 __all__ = ["ExceptionWithTraceback", "StepLedger"]
@@ -42,6 +44,12 @@ class _Work(Protocol):
     def wait(self) -> Any: ...
 
 
+class _Log(Protocol):
+    def warning(self, msg: str, exc_info: BaseException | None = None) -> None: ...
+
+    def debug(self, msg: str) -> None: ...
+
+
 class _Future(Protocol):
     def wait(self) -> Any: ...
 
@@ -55,7 +63,13 @@ class StepLedger:
     callbacks; a lock keeps the lists consistent between them.
     """
 
-    def __init__(self) -> None:
+    def __init__(
+        self,
+        log: _Log | None = None,
+        counted: Callable[[], None] = lambda: None,
+    ) -> None:
+        self._log: _Log = log or logging.getLogger(__name__)
+        self._counted = counted  # the error counter
         self._lock = threading.Lock()
         self._error: ExceptionWithTraceback | None = None
         #: Whether a failure of this step came from outside the step's collectives and
@@ -99,6 +113,37 @@ class StepLedger:
             if foreign:
                 self.foreign_error = True
         return first
+
+    def fail(
+        self,
+        e: Exception,
+        foreign: bool = False,
+        how: str = "step failed",
+        trace: bool = False,
+        cause: bool = True,
+    ) -> None:
+        """Fails the step (:meth:`report`), counted and logged.
+
+        One failure fails every collective of the step after it (a lost peer: each bucket's
+        allreduce), so only the step's first error is logged where users look; the rest go to
+        debug.
+
+        Args:
+            e: what failed.
+            foreign: reported by the training loop, not by the step's collectives or quorum (a
+                new quorum would not cure it: such a step is never salvaged).
+            how: what failed, for the log.
+            trace: log the traceback.
+            cause: False when ``how`` says it all (the error only repeats it in the backend's
+                words).
+        """
+        first = self.report(e, foreign=foreign)
+        self._counted()
+        if first:
+            line = f"{how}: {type(e).__name__}: {e}" if cause else how
+            self._log.warning(line, exc_info=e if trace else None)
+        else:
+            self._log.debug(f"{how} (the step had failed already): {type(e).__name__}: {e}")
 
     def track_work(self, work: _Work) -> None:
         """Remembers a collective issued in this step.

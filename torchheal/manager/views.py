@@ -9,9 +9,12 @@ is one copy of the truth.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
-__all__ = ["View"]
+from torchheal.coordination.plan import Participation
+
+__all__ = ["ParticipationField", "ReferenceViews", "View"]
 
 
 class View:
@@ -40,3 +43,47 @@ class View:
         if not self._writable:
             raise AttributeError(f"{self._name} is read-only")
         setattr(getattr(obj, self._part), self._field, value)
+
+
+class ParticipationField:
+    """``_participating_replica_rank`` / ``_world_size``: a field of the step machine's
+    ``participation`` (a frozen value: setting one field replaces it).
+
+    Args:
+        field: ``"rank"`` or ``"count"``.
+    """
+
+    def __init__(self, field: str) -> None:
+        self._field = field
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        if obj is None:
+            return self
+        current = obj._machine.participation
+        if current is None:
+            return None if self._field == "rank" else 0
+        return getattr(current, self._field)
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        machine = obj._machine
+        current = machine.participation or Participation(None, 0)
+        machine.participation = replace(current, **{self._field: value})
+
+
+class ReferenceViews:
+    """The reference's test-visible Manager attributes (§2.2), as views of the parts (part of
+    ``Manager``)."""
+
+    _errored = View("_ledger", "error")
+    _healing = View("_machine", "healing")
+    _pending_state_dict = View("_heal", "pending")
+    _quorum_id = View("_connected", "quorum_id")
+    _quorum_future = View("_quorums", "future")
+    _state_dict_lock = View("_state", "lock", writable=False)
+    _is_state_dict_read_allowed = View("_state", "reads_allowed", writable=False)
+    _step = View("_machine", "step")
+    _batches_committed = View("_machine", "batches_committed")
+    _commit_failures = View("_machine", "commit_failures")
+    _participation = View("_machine", "participation")
+    _participating_replica_rank = ParticipationField("rank")
+    _participating_replica_world_size = ParticipationField("count")
