@@ -29,6 +29,12 @@ NCCL when a GPU is present. The data is synthetic, so nothing is downloaded.
 
 A group that dies and comes back heals at its next sync from a healthy peer: model, inner
 optimizer, every fragment's global weights and outer-optimizer state, and the step.
+
+Data follows the data plan (docs/data.md): inner step ``j`` of outer step ``s`` reads the
+``GLOBAL_BATCH`` samples of data step ``s * (SYNC_EVERY // N_FRAGMENTS) + j`` (default 16 per
+group), split over the groups of the last sync; ``WindowGuard`` fails a sync whose quorum is not
+the one the window was read with, so the window is read again by the new quorum, and no
+sample of a committed window is lost or read twice.
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ from torch.distributed import TCPStore
 
 from torchheal import Manager, ProcessGroupGloo, ProcessGroupNCCL
 from torchheal.checkpointing.pg_transport import PGTransport
+from torchheal.data import DataPlan, StepLoader, WindowGuard
 from torchheal.local_sgd import DiLoCo
 
 logging.basicConfig(level=logging.WARNING)
@@ -87,22 +94,27 @@ def split_fragments(model: nn.Sequential, n: int) -> list[nn.Module]:
     return [nn.ModuleList(layers[bounds[i] : bounds[i + 1]]) for i in range(n)]
 
 
-def synthetic_batch(
-    replica_group: int, step: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
+class SyntheticSequences(torch.utils.data.Dataset):
     """Token sequences following ``x[t+1] = (5 x[t] + 3) mod VOCAB`` with 10% noise.
 
-    Each replica group draws its own sequences (its own data shard).
+    Sequence ``i`` is drawn from a generator seeded with ``i``: inputs and next-token targets.
     """
-    g = torch.Generator().manual_seed(1_000_003 * replica_group + step)
-    start = torch.randint(0, VOCAB, (BATCH, 1), generator=g)
-    seq = [start]
-    for _ in range(SEQ):
-        seq.append((5 * seq[-1] + 3) % VOCAB)
-    tokens = torch.cat(seq, dim=1)
-    noise = torch.rand(tokens.shape, generator=g) < 0.1
-    tokens = torch.where(noise, torch.randint(0, VOCAB, tokens.shape, generator=g), tokens)
-    return tokens[:, :-1].to(device), tokens[:, 1:].to(device)
+
+    def __init__(self, size: int = 1_000_000) -> None:
+        self.size = size
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(i)
+        tokens = torch.empty(SEQ + 1, dtype=torch.long)
+        tokens[0] = int(torch.randint(0, VOCAB, (1,), generator=g))
+        for t in range(SEQ):
+            tokens[t + 1] = (5 * tokens[t] + 3) % VOCAB
+        noise = torch.rand(tokens.shape, generator=g) < 0.1
+        tokens = torch.where(noise, torch.randint(0, VOCAB, tokens.shape, generator=g), tokens)
+        return tokens[:-1], tokens[1:]
 
 
 def store_from_env() -> tuple[str, int, TCPStore | None]:
@@ -128,8 +140,9 @@ def main() -> None:
         torch.cuda.set_device(device)
     store_addr, store_port, _store = store_from_env()
 
-    # Same init everywhere is not required: init_sync makes every group start from group 0's.
-    torch.manual_seed(replica_group)
+    # The same initial weights everywhere, and no init_sync: a heal at the first sync would
+    # replace the healers' first window by the primary's (their samples of it lost).
+    torch.manual_seed(0)
     model = build_model().to(device)
     inner_optimizer = torch.optim.AdamW(
         model.parameters(), lr=4e-4, weight_decay=0.1, betas=(0.9, 0.95)
@@ -163,6 +176,7 @@ def main() -> None:
         # DiLoCo needs a synchronous quorum: a healing group loads the global state before
         # it computes pseudo-gradients.
         use_async_quorum=False,
+        init_sync=False,
         timeout=timeout,
         # A quorum waits for peers still inside their window (and for restarts): keep it long.
         quorum_timeout=timedelta(minutes=10),
@@ -171,11 +185,21 @@ def main() -> None:
         checkpoint_transport=PGTransport(pg, timeout=timeout, device=device),
     )
 
-    criterion = nn.CrossEntropyLoss()
+    # Each inner step reads GLOBAL_BATCH samples over the groups (BATCH each when all are in);
+    # a window of SYNC_EVERY // N_FRAGMENTS inner steps is read with the last sync's quorum.
+    dataset = SyntheticSequences()
+    plan = DataPlan(
+        dataset_size=len(dataset),
+        batch_size=int(os.environ.get("GLOBAL_BATCH", str(BATCH * num_replica_groups))),
+        inner_steps=SYNC_EVERY // N_FRAGMENTS,
+        seed=0,
+    )
+    loader = StepLoader(dataset, plan, manager, initial=(num_replica_groups, replica_group))
+    criterion = nn.CrossEntropyLoss(reduction="sum")
     inner_step = 0
     participants = 0
     with DiLoCo(
-        manager,
+        WindowGuard(manager, loader),  # a sync whose quorum the window did not expect fails
         fragments,
         inner_optimizer,
         outer_optimizers,
@@ -184,11 +208,16 @@ def main() -> None:
         fragment_update_alpha=FRAGMENT_UPDATE_ALPHA,
     ):
         while manager.current_step() < STEPS:
-            inputs, targets = synthetic_batch(replica_group, inner_step, device)
+            batch = loader.next_step()
             inner_optimizer.zero_grad()
-            logits = model(inputs)
-            loss = criterion(logits.reshape(-1, VOCAB), targets.reshape(-1))
-            loss.backward()
+            total = 0.0
+            for inputs, targets in batch:
+                logits = model(inputs.to(device))
+                # A sample's loss is its mean token loss; the plan scales the sum of them.
+                loss = criterion(logits.reshape(-1, VOCAB), targets.to(device).reshape(-1)) / SEQ
+                (loss * batch.loss_scale).backward()
+                total += loss.item()
+            loss = torch.tensor(total / max(1, len(batch.indices)))
             step_before = manager.current_step()
             inner_optimizer.step()  # every SYNC_EVERY / N_FRAGMENTS steps: a fragment syncs
             inner_step += 1

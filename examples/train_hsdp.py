@@ -16,7 +16,13 @@ replica group:
 Kill either job (kill -9) and start it again: the other keeps training and the restarted one
 heals from it live, shard by shard (group rank ``r`` receives group rank ``r``'s shards). Runs
 on CPU with Gloo by default and on CUDA with NCCL when a GPU is present. Data is synthetic.
-Environment: ``STEPS`` (default 1000), ``HSDP_DIM`` (model width, default 256).
+Environment: ``STEPS`` (default 1000), ``HSDP_DIM`` (model width, default 256),
+``GLOBAL_BATCH`` (default 32 per rank of every group).
+
+Data follows the data plan (docs/data.md): each step reads ``GLOBAL_BATCH`` samples of one
+shuffled order, split over the replica groups in the step's quorum and, inside a group, over its
+ranks; a failed step is read again by the next quorum and the global batch stays constant while
+a group is down.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from torchheal import Manager
+from torchheal.data import DataPlan, StepLoader
 from torchheal.device_mesh import ft_init_device_mesh
 from torchheal.process_group import ProcessGroupGloo, ProcessGroupNCCL
 
@@ -101,6 +108,20 @@ def load_local_state(
     optimizer.load_state_dict({"state": rebuilt, "param_groups": state["optim"]["param_groups"]})
 
 
+class SyntheticRegression(torch.utils.data.Dataset):
+    """Sample ``i``: ``x`` drawn from a generator seeded with ``i``, ``y = sin(sum(x))``."""
+
+    def __init__(self, dim: int, size: int = 1_000_000) -> None:
+        self.dim, self.size = dim, size
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x = torch.randn(self.dim, generator=torch.Generator().manual_seed(i))
+        return x, x.sum(dim=0, keepdim=True).sin()
+
+
 def main() -> None:
     replica_group = int(os.environ.get("REPLICA_GROUP_ID", "0"))
     num_replica_groups = int(os.environ.get("NUM_REPLICA_GROUPS", "2"))
@@ -141,6 +162,7 @@ def main() -> None:
         min_replica_size=1,
         timeout=timeout,
         replica_id=f"train_hsdp_{replica_group}",
+        init_sync=False,  # identical initial weights (seeded); see docs/data.md
     )
     mesh = ft_init_device_mesh(
         device_type="cuda" if use_cuda else "cpu",
@@ -156,16 +178,23 @@ def main() -> None:
     fully_shard(model, mesh=hsdp_mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
-    generator = torch.Generator().manual_seed(1000 * replica_group + group_rank)
+    dataset = SyntheticRegression(dim)
+    global_batch = int(os.environ.get("GLOBAL_BATCH", str(32 * group_size * num_replica_groups)))
+    plan = DataPlan(dataset_size=len(dataset), batch_size=global_batch, seed=0)
+    # Each rank reads its slice of its group's share of the step; FSDP2 averages the group's
+    # ranks and the Manager the groups, which loss_scale assumes.
+    loader = StepLoader(dataset, plan, manager, group_rank=group_rank, group_size=group_size)
     while manager.current_step() < steps:
-        x = torch.randn(32, dim, generator=generator)
-        y = x.sum(dim=1, keepdim=True).sin()
-        if device is not None:
-            x, y = x.to(device), y.to(device)
         optimizer.zero_grad()
         manager.start_quorum()
-        loss = nn.functional.mse_loss(model(x), y)
-        loss.backward()  # FSDP2: reduce-scatter in the group, all-reduce through the manager
+        batch = loader.next_step()  # waits for the quorum: this rank's slice of the step
+        for x, y in batch:  # one micro-batch: no cap on the plan
+            if device is not None:
+                x, y = x.to(device), y.to(device)
+            loss = nn.functional.mse_loss(model(x), y, reduction="sum")
+            # FSDP2: reduce-scatter in the group, all-reduce through the manager.
+            (loss * batch.loss_scale).backward()
+        loss = loss / max(1, len(batch.indices))  # per sample, for the log line
         if manager.should_commit():
             optimizer.step()
         if manager.current_step() % 100 == 0 and group_rank == 0:
