@@ -13,6 +13,8 @@ that no callback runs longer than ``TORCHHEAL_WATCHDOG_TIMEOUT_SEC`` (fallback
 ``TORCHFT_WATCHDOG_TIMEOUT_SEC``, default 30 s); if one does it logs "TimeoutManager is stuck.
 Exiting." and ends the process with exit code 1 (the reference meant to, but its ``sys.exit``
 from a thread only ended the watchdog), so the replica restarts and heals instead of hanging.
+The exit goes through ``sys.exit(1)`` first, so whoever replaced ``sys.exit`` (a test) gets it
+instead; the real one's ``SystemExit`` is turned into ``os._exit(1)``.
 
 Public helpers:
 
@@ -31,6 +33,7 @@ import heapq
 import itertools
 import logging
 import os
+import sys
 import threading
 import time
 from collections import deque
@@ -69,7 +72,11 @@ class TimerHandle:
 
 def _exit_stuck() -> None:
     logger.critical("TimeoutManager is stuck. Exiting.")
-    os._exit(1)
+    try:
+        sys.exit(1)
+    except SystemExit:
+        # On this thread SystemExit would end the watchdog only, not the process.
+        os._exit(1)
 
 
 class _TimeoutManager:
@@ -156,11 +163,23 @@ class _TimeoutManager:
             finally:
                 self._running_since = None
 
+    @property
+    def _watchdog_interval(self) -> timedelta:
+        """The watchdog's limit as a ``timedelta`` (the reference's name; settable)."""
+        if self._watchdog_timeout is None:
+            self._watchdog_timeout = watchdog_timeout_s()
+        return timedelta(seconds=self._watchdog_timeout)
+
+    @_watchdog_interval.setter
+    def _watchdog_interval(self, value: timedelta) -> None:
+        self._watchdog_timeout = to_seconds(value)
+
     def _watch(self) -> None:
-        assert self._watchdog_timeout is not None
-        limit = self._watchdog_timeout
         tick = threading.Event()
         while True:
+            # Read each round, so a limit set after the watchdog started applies.
+            limit = self._watchdog_timeout
+            assert limit is not None
             # Event.wait as an interruptible sleep; nothing ever sets it.
             tick.wait(limit / 4)
             since = self._running_since

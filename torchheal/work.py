@@ -111,6 +111,18 @@ class _ManagedFuture(torch.futures.Future):
         raise NotImplementedError("_ManagedFuture.set_exception is not supported")
 
 
+def _extended(manager: Any) -> bool:
+    """Whether ``manager`` is used with torchheal's extensions: ``_wrap_future_then``
+    (``wrap_future`` and ``then`` in one timed callback) and ``_fail_step``. Otherwise it is the
+    reference's sink, ``wrap_future`` + ``report_error``: a plain sink, or a Manager whose
+    ``wrap_future`` was replaced on the instance (the reference's tests do), since the
+    replacement must see the first continuation, which fusing skips.
+    """
+    if "wrap_future" in getattr(manager, "__dict__", {}):
+        return False
+    return hasattr(manager, "_wrap_future_then") and hasattr(manager, "_fail_step")
+
+
 class _ManagedWork(dist.Work):
     """A process-group work whose errors are reported to the manager instead of raised.
 
@@ -136,8 +148,10 @@ class _ManagedWork(dist.Work):
         self._manager = manager
         self._work = work
         self._default_result = default_result
+        self._extended = _extended(manager)
+        self._wrap_then = manager._wrap_future_then if self._extended else None
         # Only a manager that times the first continuation itself can end it early.
-        self._expiry = expiry if hasattr(manager, "_wrap_future_then") else None
+        self._expiry = expiry if self._wrap_then is not None else None
         # The first continuation saw the collective fail, time out or expire.
         self._failed = False
         self._stream = _current_stream()
@@ -188,8 +202,8 @@ class _ManagedWork(dist.Work):
 
     def _fused_first(self, node: _ManagedFuture) -> torch.futures.Future[Any] | None:
         # The first continuation and everything around it in one callback (module docstring);
-        # None where the manager cannot (a sink without ``_wrap_future_then``).
-        wrap_then = getattr(self._manager, "_wrap_future_then", None)
+        # None where the manager cannot (see _extended).
+        wrap_then = self._wrap_then
         if wrap_then is None:
             return None
         work = self._work
@@ -197,6 +211,7 @@ class _ManagedWork(dist.Work):
             raw, report = work.take_future()
         else:
             raw, report = work.get_future(), None
+        raw = self._torch_future(raw)
         self._head._future = raw
         stream = self._stream
         callback = node._callback
@@ -215,6 +230,23 @@ class _ManagedWork(dist.Work):
 
         return wrap_then(raw, first, self._default_result, expiry=self._expiry)
 
+    def _torch_future(self, fut: Any) -> torch.futures.Future[Any]:
+        """``fut``, or for a work whose ``get_future`` gives no torch future (a stand-in, as
+        the reference's tests mock process groups) one its ``wait()`` completes: there is
+        nothing else to chain on. Waited here, on the caller's thread."""
+        if isinstance(fut, torch.futures.Future):
+            return fut
+        work = self._work
+        inner = work._work if isinstance(work, _ErrorRecordingWork) else work
+        waited: torch.futures.Future[Any] = torch.futures.Future()
+        try:
+            inner.wait()
+        except Exception as e:
+            waited.set_exception(e)
+        else:
+            waited.set_result(self._default_result)
+        return waited
+
     def _materialize(self) -> None:
         with self._lock:
             if self._materialized:
@@ -226,7 +258,7 @@ class _ManagedWork(dist.Work):
                 node._future = fut
                 node, first = node._next, False
             else:
-                fut = self._work.get_future()
+                fut = self._torch_future(self._work.get_future())
                 self._head._future = fut
             while node is not None:
                 fut = self._derive(fut, node, first)
@@ -247,7 +279,14 @@ class _ManagedWork(dist.Work):
         collective then overlaps with whatever the caller does next. The future never fails:
         an error or timeout is reported to the manager and resolves to the default result.
         The chain's callbacks run on the thread that completes the collective.
+
+        Only a manager that times the chain itself (see :func:`_extended`) bounds it: with
+        any other sink this waits first, as the reference's comm hook does, so a collective
+        whose future never completes cannot hang the caller.
         """
+        if self._wrap_then is None:
+            if not self.wait():
+                return _completed_future(self._default_result)
         self._waited = True
         self._materialize()
         assert self._tail._future is not None
@@ -285,9 +324,8 @@ class _ManagedWork(dist.Work):
         except Exception as e:
             # The Manager tells the step's own collective failures from the loop's reports,
             # and logs only the step's first failure.
-            fail = getattr(self._manager, "_fail_step", None)
-            if fail is not None:
-                fail(e, how="collective failed, the step will not commit")
+            if self._extended:
+                self._manager._fail_step(e, how="collective failed, the step will not commit")
             else:
                 logger.warning("collective failed; the step will not commit: %s", e)
                 self._manager.report_error(e)

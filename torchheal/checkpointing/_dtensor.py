@@ -96,7 +96,8 @@ def parse_dtensor(what: str, dt: Any) -> dict[str, Any]:
         if math.prod(mesh_shape) > _MAX_MESH_RANKS:
             raise bad("mesh (too many ranks)")
         level = [x for row in level for x in row]
-    if not mesh_shape or any(type(r) is not int or r < 0 for r in level):
+    # A bare rank is a 0-dimensional mesh (torch's DeviceMesh("cpu", 1)), with no placements.
+    if any(type(r) is not int or r < 0 for r in level):
         raise bad("mesh (ranks must be integers >= 0)")
     if len(set(level)) != len(level):
         raise bad("mesh (a rank appears twice)")

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from torchheal.checkpointing._format import HEADER, split_chunks
+from torchheal.checkpointing._http_errors import CheckpointHTTPError
 from torchheal.checkpointing.deserialization import (
     Description,
     allocate_buffers,
@@ -190,7 +191,7 @@ class Client:
             message = resp.read(4096).decode(errors="replace")
             resp.close()
             conn.close()
-            raise CheckpointError(f"checkpoint server answered {resp.status} for {path}: {message}")
+            raise CheckpointHTTPError(path, resp.status, message)
         return resp
 
 

@@ -45,6 +45,7 @@ from urllib.parse import parse_qs, urlsplit
 from torchheal._base.config import SecurityEnv, checkpoint_token
 from torchheal._base.timeouts import to_seconds
 from torchheal.checkpointing._direct_send import SocketDirectSend
+from torchheal.checkpointing._http_errors import receive_error
 from torchheal.checkpointing._http_fetch import Aborts, Client, fetch
 from torchheal.checkpointing._http_limits import LimitedHandler, LimitedServer
 from torchheal.checkpointing.live import LIVE_FROM_BYTES, LiveCheckpoint
@@ -58,9 +59,7 @@ from torchheal.checkpointing.serialization import (
 from torchheal.checkpointing.timeline import mark
 from torchheal.checkpointing.transport import (
     CheckpointError,
-    CheckpointTimeoutError,
     CheckpointTransport,
-    TornCheckpointError,
 )
 from torchheal.coordination.rpc.auth import RefusalLog, bearer_matches
 from torchheal.coordination.rpc.tls import client_ssl_context, server_ssl_context
@@ -441,9 +440,11 @@ class HTTPTransport(CheckpointTransport[T]):
                 themselves (no fresh memory, nothing to copy when loading).
 
         Raises:
-            CheckpointTimeoutError: a connect or read timed out.
+            CheckpointTimeoutError: a connect or read timed out (also a ``URLError``).
+            CheckpointHTTPError: the source refused the request (also an ``HTTPError``).
+            CheckpointURLError: the connection failed (also a ``URLError``).
             TornCheckpointError: the receive failed after bytes had landed in ``into``.
-            CheckpointError: refused, wrong step, truncated, corrupted or malformed.
+            CheckpointError: wrong step, truncated, corrupted or malformed.
         """
         seconds = self._timeout if timeout is None else to_seconds(timeout)
         url = urlsplit(metadata)
@@ -462,19 +463,14 @@ class HTTPTransport(CheckpointTransport[T]):
         with self._receives_lock:
             self._receives.add(aborts)
         try:
+            if seconds <= 0:  # a socket timeout of 0 means non-blocking, not "no time left"
+                raise TimeoutError(f"no time left (timeout {seconds} s)")
             return fetch(client, base, step, self._num_chunks, into)
         except (CheckpointError, OSError) as e:
-            if aborts.aborted:
-                why = f"checkpoint fetch from {metadata} aborted (its source is gone): {e}"
-                torn = isinstance(e, TornCheckpointError)
-                raise (TornCheckpointError if torn else CheckpointError)(why) from e
-            if isinstance(e, CheckpointError):
+            error = receive_error(e, metadata, aborts.aborted)
+            if error is e:
                 raise
-            if isinstance(e, TimeoutError):
-                raise CheckpointTimeoutError(
-                    f"checkpoint fetch from {metadata} timed out: {e}"
-                ) from e
-            raise CheckpointError(f"checkpoint fetch from {metadata} failed: {e}") from e
+            raise error from e
         finally:
             with self._receives_lock:
                 self._receives.discard(aborts)

@@ -26,7 +26,10 @@ Where each job lives:
 * ``telemetry.py`` - the metrics and structured records the Manager reports.
 * ``log.py`` - the per-rank log prefix.
 
-This module keeps the reference's public names importable from ``torchheal.manager``.
+This module keeps the reference's public names importable from ``torchheal.manager``, and the
+two its tests reach for: ``ManagerClient`` (patching ``torchheal.manager.ManagerClient``
+replaces the client every rank builds: ``endpoints.py`` looks the class up here) and
+``_ManagedWork`` (it lives in ``torchheal.work``).
 """
 
 from __future__ import annotations
@@ -39,11 +42,13 @@ from torchheal._base.config import (
     TIMEOUT_SEC_ENV,
     get_timeout,
 )
+from torchheal.coordination.client import ManagerClient
 from torchheal.coordination.plan import WorldSizeMode
 from torchheal.manager.endpoints import MANAGER_ADDR_KEY, REPLICA_ID_KEY
 from torchheal.manager.manager import IS_TRITON_AVAILABLE, Manager
 from torchheal.manager.step import ExceptionWithTraceback
 from torchheal.utils import extract_trailing_digits
+from torchheal.work import _ManagedWork
 
 __all__ = [
     "CONNECT_TIMEOUT_SEC_ENV",
@@ -56,7 +61,9 @@ __all__ = [
     "TIMEOUT_SEC_ENV",
     "ExceptionWithTraceback",
     "Manager",
+    "ManagerClient",
     "WorldSizeMode",
+    "_ManagedWork",
     "extract_trailing_digits",
     "get_timeout",
 ]

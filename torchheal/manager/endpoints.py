@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import sys
 import threading
 import uuid
 from collections.abc import Callable
@@ -29,7 +30,14 @@ from torchheal.coordination.rpc.addresses import format_target
 from torchheal.coordination.types import Notice, QuorumAsk, QuorumResult
 from torchheal.process_group.store import connect_store
 
-__all__ = ["MANAGER_ADDR_KEY", "REPLICA_ID_KEY", "GroupEndpoints", "open_endpoints"]
+__all__ = [
+    "MANAGER_ADDR_KEY",
+    "REPLICA_ID_KEY",
+    "GroupEndpoints",
+    "client_class",
+    "metadata_through",
+    "open_endpoints",
+]
 
 logger: logging.Logger = logging.getLogger(__name__)
 
@@ -63,6 +71,8 @@ class GroupEndpoints:
         session_mode: the lighthouse is torchheal's (a session), not the reference's.
         joined_running: the lighthouse had issued a quorum before this group said hello: the
             job was already running when this group (re)started.
+        reference_client: ``client`` is not torchheal's own (``torchheal.manager.ManagerClient``
+            was replaced): it is spoken to with the reference's methods only.
     """
 
     store: TCPStore
@@ -71,6 +81,7 @@ class GroupEndpoints:
     replica_id: str
     session_mode: bool = False
     joined_running: bool = False
+    reference_client: bool = False
     _closed: threading.Event = field(default_factory=threading.Event)
 
     def quorum(self, ask: QuorumAsk) -> QuorumResult:
@@ -81,7 +92,15 @@ class GroupEndpoints:
         """
         if self.server is not None:
             return self.server.quorum_in_process(ask)
-        return self.client._ask_quorum(ask)
+        return self.client._quorum(
+            group_rank=ask.group_rank,
+            step=ask.step,
+            checkpoint_metadata=ask.checkpoint_metadata,
+            shrink_only=ask.shrink_only,
+            init_sync=ask.init_sync,
+            commit_failures=ask.commit_failures,
+            timeout=ask.timeout,
+        )
 
     def start_quorum(self, ask: QuorumAsk) -> concurrent.futures.Future[QuorumResult] | None:
         """:meth:`quorum` without waiting, where the server lives in this process (rank 0).
@@ -115,6 +134,11 @@ class GroupEndpoints:
         """
         if self.server is not None:
             call = self.server.vote_in_process
+        elif self.reference_client:
+            # The reference's vote has no salvage: the group never redoes a step.
+            return self.client.should_commit(
+                group_rank, step, should_commit, timeout=timeout
+            ), False
         else:
             call = self.client._vote
         return call(group_rank, step, should_commit, salvageable, timeout)
@@ -193,6 +217,37 @@ class GroupEndpoints:
             self.server.shutdown()
 
 
+def client_class() -> type[ManagerClient]:
+    """The manager client class ranks build: ``torchheal.manager.ManagerClient``, read from the
+    package at call time so that replacing it there (as the reference's tests patch
+    ``torchft.manager.ManagerClient``) takes effect; this module cannot import its own package.
+    """
+    package = sys.modules.get(__package__ or "")
+    return getattr(package, "ManagerClient", ManagerClient)
+
+
+def metadata_through(
+    client_cls: type[ManagerClient], connect_timeout: timedelta
+) -> Callable[[str, int, timedelta], str]:
+    """A metadata fetcher (``recovery.MetadataFetcher``) that asks the source's server with
+    ``client_cls``'s ``_checkpoint_metadata``, as the reference does: used when
+    ``torchheal.manager.ManagerClient`` was replaced, so the replacement answers.
+
+    Args:
+        client_cls: the client class to build per fetch.
+        connect_timeout: how long to try to reach the source's server.
+    """
+
+    def fetch(address: str, group_rank: int, timeout: timedelta) -> str:
+        client = client_cls(address, connect_timeout=connect_timeout)
+        try:
+            return client._checkpoint_metadata(group_rank, timeout=timeout)
+        finally:
+            client.close()
+
+    return fetch
+
+
 def open_endpoints(
     *,
     group_rank: int,
@@ -256,11 +311,16 @@ def open_endpoints(
         store.set(LIGHTHOUSE_MODE_KEY, mode)  # before the address, which the others wait for
         store.set(MANAGER_ADDR_KEY, server.address())
         store.set(REPLICA_ID_KEY, full_id)
+    client_cls = client_class()
     try:
         address = store.get(MANAGER_ADDR_KEY).decode("utf-8")
-        client = ManagerClient(address, connect_timeout=connect_timeout)
+        client = client_cls(address, connect_timeout=connect_timeout)
         replica_id = store.get(REPLICA_ID_KEY).decode("utf-8")
-        mode = store.get(LIGHTHOUSE_MODE_KEY).decode("utf-8")
+        # A torchheal rank 0 sets the mode before the address, so it is there by now; a
+        # reference rank 0 never sets it (its group runs as the reference's would).
+        mode = "00"
+        if store.check([LIGHTHOUSE_MODE_KEY]):
+            mode = store.get(LIGHTHOUSE_MODE_KEY).decode("utf-8")
     except BaseException:
         if server is not None:
             server.shutdown()
@@ -272,4 +332,5 @@ def open_endpoints(
         replica_id=replica_id,
         session_mode=mode[:1] == "1",
         joined_running=mode[1:2] == "1",
+        reference_client=client_cls is not ManagerClient,
     )

@@ -145,7 +145,7 @@ class Recovery:
         timeout: timedelta,
         log: Callable[[str], None],
     ) -> None:
-        self._transport = transport
+        self.transport = transport
         # Receiving into this replica's own tensors needs a transport that says it can, and
         # whose recv_checkpoint (a subclass may override it) takes ``into``.
         self._in_place = getattr(transport, "receives_in_place", False) is True and _takes(
@@ -173,7 +173,7 @@ class Recovery:
         """
         destinations = list(quorum.recover_dst_replica_ranks)
         self._log(f"sending checkpoint of step {quorum.max_step} to replica ranks {destinations}")
-        self._transport.send_checkpoint(
+        self.transport.send_checkpoint(
             dst_ranks=destinations, step=quorum.max_step, state_dict=state, timeout=self._timeout
         )
 
@@ -250,7 +250,7 @@ class Recovery:
                 metadata = self._fetch(quorum, lost)
             if lost.is_set():
                 raise SourceLostError(f"the source of this heal ({address}) is lost")
-            received = self._transport.recv_checkpoint(
+            received = self.transport.recv_checkpoint(
                 src_rank=source,
                 metadata=metadata,
                 step=quorum.max_step,
@@ -282,4 +282,4 @@ class Recovery:
             f"the source of this heal, {replica_id}, is lost ({reason}): aborting the receive"
         )
         receiving[2].set()
-        self._transport.abort_receives()
+        self.transport.abort_receives()

@@ -14,6 +14,7 @@ eleven; a group that implements a collective itself overrides the collective. Th
 from __future__ import annotations
 
 import inspect
+import threading
 from datetime import timedelta
 from typing import Any
 
@@ -123,6 +124,10 @@ def accepts_quorum_keywords(pg: Any) -> bool:
         return False
     names = {p.name for p in params}
     return any(p.kind is p.VAR_KEYWORD for p in params) or "quorum_id" in names
+
+
+# Serialises register(): torch's backend registry and new_group are process-global.
+_REGISTER_LOCK = threading.Lock()
 
 
 class ProcessGroup(dist.ProcessGroup):
@@ -408,13 +413,17 @@ class ProcessGroup(dist.ProcessGroup):
             return self
 
         devices = ["cpu", "xpu"] if torch.xpu.is_available() else ["cpu", "cuda"]
-        dist.Backend.register_backend(backend_name, _factory, devices=devices)
-        group = dist.new_group(
-            ranks=[dist.get_rank()], backend=backend_name, group_desc=backend_name
-        )
-        if group is not self:
-            raise RuntimeError(f"register({name!r}) did not return this process group")
-        self._group_name = dist.distributed_c10d._world.pg_names[self]
+        # torch's backend registry is global and a second registration of a name replaces the
+        # factory: groups of one process registering the same name (a replica per thread) must
+        # take turns, or new_group calls another group's factory.
+        with _REGISTER_LOCK:
+            dist.Backend.register_backend(backend_name, _factory, devices=devices)
+            group = dist.new_group(
+                ranks=[dist.get_rank()], backend=backend_name, group_desc=backend_name
+            )
+            if group is not self:
+                raise RuntimeError(f"register({name!r}) did not return this process group")
+            self._group_name = dist.distributed_c10d._world.pg_names[self]
         return group
 
     def unregister(self) -> None:

@@ -33,6 +33,10 @@ class _CountingWork(_DummyWork):
 class ProcessGroupDummy(ProcessGroup):
     """A world-size-1 group: reductions and broadcasts leave data unchanged, gathers copy.
 
+    Lists of unequal length are paired as far as the shorter goes, as the reference does: a
+    caller that takes the group for a bigger one (``ManagedProcessGroup`` reports the
+    participants as its size) gets its first outputs filled.
+
     Args:
         rank: must be 0.
         world: must be 1.
@@ -77,13 +81,13 @@ class ProcessGroupDummy(ProcessGroup):
         return self._world
 
     def allgather(self, output_tensors, input_tensor, opts) -> dist.Work:
-        for outs, inp in zip(output_tensors, input_tensor, strict=True):
+        for outs, inp in zip(output_tensors, input_tensor, strict=False):
             for out in outs:
                 out.copy_(inp)
         return self._work(output_tensors)
 
     def allgather_into_tensor_coalesced(self, output_tensors, input_tensors, opts) -> dist.Work:
-        for out, inp in zip(output_tensors, input_tensors, strict=True):
+        for out, inp in zip(output_tensors, input_tensors, strict=False):
             out.copy_(inp.reshape(out.shape))
         return self._work(output_tensors)
 
@@ -112,11 +116,11 @@ class ProcessGroupDummy(ProcessGroup):
         return self._work(tensors)
 
     def reduce_scatter(self, output_tensors, input_tensors, opts) -> dist.Work:
-        for out, ins in zip(output_tensors, input_tensors, strict=True):
+        for out, ins in zip(output_tensors, input_tensors, strict=False):
             out.copy_(ins[0])
         return self._work(output_tensors)
 
     def reduce_scatter_tensor_coalesced(self, output_tensors, input_tensors, opts) -> dist.Work:
-        for out, inp in zip(output_tensors, input_tensors, strict=True):
+        for out, inp in zip(output_tensors, input_tensors, strict=False):
             out.copy_(inp.reshape(out.shape))
         return self._work(output_tensors)

@@ -229,7 +229,13 @@ class ProcessGroupWrapper(ProcessGroup):
         return opts
 
     def _wrap_work(self, work: dist.Work, opts: object) -> dist.Work:
-        """Wraps the inner group's work (records errors for :meth:`errored`)."""
+        """Wraps the inner group's work (records errors for :meth:`errored`).
+
+        An inner torchheal group's work is returned as it is, as the reference does: that group
+        keeps its own errors, and :meth:`errored` asks it.
+        """
+        if isinstance(self._pg, ProcessGroup):
+            return work
         return _ErrorRecordingWork(work, self._record_error)
 
     def _collective(self, name: str, *args: Any) -> dist.Work:
