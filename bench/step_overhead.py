@@ -5,7 +5,11 @@ Each configuration runs as separate processes; steps/s is measured on every grou
 warm-up and averaged. Goal: torchheal within 5% of plain DDP and at least the reference.
 
     python -m bench.step_overhead [--steps 120] [--warmup 20] [--rounds 2] [--phases]
-                                  [--malloc glibc|steady] [--salvage]
+                                  [--malloc glibc|steady] [--salvage] [--guard]
+
+``--guard`` adds torchheal with the divergence guard off and checking every step (the plain
+torchheal row runs it at its default, every 100 steps): what comparing the groups' state
+fingerprints costs (docs/divergence.md).
 
 ``--salvage`` adds torchheal with ``Manager(salvage_step=True)``: what keeping a copy of every
 allreduce's input costs a step (the price of committing the step a group dies in).
@@ -90,6 +94,10 @@ def main_thread_faults_per_step(result: RunResult, steps: int) -> list[float]:
 
 #: torchheal with ``Manager(salvage_step=True)`` (``TORCHHEAL_SALVAGE_STEP=1``).
 SALVAGE = "torchheal+salvage"
+#: torchheal with the divergence guard off and every step (the plain row: every 100 steps).
+GUARD_OFF = "torchheal+guard-off"
+GUARD_EVERY = "torchheal+guard-every-step"
+GUARD_INTERVAL = {GUARD_OFF: "0", GUARD_EVERY: "1"}
 
 
 def main() -> None:
@@ -120,9 +128,14 @@ def main() -> None:
         "allreduce's input",
     )
     parser.add_argument(
+        "--guard",
+        action="store_true",
+        help="also torchheal with the divergence guard off and every step",
+    )
+    parser.add_argument(
         "--only",
         nargs="+",
-        choices=["plain", "torchheal", SALVAGE, "torchft"],
+        choices=["plain", "torchheal", SALVAGE, GUARD_OFF, GUARD_EVERY, "torchft"],
         help="configurations",
     )
     args = parser.parse_args()
@@ -130,6 +143,7 @@ def main() -> None:
     worker_args += ["--phases"] if args.phases else []
     worker_args += ["--bucket-view"] if args.bucket_view else []
     impls = ["plain", "torchheal"] + ([SALVAGE] if args.salvage or args.only else [])
+    impls += [GUARD_OFF, GUARD_EVERY] if args.guard or args.only else []
     impls += ["torchft"] if reference_available() else []
     if args.only:
         impls = [i for i in impls if i in args.only]
@@ -153,7 +167,10 @@ def main() -> None:
                 del store
             else:
                 library = impl.split("+")[0]
-                salvage = {"TORCHHEAL_SALVAGE_STEP": "1" if impl == SALVAGE else "0"}
+                salvage = {
+                    "TORCHHEAL_SALVAGE_STEP": "1" if impl == SALVAGE else "0",
+                    "TORCHHEAL_DIVERGENCE_CHECK_INTERVAL": GUARD_INTERVAL.get(impl, "100"),
+                }
                 with lighthouse(library) as addr:
                     env = {**malloc_env, **salvage}
                     result = run_workers(library, 2, addr, worker_args, env=env)
@@ -174,6 +191,8 @@ def main() -> None:
         "plain": "plain torch DDP",
         "torchheal": "torchheal FT DDP",
         SALVAGE: "torchheal + salvage_step",
+        GUARD_OFF: "torchheal, guard off",
+        GUARD_EVERY: "torchheal, guard every step",
         "torchft": "torchft (reference) FT DDP",
     }
     for impl in impls:

@@ -147,7 +147,9 @@ def train_with_plan(
     # One rank per replica group here (torchheal's DDP averages across groups only): the
     # group's share is this rank's. With several data-parallel ranks per group (HSDP), pass
     # group_rank and group_size and each rank reads its slice of the group's share.
-    loader = StepLoader(dataset, plan, manager, num_workers=2)
+    # Workers: pass num_workers=N with multiprocessing_context="forkserver" (a worker forked
+    # from a process that runs gRPC's threads can crash); the synthetic data needs none.
+    loader = StepLoader(dataset, plan, manager)
     criterion = nn.CrossEntropyLoss(reduction="sum")  # scaled by the plan: sum / B overall
     while manager.current_step() < STEPS:
         optimizer.zero_grad()  # begins the step: quorum runs in the background

@@ -59,11 +59,13 @@ def test_sync_heal_loads_on_the_training_thread() -> None:
 @pytest.mark.parametrize("init_sync", [True, False])
 def test_init_sync_decides_whether_step_0_transfers_state(init_sync: bool) -> None:
     # Two groups at step 0 with different weights. With init_sync one heals from the other;
-    # without it nothing moves at all: no load, no heal, and no state read for a peer.
+    # without it nothing moves at all: no load, no heal, and no state read for a peer. (The
+    # divergence guard would report the difference: tests/manager/test_divergence_threads.py.)
+    off = {"divergence_check_interval": 0}
     with (
         lighthouse(min_replicas=2) as lh,
-        replica(lh, "a", weight=3.0, use_async_quorum=False, init_sync=init_sync) as a,
-        replica(lh, "b", weight=0.0, use_async_quorum=False, init_sync=init_sync) as b,
+        replica(lh, "a", weight=3.0, use_async_quorum=False, init_sync=init_sync, **off) as a,
+        replica(lh, "b", weight=0.0, use_async_quorum=False, init_sync=init_sync, **off) as b,
     ):
         results = run_parallel(lambda: _step(a, 1.0), lambda: _step(b, 1.0))
         assert all(res["committed"] for res in results)

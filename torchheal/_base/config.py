@@ -175,7 +175,10 @@ class TorchrunEnv:
             environ: the environment to read; ``os.environ`` when None.
         """
         env = _environ(environ)
-        return cls(**{field: env.get(field.upper()) for field in _TORCHRUN_MINIMUM})
+        # A patched os.environ (a plain dict in tests, the reference's among them) may hold an
+        # int such as MASTER_PORT=store.port: read it as the string it stands for.
+        values = {field: env.get(field.upper()) for field in _TORCHRUN_MINIMUM}
+        return cls(**{f: v if v is None else str(v) for f, v in values.items()})
 
     def require(self, field: str, argument: str) -> str | int:
         """The value of ``field`` (an int, except ``master_addr``), which must be set.
@@ -249,6 +252,43 @@ def salvage_step(environ: Mapping[str, str] | None = None) -> bool:
     if value not in ("0", "1"):
         raise ValueError(f"{SALVAGE_STEP_ENV} must be 0 or 1, got {value!r}")
     return value == "1"
+
+
+#: The divergence guard: compare the groups' state fingerprints every N committed steps
+#: (``0``: off; default 100), and what a mismatch does (``repair``, ``stop`` or ``warn``).
+DIVERGENCE_INTERVAL_ENV: str = "TORCHHEAL_DIVERGENCE_CHECK_INTERVAL"
+ON_DIVERGENCE_ENV: str = "TORCHHEAL_ON_DIVERGENCE"
+
+
+def divergence_guard(
+    interval: int | None, policy: str | None, environ: Mapping[str, str] | None = None
+) -> tuple[int, str]:
+    """The divergence guard's ``(interval, policy)``: arguments win, then the environment.
+
+    Args:
+        interval: the Manager's ``divergence_check_interval`` (None: the environment's, else
+            0: off; 100 is the interval to use).
+        policy: the Manager's ``on_divergence`` (None: the environment's, else ``repair``).
+        environ: the environment to read; ``os.environ`` when None.
+
+    Raises:
+        ValueError: a variable or argument is invalid.
+    """
+    env = _environ(environ)
+    if interval is None:
+        text = env.get(DIVERGENCE_INTERVAL_ENV, "0").strip()
+        try:
+            interval = int(text)
+        except ValueError:
+            raise ValueError(
+                f"{DIVERGENCE_INTERVAL_ENV} must be an integer, got {text!r}"
+            ) from None
+    if interval < 0:
+        raise ValueError(f"divergence check interval must be >= 0 (0: off), got {interval}")
+    policy = policy if policy is not None else env.get(ON_DIVERGENCE_ENV, "repair").strip()
+    if policy not in ("repair", "stop", "warn"):
+        raise ValueError(f"on_divergence must be repair, stop or warn, got {policy!r}")
+    return interval, policy
 
 
 def use_bucketization(environ: Mapping[str, str] | None = None) -> bool:

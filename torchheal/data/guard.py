@@ -128,3 +128,9 @@ class WindowGuard:
     def skip_warmup(self) -> None:
         """The Manager's ``skip_warmup`` (LocalSGD calls it)."""
         self.manager.skip_warmup()
+
+    def compare_only(self, keys: Any) -> None:
+        """The Manager's ``compare_only`` (LocalSGD and DiLoCo call it), where it has one."""
+        compare_only = getattr(self.manager, "compare_only", None)
+        if compare_only is not None:
+            compare_only(keys)

@@ -72,7 +72,8 @@ class _StreamingDiLoCoFragment:
         self._fragment_id = fragment_id
         self._outer_optimizer = outer_optimizer
         self._use_bucketization = use_bucketization
-        self._bucket_cap_bytes = bucket_cap_bytes
+        # In bytes despite its name: the reference's attribute, which its tests set.
+        self.bucket_cap_mb = bucket_cap_bytes
         self._should_quantize = should_quantize
         self._alpha = fragment_update_alpha
 
@@ -146,10 +147,19 @@ class _StreamingDiLoCoFragment:
 
     def prepare_sync(self) -> None:
         """Compute pseudo-gradients and start their allreduce (not waited)."""
+        self._save_grads()
+        self._average_grads()
+        self._prepared = True
+
+    def _save_grads(self) -> None:
+        """The pseudo-gradients: global weights minus local weights."""
         with torch.no_grad():
             for name, p in self._model.named_parameters():
                 local = local_view(p)
                 self._grads[name] = self.original_parameters[name].to(local.device) - local
+
+    def _average_grads(self) -> None:
+        """Starts the allreduce of the pseudo-gradients (:meth:`_wait_allreduce` waits)."""
         if self._stream is not None:
             # The deltas were computed on the current stream; the side stream must see them.
             self._stream.wait_stream(torch.accelerator.current_stream(self._stream.device))
@@ -157,13 +167,12 @@ class _StreamingDiLoCoFragment:
                 self._start_allreduce()
         else:
             self._start_allreduce()
-        self._prepared = True
 
     def _start_allreduce(self) -> None:
         grads = list(self._grads.values())
         if self._use_bucketization:
             self._pending_buckets = allreduce_bucketized(
-                self._manager, grads, self._bucket_cap_bytes, self._should_quantize
+                self._manager, grads, self.bucket_cap_mb, self._should_quantize
             )
         else:
             self._pending_works = [
@@ -171,10 +180,13 @@ class _StreamingDiLoCoFragment:
             ]
 
     def _wait_allreduce(self) -> None:
-        for work in self._pending_works:
+        """Waits for the allreduce started by :meth:`_average_grads` (once: later calls return)."""
+        works, buckets = self._pending_works, self._pending_buckets
+        self._pending_works, self._pending_buckets = [], []
+        for work in works:
             work.wait()
-        for bucket in self._pending_buckets:
-            bucket.finish()
+        for bucket in buckets:
+            bucket.finish()  # copies the reduced bucket back into the pseudo-gradients
         if self._stream is not None:
             self._stream.synchronize()
 
@@ -208,6 +220,8 @@ class _StreamingDiLoCoFragment:
         return committed
 
     def _set_grads(self) -> None:
+        """Sets each parameter's ``grad`` to its averaged pseudo-gradient."""
+        self._wait_allreduce()
         for name, p in self._model.named_parameters():
             grad = self._grads[name]
             if is_dtensor(p):
@@ -333,6 +347,11 @@ class DiLoCo(OptimizerStepHooks):
         for fragment in self._fragments:
             fragment.save_parameters()
             fragment.register_state_dict_fn()
+        # Local models and inner optimizers differ between syncs by design: the divergence
+        # guard compares the fragments' global state only (a Manager without a guard: none).
+        compare_only = getattr(manager, "compare_only", None)
+        if compare_only is not None:
+            compare_only([f.state_dict_key for f in self._fragments])
 
     def _current_fragment(self) -> _StreamingDiLoCoFragment:
         return self._fragments[self._manager.current_step() % len(self._fragments)]

@@ -148,6 +148,11 @@ class LocalSGD(OptimizerStepHooks):
         if sync_every < 1:
             raise ValueError(f"sync_every must be >= 1, got {sync_every}")
         refuse_salvage(manager, type(self).__name__)
+        # The local models and optimizers differ between syncs by design: the divergence guard
+        # compares only the Manager's counters (a Manager without a guard: nothing).
+        compare_only = getattr(manager, "compare_only", None)
+        if compare_only is not None:
+            compare_only([])
         self._manager = manager
         self._model = model
         self._optimizer = optimizer

@@ -140,6 +140,7 @@ class ManagerCollectives:
             return _DummyWork(tensor)  # the warm-up step's collectives are local no-ops
         self._salvage.keep(tensor, reduce_op, should_quantize)  # before it is reduced
         if self.errored():
+            self._ledger.skipped += 1  # the divergence guard's exchange is skipped too
             return _DummyWork(tensor)
         self.wait_quorum()
         num_participants = self.num_participants()

@@ -26,8 +26,15 @@ from datetime import timedelta
 from typing import Any
 
 from torchheal.coordination.plan import WorldSizeMode
-from torchheal.manager.endpoints import GroupEndpoints, open_endpoints
+from torchheal.manager.divergence import GuardSettings
+from torchheal.manager.endpoints import (
+    GroupEndpoints,
+    client_class,
+    metadata_through,
+    open_endpoints,
+)
 from torchheal.manager.failfast import ConnectedQuorum
+from torchheal.manager.guard import DivergenceGuard
 from torchheal.manager.heal import HealHost, HealStep
 from torchheal.manager.log import ManagerLogger
 from torchheal.manager.machine import StepMachine
@@ -79,6 +86,7 @@ class ManagerParts:
         heal: the heal on the training thread.
         connected: the fail-fast aborts.
         salvage: the redo of a step a group died in.
+        guard: the divergence guard.
     """
 
     endpoints: GroupEndpoints
@@ -93,6 +101,7 @@ class ManagerParts:
     heal: HealStep
     connected: ConnectedQuorum
     salvage: Salvage
+    guard: DivergenceGuard
 
 
 def build_parts(
@@ -112,6 +121,7 @@ def build_parts(
     min_replica_size: int,
     max_retries: int | None,
     salvage: bool,
+    guard: tuple[int, str],
 ) -> ManagerParts:
     """Opens the group's endpoints and builds the parts that use them.
 
@@ -131,6 +141,7 @@ def build_parts(
         min_replica_size: fewest participating replicas with which a step may commit.
         max_retries: failed commits in a row tolerated (None: no limit).
         salvage: ``salvage_step``.
+        guard: the divergence guard's interval (0: off) and policy.
     """
     timeouts = settings.timeouts
     endpoints = open_endpoints(
@@ -162,9 +173,12 @@ def build_parts(
         endpoints.close()
         raise
     copies = needs_no_snapshot(transport)
+    fetch_metadata = metadata_over_grpc(timeouts.connect_timeout)
+    if endpoints.reference_client:
+        fetch_metadata = metadata_through(client_class(), timeouts.connect_timeout)
     recovery = Recovery(
         transport,
-        metadata_over_grpc(timeouts.connect_timeout),
+        fetch_metadata,
         settings.group_rank,
         timeouts.timeout,
         logger.info,
@@ -204,6 +218,28 @@ def build_parts(
         process_group, logger, telemetry.process_group_aborted, gave_up=endpoints.gave_up
     )
     worker.guard_builds(connected.building)
+    divergence = DivergenceGuard(
+        GuardSettings(*guard),
+        machine=machine,
+        quorum=lambda: heal.quorum,
+        # What a healer would receive (the user's state, the Manager's counters), and what
+        # the user registered for comparison only.
+        read_state=lambda: {
+            **state.read_compared(
+                lambda: {"step": machine.step, "batches_committed": machine.batches_committed}
+            ),
+            "compared": {key: fn() for key, fn in state.fingerprinted.items()},
+        },
+        can_read=lambda: not state.empty and state.reads_allowed,
+        process_group=process_group,
+        broken=lambda: ledger.skipped > 0 or connected.aborted_for is not None,
+        # Not the loop's own error: a salvage or a drop reads the step's failure as it is.
+        fail=lambda e: ledger.fail(e, how="the divergence guard's exchange failed"),
+        expiry=lambda: connected.expiry,
+        timeout=timeouts.timeout,
+        log=logger,
+        stats=telemetry.stats,
+    )
     return ManagerParts(
         endpoints=endpoints,
         logger=logger,
@@ -228,4 +264,5 @@ def build_parts(
             log=logger,
             salvaged=telemetry.salvaged,
         ),
+        guard=divergence,
     )

@@ -46,6 +46,7 @@ from typing import Any, Protocol
 
 from torchheal.checkpointing.timeline import mark
 from torchheal.checkpointing.transport import TornCheckpointError
+from torchheal.coordination.types import QuorumResult
 from torchheal.manager.log import ManagerLogger
 from torchheal.manager.machine import StepMachine
 from torchheal.manager.quorum_worker import QuorumOutcome, Transfer
@@ -101,6 +102,8 @@ class HealStep:
         self.recovery_event: Any = None
         #: The transfer running beside the step's collectives, with the quorum's max step.
         self.transfer: tuple[Future[Transfer], int] | None = None
+        #: The last quorum result taken (the divergence guard reads it).
+        self.quorum: QuorumResult | None = None
 
     @property
     def warming_up(self) -> bool:
@@ -145,6 +148,7 @@ class HealStep:
     def take_outcome(self, outcome: QuorumOutcome) -> None:
         """Quorum thread: keeps the heal part of the step's quorum work."""
         self._note_torn(outcome.errors)
+        self.quorum = outcome.quorum
         max_step = outcome.quorum.max_step
         if self._machine.quorum_taken(
             outcome.participation, healing=outcome.healing, max_step=max_step

@@ -124,6 +124,10 @@ class StepMachine:
         self.pre_heal: tuple[int, int] | None = None
         #: This step was redone in a new quorum (salvaged).
         self.salvaged = False
+        #: Why this replica must heal before it may commit (the divergence guard's verdict for
+        #: this step: ``torchheal.manager.divergence``), and the step of its last heal.
+        self.must_repair: str | None = None
+        self.healed_at = -1
 
     # -- the step's start -----------------------------------------------------------------
 
@@ -133,6 +137,7 @@ class StepMachine:
         self.healing = False
         self.pre_heal = None
         self.salvaged = False
+        self.must_repair = None
         self.warming_up = self.warmup_pending
         self.warmup_pending = False
         if self.warming_up:
@@ -178,6 +183,7 @@ class StepMachine:
         go back to what they were, so the next quorum heals this replica again."""
         if ok:
             self.torn = False
+            self.healed_at = self.step
         elif self.pre_heal is not None:
             self.step, self.batches_committed = self.pre_heal
         self.pre_heal = None
@@ -189,8 +195,9 @@ class StepMachine:
         return self.participation is not None and self.participation.contributes(self.healing)
 
     def torn_error(self) -> str | None:
-        """Why this step fails before the vote (a torn replica's), or None."""
-        return TORN if self.torn else None
+        """Why this step fails before the vote (a torn replica's, or one the divergence guard
+        found outside the reference state: it heals from it at the next quorum), or None."""
+        return TORN if self.torn else self.must_repair
 
     def ballot(self, errored: bool) -> Ballot:
         """This rank's vote (``vote.ballot``): after a heal that failed here, on the step its

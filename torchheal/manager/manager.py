@@ -76,6 +76,10 @@ class Manager(ManagerCollectives, ManagerUserState, ReferenceViews):
             what it costs and what it asks of the training loop). Every rank of a group must
             pass the same. ``TORCHHEAL_SALVAGE_STEP=1`` when None; off by default, as the
             reference.
+        divergence_check_interval: compare the groups' state every this many steps and after
+            heals (``docs/divergence.md``; 100 is a good value); 0: off; None:
+            ``TORCHHEAL_DIVERGENCE_CHECK_INTERVAL`` or off. Every group must pass the same.
+        on_divergence: ``repair``, ``stop`` or ``warn`` (``TORCHHEAL_ON_DIVERGENCE`` or repair).
     """
 
     def __init__(
@@ -103,6 +107,8 @@ class Manager(ManagerCollectives, ManagerUserState, ReferenceViews):
         max_retries: int | None = None,
         quorum_retries: int = 0,
         salvage_step: bool | None = None,
+        divergence_check_interval: int | None = None,
+        on_divergence: str | None = None,
     ) -> None:
         settings = ManagerSettings.resolve(
             timeout=timeout,
@@ -119,10 +125,8 @@ class Manager(ManagerCollectives, ManagerUserState, ReferenceViews):
         )
         timeouts = settings.timeouts
         self._timeout, self._quorum_timeout = timeouts.timeout, timeouts.quorum_timeout
-        self._connect_timeout, self._quorum_retries = (
-            timeouts.connect_timeout,
-            timeouts.quorum_retries,
-        )
+        self._connect_timeout = timeouts.connect_timeout
+        self._quorum_retries = timeouts.quorum_retries
         self._group_rank, self._group_world_size = settings.group_rank, settings.group_world_size
 
         self._state = StateRegistry(lock_timeout=self._timeout)
@@ -137,12 +141,11 @@ class Manager(ManagerCollectives, ManagerUserState, ReferenceViews):
 
         if checkpoint_transport is None:
             checkpoint_transport = HTTPTransport(timeout=self._timeout, num_chunks=0)
-        self._checkpoint_transport: CheckpointTransport[Any] = checkpoint_transport
 
         self._pg = pg
         parts = build_parts(
             settings,
-            transport=self._checkpoint_transport,
+            transport=checkpoint_transport,
             state=self._state,
             process_group=lambda: self._pg,
             host=self,
@@ -156,15 +159,13 @@ class Manager(ManagerCollectives, ManagerUserState, ReferenceViews):
             min_replica_size=min_replica_size,
             max_retries=max_retries,
             salvage=config.salvage_step() if salvage_step is None else salvage_step,
+            guard=config.divergence_guard(divergence_check_interval, on_divergence),
         )
-        self._endpoints, self._logger, self._telemetry = (
-            parts.endpoints,
-            parts.logger,
-            parts.telemetry,
-        )
+        self._endpoints, self._logger = parts.endpoints, parts.logger
+        self._telemetry = parts.telemetry
         self._worker, self._recovery, self._quorums = parts.worker, parts.recovery, parts.quorums
         self._machine, self._ledger, self._heal = parts.machine, parts.ledger, parts.heal
-        self._connected, self._salvage = parts.connected, parts.salvage
+        self._connected, self._salvage, self._guard = parts.connected, parts.salvage, parts.guard
         self._background_transfer = parts.background_transfer
         self._full_replica_id: str = self._endpoints.replica_id
         self._endpoints.watch_lost(self._group_rank, self._on_notice)
@@ -292,13 +293,11 @@ class Manager(ManagerCollectives, ManagerUserState, ReferenceViews):
         if self._heal.end_warmup():
             return False  # the warm-up step is not voted on
         while True:
-            self._settle_step()
+            pg_errored = self._settle_step()
             choice = self._machine.ballot(self._errored is not None)
             # A "no" that a redo would cure says so, and the group redoes the step only when
             # every rank's "no" does (a group of one rank: when its own does).
-            salvageable = not choice.vote and self._salvage.salvageable(
-                self._pg.errored() is not None
-            )
+            salvageable = not choice.vote and self._salvage.salvageable(pg_errored)
             decision, redo = self._endpoints.vote(
                 self._group_rank, choice.step, choice.vote, timeout or self._timeout, salvageable
             )
@@ -307,8 +306,9 @@ class Manager(ManagerCollectives, ManagerUserState, ReferenceViews):
             self._salvage.redo(self._requorum, self.allreduce)
         return self._conclude(decision, choice.vote)
 
-    def _settle_step(self) -> None:
-        """Before the vote: the heal's transfer, device work, errors, the heal's load."""
+    def _settle_step(self) -> bool:
+        """Before the vote: the heal's transfer, device work, errors, the heal's load, the
+        divergence guard. Returns whether the process group reported an error (asked once)."""
         self._heal.settle()
         self._heal.synchronize()
         if torch.cuda.is_available():
@@ -318,13 +318,15 @@ class Manager(ManagerCollectives, ManagerUserState, ReferenceViews):
             self._fail_step(pg_error)
         if self._healing:
             self._apply_pending_state_dict()
+        # Fingerprints compared when due: a group that differs votes no.
+        self._guard.check(pg_errored=pg_error is not None)
         self._heal.check_torn()
+        return pg_error is not None
 
     def _conclude(self, decision: bool, local: bool) -> bool:
         """After the group's decision: the log, telemetry, the counters, the retry limit."""
         num_participants = self.num_participants()
-        # Every step, so a commit logs at DEBUG (formatted only when enabled); a skipped step at
-        # INFO.
+        # Every step: a commit at DEBUG (formatted only when enabled), a skipped step at INFO.
         self._logger.log(
             logging.DEBUG if decision else logging.INFO,
             "should_commit=%s (local vote %s: %d participants, min %d, errored=%s)",
@@ -341,6 +343,7 @@ class Manager(ManagerCollectives, ManagerUserState, ReferenceViews):
             # served its own copy lets a slow healer finish too (its next send replaces it).
             self._checkpoint_transport.disallow_checkpoint()
         fatal = self._machine.decided(decision)
+        self._guard.raise_if_stopped()
         if fatal is not None:
             self._logger.warning(fatal)
             raise RuntimeError(fatal)

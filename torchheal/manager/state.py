@@ -16,7 +16,7 @@ on the training thread; background threads only ever see copies.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -45,6 +45,10 @@ class StateRegistry:
         self.lock = RWLock(timeout=to_seconds(lock_timeout))
         # True while the training thread holds the writer side (reads must wait).
         self._writer_held = False
+        #: State compared by the divergence guard but never sent to a healer.
+        self.fingerprinted: dict[str, Callable[[], Any]] = {}
+        #: The registered keys the divergence guard compares (None: all of them).
+        self.compared_keys: frozenset[str] | None = None
 
     def register(
         self, key: str, load_state_dict: Callable[[Any], None], state_dict: Callable[[], Any]
@@ -112,6 +116,13 @@ class StateRegistry:
             user = {key: read_fn() for key, read_fn in self._readers.items()}
             return {"user": user, "torchft": dict(counters())}
 
+    def read_compared(self, counters: Callable[[], Mapping[str, int]]) -> dict[str, Any]:
+        """:meth:`read`, keeping only the keys the divergence guard compares."""
+        state = self.read(counters)
+        if self.compared_keys is not None:
+            state["user"] = {k: v for k, v in state["user"].items() if k in self.compared_keys}
+        return state
+
     def copy(self, state: Any) -> Any:
         """A private copy of ``state``'s tensors, taken while reads are allowed.
 
@@ -161,6 +172,7 @@ class ManagerUserState:
     _machine: StepMachine
     _checkpoint_transport: Any
     _logger: ManagerLogger
+    _telemetry: Any
 
     def register_state_dict_fn(
         self, key: str, load_state_dict: Callable[[T], None], state_dict: Callable[[], T]
@@ -176,6 +188,39 @@ class ManagerUserState:
             AssertionError: ``key`` is already registered.
         """
         self._state.register(key, load_state_dict, state_dict)
+
+    def register_fingerprint(self, key: str, state_dict: Callable[[], Any]) -> None:
+        """Adds state the divergence guard compares across groups but a heal does not send
+        (a scheduler or a data position the user restores some other way): a group whose
+        copy differs is reported (``docs/divergence.md``).
+
+        Args:
+            key: unique name among these.
+            state_dict: returns the state (called on the training thread).
+
+        Raises:
+            AssertionError: ``key`` is already registered.
+        """
+        if key in self._state.fingerprinted:
+            raise AssertionError(f"fingerprint fn {key!r} already registered")
+        self._state.fingerprinted[key] = state_dict
+
+    def divergence_checks(self) -> tuple[int, int]:
+        """``(comparisons, mismatches)``: what the divergence guard found on this rank so far."""
+        stats = self._telemetry.stats
+        return stats.divergence_checks, stats.divergence_mismatches
+
+    def compare_only(self, keys: Iterable[str]) -> None:
+        """Makes the divergence guard compare only these keys of the registered state.
+
+        For state that differs between groups by design between their syncs: LocalSGD's and
+        DiLoCo's local models and inner optimizers (DiLoCo compares its fragments' global
+        state, which every group holds the same after a sync).
+
+        Args:
+            keys: keys given to :meth:`register_state_dict_fn`.
+        """
+        self._state.compared_keys = frozenset(keys)
 
     def set_state_dict_fns(
         self, load_state_dict: Callable[[T], None], state_dict: Callable[[], T]

@@ -75,6 +75,9 @@ class StepLedger:
         #: Whether a failure of this step came from outside the step's collectives and
         #: quorum (the training loop's own ``report_error``): a new quorum would not cure it.
         self.foreign_error = False
+        #: Collectives of this step skipped because it had failed: the process group's peers
+        #: ran them, so any later collective of the step would pair with the wrong one.
+        self.skipped = 0
         self._works: list[_Work] = []
         self._futures: list[_Future] = []
 
@@ -92,6 +95,7 @@ class StepLedger:
         with self._lock:
             self._error = None
             self.foreign_error = False
+            self.skipped = 0
             self._works = []
             self._futures = []
 

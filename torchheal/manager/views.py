@@ -79,9 +79,13 @@ class ReferenceViews:
     _pending_state_dict = View("_heal", "pending")
     _quorum_id = View("_connected", "quorum_id")
     _quorum_future = View("_quorums", "future")
-    _state_dict_lock = View("_state", "lock", writable=False)
+    # Settable, as the reference's: a replacement guards reads and block/unblock from then on.
+    _state_dict_lock = View("_state", "lock")
+    _init_sync = View("_worker", "_init_sync")
     _is_state_dict_read_allowed = View("_state", "reads_allowed", writable=False)
     _step = View("_machine", "step")
+    # The transport the heals use (a test may replace it after construction).
+    _checkpoint_transport = View("_recovery", "transport")
     _batches_committed = View("_machine", "batches_committed")
     _commit_failures = View("_machine", "commit_failures")
     _participation = View("_machine", "participation")

@@ -86,6 +86,11 @@ class TrainerStats:
         self.allreduce_errors = 0
         #: Times the cross-replica process group was aborted.
         self.process_group_aborts = 0
+        #: Divergence guard: fingerprint comparisons with a verdict, those that found groups
+        #: holding different state, and the last step at which every compared group agreed.
+        self.divergence_checks = 0
+        self.divergence_mismatches = 0
+        self.last_verified_step = -1
 
     def count_error(self, allreduce: bool = False) -> None:
         """Counts one step error (from any thread).
@@ -172,6 +177,24 @@ _FAMILIES: tuple[_Family, ...] = (
         "process_group_aborts",
         "Aborts of the cross-replica process group.",
         "process_group_aborts",
+    ),
+    _Family(
+        "counter",
+        "divergence_checks",
+        "Comparisons of the replica groups' state fingerprints.",
+        "divergence_checks",
+    ),
+    _Family(
+        "counter",
+        "divergence_mismatches",
+        "Comparisons that found replica groups holding different state.",
+        "divergence_mismatches",
+    ),
+    _Family(
+        "gauge",
+        "last_verified_step",
+        "Last step at which every compared replica group held the same state (-1: none).",
+        "last_verified_step",
     ),
     _Family("gauge", "step", "The step the replica group is at.", "step"),
     _Family("gauge", "quorum_id", "Id of the last quorum (-1 before the first).", "quorum_id"),

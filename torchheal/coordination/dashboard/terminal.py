@@ -78,7 +78,7 @@ def render(doc: dict[str, Any], width: int = 120, failures: int = 5, changes: in
         f"  ·  {_rate(job['rate'])} steps/s",
         f"members {q['size']} (min {config['min_replicas']})  ·  heartbeating "
         f"{doc['heartbeating']}  ·  failures {len(doc['failures'])} ({not_healed} not healed)",
-        f"next quorum: {doc['reason']}",
+        f"next quorum: {doc.get('next_quorum', doc['reason'])}",
         "",
     ]
     if q["members"]:

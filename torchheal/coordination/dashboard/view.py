@@ -12,10 +12,39 @@ from typing import Any
 
 from torchheal.coordination.dashboard.events import group_name
 
-__all__ = ["STATUS_VERSION", "build_status"]
+__all__ = ["STATUS_VERSION", "build_status", "next_quorum"]
 
 #: Bumped when a field of the status document changes meaning or disappears.
 STATUS_VERSION = 1
+
+
+def next_quorum(
+    reason: str, quorum_id: int, size: int, age_s: float | None, asking: int, timeout_s: float
+) -> str:
+    """What the next quorum waits for, in words that are true between rounds.
+
+    The lighthouse's reason is what a decision taken right now would say. Between the rounds
+    of a healthy job nobody is asking, so it reads "New quorum not ready, only have 0
+    participants" while every group trains: say that instead. A reason seen long after the
+    last quorum (or before any) is shown as it is: then it explains a stall.
+
+    Args:
+        reason: the lighthouse's reason string.
+        quorum_id: the last quorum's id.
+        size: its members.
+        age_s: seconds since it was issued (None: none yet).
+        asking: groups asking for a quorum now.
+        timeout_s: the heartbeat timeout (a quorum older than this is not "between rounds").
+    """
+    recent = age_s is not None and age_s < timeout_s and size > 0
+    if not reason.startswith("New quorum not ready") or not recent:
+        return reason
+    if asking == 0:
+        return f"between rounds: the {size} groups of quorum #{quorum_id} are training"
+    return (
+        f"round starting: {asking} of the {size} groups of quorum #{quorum_id} asked for the "
+        f"next quorum ({reason})"
+    )
 
 
 def build_status(
@@ -103,6 +132,15 @@ def build_status(
             "members": members,
         },
         "reason": lighthouse["reason"],
+        # The reason in words that are true between rounds (what the page and CLI show).
+        "next_quorum": next_quorum(
+            lighthouse["reason"],
+            lighthouse["quorum_id"],
+            len(members),
+            quorum_age,
+            len(lighthouse["waiting"]),
+            timeout_s,
+        ),
         # How long the lighthouse has been saying this (meaningful when it is stuck).
         "reason_since": (
             history["reason_since"] if history["reason"] == lighthouse["reason"] else None

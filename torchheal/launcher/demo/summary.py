@@ -6,7 +6,9 @@ import itertools
 import statistics
 from dataclasses import dataclass
 
+from torchheal.data.plan import DataPlan, StepKey, positions
 from torchheal.launcher import RunResult
+from torchheal.launcher.events import Event
 
 
 @dataclass(frozen=True)
@@ -29,6 +31,61 @@ class Recovery:
 
 
 @dataclass(frozen=True)
+class SampleCheck:
+    """Whether the committed steps read every sample once, from the groups' own reports.
+
+    Args:
+        steps: committed steps some contributing group reported what it read in.
+        batch: the global batch of a step.
+        problems: what broke the rule (empty when every sample was read once).
+    """
+
+    steps: int
+    batch: int
+    problems: tuple[str, ...]
+
+
+def check_samples(events: list[Event]) -> SampleCheck | None:
+    """Checks each committed step's reported reads against the data plan (None: none reported).
+
+    Every contributing group of a committed step must have read exactly its slice of the
+    step's batch for that step's quorum, all of the step's groups must agree on the quorum, and
+    no stream position may be read in two committed steps. A group killed between its commit
+    and its report leaves its slice unreported; the plan still says what it read.
+    """
+    reads = [
+        e.fields
+        for e in events
+        if e.kind == "step"
+        and e.fields.get("committed")
+        and e.fields.get("rank") is not None
+        and "lo" in e.fields
+    ]
+    if not reads:
+        return None
+    batch = int(reads[0]["batch"])
+    plan = DataPlan(dataset_size=1, batch_size=batch)  # positions do not depend on the size
+    problems: list[str] = []
+    by_step: dict[int, list[dict]] = {}
+    for f in reads:
+        by_step.setdefault(int(f["data_step"]), []).append(f)
+    for step, fs in sorted(by_step.items()):
+        quorums = sorted({int(f["k"]) for f in fs})
+        ranks = [int(f["rank"]) for f in fs]
+        if len(quorums) > 1 or len(set(ranks)) < len(ranks):
+            problems.append(f"step {step} committed twice (quorums of {quorums} groups)")
+        for f in fs:
+            want = positions(plan, StepKey(step, int(f["k"]), int(f["rank"])))
+            if (int(f["lo"]), int(f["hi"])) != want:
+                problems.append(f"step {step}: read {f['lo']}..{f['hi']}, the plan says {want}")
+    spans = sorted({(int(f["lo"]), int(f["hi"])) for f in reads})
+    for (_, hi), (lo, _) in itertools.pairwise(spans):
+        if lo < hi:
+            problems.append(f"samples at positions {lo}..{hi} read twice")
+    return SampleCheck(len(by_step), batch, tuple(problems))
+
+
+@dataclass(frozen=True)
 class Summary:
     """The demo's verdict.
 
@@ -41,6 +98,10 @@ class Summary:
         identical: whether every group ended with bit-identical weights.
         digests: final weight digest per group.
         wall_s: duration of the whole run.
+        samples: the exactly-once check of the data the groups read (None: not reported).
+        comparisons: the divergence guard's ``(comparisons, mismatches)`` summed over the
+            groups' ``done`` events (``divergence_checks``, ``divergence_mismatches``; None:
+            not reported).
     """
 
     steps_committed: int
@@ -51,6 +112,8 @@ class Summary:
     identical: bool
     digests: dict[int, str]
     wall_s: float
+    samples: SampleCheck | None = None
+    comparisons: tuple[int, int] | None = None
 
 
 def _survivor_stall(kill_time: float, survivors: list[list[tuple[float, object]]]) -> float | None:
@@ -121,6 +184,39 @@ def summarize(result: RunResult) -> Summary:
         identical=identical,
         digests=digests,
         wall_s=result.ended - result.started,
+        samples=check_samples(result.events),
+        comparisons=_comparisons(result.events),
+    )
+
+
+def _comparisons(events: list[Event]) -> tuple[int, int] | None:
+    done = [e.fields for e in events if e.kind == "done" and "divergence_checks" in e.fields]
+    if not done:
+        return None
+    checks = sum(int(f["divergence_checks"]) for f in done)
+    return checks, sum(int(f.get("divergence_mismatches", 0)) for f in done)
+
+
+def _comparisons_line(comparisons: tuple[int, int] | None) -> str:
+    if comparisons is None:
+        return "not reported"
+    checks, mismatches = comparisons
+    if checks == 0:
+        return "no comparison ran"
+    if mismatches:
+        return f"{mismatches} of {checks} comparisons found groups holding different state"
+    return f"{checks} comparisons of the groups' state fingerprints, all matched"
+
+
+def _samples_line(check: SampleCheck | None) -> str:
+    if check is None:
+        return "not reported"
+    if check.problems:
+        more = f" (and {len(check.problems) - 1} more)" if len(check.problems) > 1 else ""
+        return f"NOT each read once: {check.problems[0]}{more}"
+    return (
+        f"each read once ({check.steps} committed steps x {check.batch}, "
+        "every step the plan's batch whoever was up)"
     )
 
 
@@ -145,6 +241,8 @@ def render(summary: Summary) -> str:
         f"seconds lost           {summary.seconds_lost:.2f}s (survivor stall beyond a normal step)",
         f"wall time              {summary.wall_s:.1f}s",
         f"identical weights      {'yes, bit-identical on every group' if summary.identical else 'NO'}",
+        f"samples                {_samples_line(summary.samples)}",
+        f"state compared         {_comparisons_line(summary.comparisons)}",
     ]
     for g, d in sorted(summary.digests.items()):
         lines.append(f"  group {g}: sha256 {d[:16]}…")

@@ -6,9 +6,13 @@ Run by the launcher (``torchheal demo`` / ``torchheal launch``) as
 from the environment, hosts its own TCPStore, trains until the job reaches ``--steps`` committed
 steps, and reports progress as event lines (see ``events.py``).
 
-Each group draws different batches (seeded by group and step), so the gradients really are
-averaged across groups; a group that joins late heals from a peer and must end with weights
-bit-identical to everyone else's.
+Data follows the data plan (``torchheal.data``, docs/data.md): step ``s`` reads samples
+``s*B .. (s+1)*B - 1`` of one shuffled order of a synthetic dataset, split over the groups in
+the step's quorum, so the gradients really are averaged across groups, a step that fails is read
+again by the next quorum, and the global batch stays ``B`` while a group is down. Each step
+event says which stream positions this group read (``lo``, ``hi``), so the summary can check
+that every sample was read once. A group that joins late heals from a peer and must end with
+weights bit-identical to everyone else's.
 """
 
 from __future__ import annotations
@@ -36,14 +40,21 @@ def build_model(seed: int) -> nn.Module:
     )
 
 
-def batch_for(
-    group: int, step: int, seed: int, batch_size: int = 64
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """A deterministic synthetic batch for ``group`` at ``step``: inputs and class targets."""
-    gen = torch.Generator().manual_seed(seed * 1_000_003 + group * 10_007 + step)
-    x = torch.randn(batch_size, 32, generator=gen)
-    y = (x[:, :8].sum(dim=1) > 0).long() + 2 * (x[:, 8:16].sum(dim=1) > 0).long()
-    return x, y
+class DemoData(torch.utils.data.Dataset):
+    """A synthetic classification problem: sample ``i`` is drawn from a generator seeded by
+    (seed, i), 32 inputs and one of 4 classes."""
+
+    def __init__(self, size: int, seed: int) -> None:
+        self.size, self.seed = size, seed
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + i)
+        x = torch.randn(32, generator=gen)
+        y = int(x[:8].sum() > 0) + 2 * int(x[8:16].sum() > 0)
+        return x, torch.tensor(y)
 
 
 def weights_digest(model: nn.Module) -> str:
@@ -66,6 +77,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
+        "--global-batch", type=int, default=192, help="samples per step over all groups"
+    )
+    parser.add_argument("--dataset-size", type=int, default=100_000)
+    parser.add_argument(
         "--timeout", type=float, default=10.0, help="collective/transfer timeout (s)"
     )
     return parser.parse_args(argv)
@@ -74,6 +89,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     # Imported here so `--help` stays fast.
     from torchheal import DistributedDataParallel, Manager, Optimizer, ProcessGroupGloo
+    from torchheal.data import DataPlan, StepLoader
 
     args = parse_args(argv)
     launcher = LauncherEnv.from_env()
@@ -117,10 +133,18 @@ def main(argv: list[str] | None = None) -> int:
         store_addr=store_addr,
         store_port=store_port,
         replica_id=f"demo_{group}",
+        # The divergence guard: every group compares fingerprints at each new quorum, after
+        # every heal and every 100 steps (docs/divergence.md).
+        divergence_check_interval=100,
+        # Every group builds the same seeded model. (With init_sync at step 0 the groups but one
+        # would heal from it and send zeros while counted: their share of step 0 lost.)
+        init_sync=False,
     )
     ddp = DistributedDataParallel(manager, model)
     optimizer = Optimizer(manager, optimizer_inner)
-    loss_fn = nn.CrossEntropyLoss()
+    plan = DataPlan(dataset_size=args.dataset_size, batch_size=args.global_batch, seed=args.seed)
+    loader = StepLoader(DemoData(args.dataset_size, args.seed), plan, manager)
+    loss_fn = nn.CrossEntropyLoss(reduction="sum")  # scaled by the plan: sum / B overall
     emit("start", group, pid=os.getpid(), warm=launcher.warm_spare)
 
     last_quorum = None
@@ -128,9 +152,12 @@ def main(argv: list[str] | None = None) -> int:
         while manager.current_step() < args.steps:
             step_before = manager.current_step()
             optimizer.zero_grad()  # starts the quorum in the background
-            x, y = batch_for(group, step_before, args.seed)
-            loss = loss_fn(ddp(x), y)
-            loss.backward()
+            batch = loader.next_step()  # this group's share of the step (after the quorum)
+            loss_sum = 0.0
+            for x, y in batch:  # one micro-batch: no cap on the plan
+                loss = loss_fn(ddp(x), y)
+                (loss * batch.loss_scale).backward()
+                loss_sum += float(loss.detach())
             time.sleep(args.step_delay)
             optimizer.step()  # commits only if every rank of the group and the allreduce succeeded
             committed_step = manager.current_step()
@@ -141,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
                 emit(
                     "quorum", group, quorum_id=last_quorum, participants=manager.num_participants()
                 )
+            share = batch.share
             emit(
                 "step",
                 group,
@@ -149,9 +177,24 @@ def main(argv: list[str] | None = None) -> int:
                 healed=healed,
                 participants=manager.num_participants(),
                 quorum_id=manager._quorum_id,
-                loss=round(float(loss.detach()), 5),
+                loss=round(loss_sum / max(1, len(share.indices)), 5),
+                # What this group read, for the summary's exactly-once check.
+                data_step=share.key.step,
+                rank=share.key.rank,
+                k=share.key.participants,
+                lo=share.lo,
+                hi=share.hi,
+                batch=plan.batch_size,
             )
-        emit("done", group, step=manager.current_step(), digest=weights_digest(model))
+        checks, mismatches = manager.divergence_checks()
+        emit(
+            "done",
+            group,
+            step=manager.current_step(),
+            digest=weights_digest(model),
+            divergence_checks=checks,
+            divergence_mismatches=mismatches,
+        )
     finally:
         manager.shutdown(wait=False)
     return 0

@@ -143,10 +143,10 @@
   }
 
   function renderReason(s) {
-    // The reason is what a decision taken right now would say. Between the rounds of a healthy
-    // job it reads "not ready" for a moment; it only matters when no quorum came for a while.
+    // The reason is what a decision taken right now would say: between the rounds of a healthy
+    // job "not ready, 0 participants". next_quorum says what is true then (the groups train).
     const box = $("reason");
-    $("reason-text").textContent = s.reason || "–";
+    $("reason-text").textContent = s.next_quorum || s.reason || "–";
     const found = /^(Fast quorum found|Valid quorum found)/.test(s.reason || "");
     const hb = s.config.heartbeat_timeout_ms / 1000;
     const age = s.quorum.age_s;

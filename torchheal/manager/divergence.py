@@ -1,0 +1,392 @@
+"""Whether the replica groups hold the same state, and who repairs when not: the guard (pure).
+
+Every participant of a quorum fingerprints the state it would send a healer (the shell,
+:mod:`torchheal.manager.fingerprint`) and the participants exchange their fingerprints in one
+small collective on the cross-replica process group (:mod:`torchheal.manager.guard`). This
+module decides everything around that exchange from plain data, with no torch, threads or
+clocks: when an exchange is due, the layout of the exchanged words, and the verdict.
+
+**When.** A collective hangs unless every member of the process group runs it, so the rule
+uses only what every member of the quorum knows alike (its id, its step, whether anyone heals
+in it) and settings every member has shown the others:
+
+* never in a step where someone heals: the healer receives its state beside the step's
+  collectives, and an exchange would make every other member wait for its transfer;
+* off (interval 0, the default): never. On, every group must have it on;
+* the first step of every quorum id where nobody heals. Each member advertises its interval
+  and policy there (the *handshake*); the guard is armed for that quorum only when every
+  member advertises the same interval and policy (other settings disarm it: nothing hangs);
+* while armed: the first step after a heal (the healer's first commit on its new state), and
+  every ``interval``-th step.
+
+**Who is compared.** A member whose step is the quorum's step after its heal (so not a healer
+whose load failed, not a torn one) and that could read its state. Ranks of a group compare
+their own shard with the same rank of the other groups (the process group connects those).
+
+**The verdict.** Members with equal fingerprints form classes. The reference class is the
+largest; among classes of equal size (two groups that disagree, or no majority at all), the
+one whose members healed least recently (never healed counts as oldest), then the one with the
+lowest participating rank. So with two groups the group that healed most recently yields to
+the other (its heal is the likeliest cause), and with neither healed the higher rank yields.
+Every member computes the same verdict from the same words. Members outside the reference
+class *repair* (``repair``: they vote no on this step, fall one step behind, and the next
+quorum heals them from a member at the quorum's step, which the reference class holds), or
+every member that sees the mismatch stops (``stop``), or it is only reported (``warn``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = [
+    "HEADER",
+    "MAX_KEYS",
+    "POLICIES",
+    "GuardSettings",
+    "Schedule",
+    "Slot",
+    "Verdict",
+    "combine",
+    "decode",
+    "differing_tensors",
+    "encode",
+    "judge",
+    "name_hash",
+    "slot_words",
+    "tensor_count",
+    "tensor_words",
+]
+
+#: What a mismatch does (the first is the default).
+POLICIES = ("repair", "stop", "warn")
+
+#: Words of a slot's header: present, interval, policy, step, eligible, last heal + 1,
+#: number of keys, number of tensors.
+HEADER = 8
+#: Fingerprint entries per slot (name hash, sum, weighted sum); later keys share the last.
+MAX_KEYS = 24
+
+#: Most tensors compared one by one after a mismatch (the second exchange's size bound).
+MAX_TENSORS = 1 << 16
+
+_MASK = (1 << 64) - 1
+
+
+@dataclass(frozen=True)
+class GuardSettings:
+    """The guard's settings (every group must pass the same, or the guard stays off).
+
+    Args:
+        interval: compare every ``interval`` committed steps (None or 0: off).
+        policy: ``repair``, ``stop`` or ``warn``.
+    """
+
+    interval: int | None = 100
+    policy: str = "repair"
+
+    def validate(self) -> None:
+        """Raises ValueError naming the bad field."""
+        if self.interval is not None and self.interval < 0:
+            raise ValueError(f"divergence_check_interval must be >= 1 or None, got {self.interval}")
+        if self.policy not in POLICIES:
+            raise ValueError(f"on_divergence must be one of {POLICIES}, got {self.policy!r}")
+
+    @property
+    def on(self) -> bool:
+        """Whether this member compares at all."""
+        return bool(self.interval)
+
+    @property
+    def advertised(self) -> tuple[int, int]:
+        """``(interval, policy code)`` as the handshake carries them (0: off)."""
+        return (self.interval or 0, POLICIES.index(self.policy) + 1)
+
+
+def name_hash(name: str) -> int:
+    """A stable 64-bit hash of a name (FNV-1a: the same on every host, unlike ``hash``)."""
+    value = 0xCBF29CE484222325
+    for byte in name.encode():
+        value = ((value ^ byte) * 0x100000001B3) & _MASK
+    return value
+
+
+def combine(parts: list[tuple[int, int]], seed: int) -> tuple[int, int]:
+    """One digest of several (sum, weighted sum) pairs, modulo 2**64.
+
+    Each pair is multiplied by an odd number, so a change of ``2**k`` in any part stays a
+    non-zero change of the result: a single flipped bit is never hidden.
+
+    Args:
+        parts: the parts' digests, in a fixed order.
+        seed: mixed in (a name hash), so equal parts under other names differ.
+    """
+    total, weighted = seed & _MASK, (seed * 3) & _MASK
+    for index, (s, w) in enumerate(parts):
+        odd = 2 * index + 1
+        total = (total + odd * s) & _MASK
+        weighted = (weighted + odd * w) & _MASK
+    return total, weighted
+
+
+def slot_words() -> int:
+    """Words per member in the exchanged vector."""
+    return HEADER + 3 * MAX_KEYS
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One member's part of an exchange, decoded.
+
+    Args:
+        rank: its participating rank (its index in the process group).
+        interval: the interval it advertises (0: its guard is off).
+        policy: its policy code (1-based index into :data:`POLICIES`).
+        step: its step.
+        eligible: it sent a fingerprint.
+        last_heal: the step of its last heal (-1: never healed).
+        entries: ``(name hash, sum, weighted sum)`` per key.
+        tensors: how many tensors its fingerprint covers.
+    """
+
+    rank: int
+    interval: int
+    policy: int
+    step: int
+    eligible: bool
+    last_heal: int
+    entries: tuple[tuple[int, int, int], ...] = ()
+    tensors: int = 0
+
+
+def encode(slot: Slot) -> list[int]:
+    """A member's words (unsigned 64-bit values; the shell writes them at its rank's offset).
+
+    Keys beyond :data:`MAX_KEYS` are folded into the last entry by the caller.
+    """
+    words = [
+        1,
+        slot.interval,
+        slot.policy,
+        slot.step,
+        int(slot.eligible),
+        slot.last_heal + 1,
+        len(slot.entries),
+        slot.tensors,
+    ]
+    for entry in slot.entries[:MAX_KEYS]:
+        words.extend(value & _MASK for value in entry)
+    words.extend([0] * (slot_words() - len(words)))
+    return words
+
+
+def decode(words: list[int], world: int) -> list[Slot | None]:
+    """The members' slots from the summed vector (None: a member wrote nothing).
+
+    Args:
+        words: the vector after the exchange, as unsigned 64-bit values.
+        world: members in the process group.
+    """
+    size = slot_words()
+    slots: list[Slot | None] = []
+    for rank in range(world):
+        w = [value & _MASK for value in words[rank * size : (rank + 1) * size]]
+        if not w or w[0] != 1:
+            slots.append(None)
+            continue
+        keys = min(w[6], MAX_KEYS)
+        entries = tuple(
+            (w[HEADER + 3 * i], w[HEADER + 3 * i + 1], w[HEADER + 3 * i + 2]) for i in range(keys)
+        )
+        slots.append(Slot(rank, w[1], w[2], w[3], bool(w[4]), w[5] - 1, entries, w[7]))
+    return slots
+
+
+@dataclass
+class Schedule:
+    """When this rank exchanges fingerprints (one per rank, advanced on the training thread).
+
+    Args:
+        settings: this member's settings.
+    """
+
+    settings: GuardSettings
+    #: The quorum whose handshake ran (-1: none yet), and whether it armed the guard.
+    quorum_id: int = -1
+    armed: bool = False
+    #: Someone healed in a step not compared since.
+    after_heal: bool = False
+
+    def due(self, *, quorum_id: int, step: int, heals: bool) -> str | None:
+        """Why an exchange runs this step, or None.
+
+        Args:
+            quorum_id: the step's quorum.
+            step: the quorum's step (every member is at it when it votes).
+            heals: someone heals in this step (every member knows it from the quorum: fewer
+                members are at its step than are in it, or it is step 0).
+        """
+        if not self.settings.on:
+            return None  # off: no collective at all (every group must pass the same settings)
+        if heals:
+            # The healer receives beside the step's collectives: nobody waits for it in one.
+            self.after_heal = True
+            return None
+        if quorum_id != self.quorum_id:
+            return "handshake"
+        if not self.armed:
+            return None
+        if self.after_heal:
+            return "heal"
+        interval = self.settings.interval or 0
+        if interval and step % interval == 0:
+            return "interval"
+        return None
+
+    def exchanged(self, quorum_id: int, slots: list[Slot | None]) -> bool:
+        """Records an exchange; returns whether the guard is armed in ``quorum_id``.
+
+        The handshake arms it when every member advertised this member's settings; a later
+        exchange keeps what the handshake decided. A failed exchange (``slots`` empty)
+        disarms it until the next quorum.
+        """
+        if slots:
+            self.after_heal = False
+        if quorum_id != self.quorum_id:
+            self.quorum_id = quorum_id
+            interval, policy = self.settings.advertised
+            self.armed = (
+                bool(slots)
+                and all(
+                    s is not None and s.interval == interval and s.policy == policy for s in slots
+                )
+                and interval > 0
+            )
+        elif not slots:
+            self.armed = False
+        return self.armed
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What an exchange showed.
+
+    Args:
+        step: the step compared.
+        compared: the participating ranks whose fingerprints were compared.
+        reference: the ranks of the reference class (the majority, or the tie rule's pick).
+        repair: the ranks outside it.
+        differing: per rank outside it, the indices of its entries (keys) that differ from
+            the reference.
+        rule: how the reference was chosen, in words.
+    """
+
+    step: int
+    compared: tuple[int, ...]
+    reference: tuple[int, ...] = ()
+    repair: tuple[int, ...] = ()
+    differing: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    rule: str = ""
+
+    @property
+    def matched(self) -> bool:
+        """Every compared member holds the same state."""
+        return not self.repair
+
+
+def judge(slots: list[Slot | None], step: int) -> Verdict:
+    """The verdict of one exchange (the same on every member: a function of the words alone).
+
+    Args:
+        slots: the decoded slots.
+        step: the quorum's step.
+    """
+    compared = [s for s in slots if s is not None and s.eligible and s.step == step]
+    classes: dict[tuple[tuple[int, int, int], ...], list[Slot]] = {}
+    for slot in compared:
+        classes.setdefault(slot.entries, []).append(slot)
+    ranks = tuple(s.rank for s in compared)
+    if len(classes) <= 1:
+        return Verdict(step=step, compared=ranks)
+
+    def order(members: list[Slot]) -> tuple[int, int, int]:
+        return (-len(members), min(m.last_heal for m in members), min(m.rank for m in members))
+
+    ranked = sorted(classes.values(), key=order)
+    best, runner_up = ranked[0], ranked[1]
+    if len(best) > len(runner_up):
+        rule = "majority"
+    elif min(m.last_heal for m in best) < min(m.last_heal for m in runner_up):
+        rule = "no majority: the groups that healed most recently yield"
+    else:
+        rule = "no majority: the higher participating ranks yield"
+    reference = best[0]
+    repair = tuple(sorted(s.rank for s in compared if s.entries != reference.entries))
+    differing = {}
+    for slot in compared:
+        if slot.entries == reference.entries:
+            continue
+        count = max(len(slot.entries), len(reference.entries))
+        differing[slot.rank] = tuple(
+            i
+            for i in range(count)
+            if i >= len(slot.entries)
+            or i >= len(reference.entries)
+            or slot.entries[i] != reference.entries[i]
+        )
+    return Verdict(
+        step=step,
+        compared=ranks,
+        reference=tuple(sorted(m.rank for m in best)),
+        repair=repair,
+        differing=differing,
+        rule=rule,
+    )
+
+
+# -- which tensors differ (a second exchange, after a mismatch only) -------------------------
+#
+# Every member judged the same words, so every member knows a mismatch was found and how many
+# tensors the largest fingerprint covered: they all run the second exchange, of that size.
+# Each member writes its tensors' (sum, weighted sum) in its own region, zeros elsewhere.
+
+
+def tensor_count(slots: list[Slot | None]) -> int:
+    """Tensors per member in the second exchange (the most any compared member covered)."""
+    counts = [s.tensors for s in slots if s is not None and s.eligible]
+    return min(max(counts, default=0), MAX_TENSORS)
+
+
+def tensor_words(digests: list[tuple[int, int]], count: int) -> list[int]:
+    """A member's region of the second exchange (unsigned 64-bit values).
+
+    Args:
+        digests: its tensors' ``(sum, weighted sum)``, in its fingerprint's order.
+        count: :func:`tensor_count`.
+    """
+    words = [value & _MASK for pair in digests[:count] for value in pair]
+    return words + [0] * (2 * count - len(words))
+
+
+def differing_tensors(words: list[int], count: int, verdict: Verdict) -> dict[int, tuple[int, ...]]:
+    """Per member outside the reference, the indices of its tensors that differ from the
+    reference's first member.
+
+    Args:
+        words: the second exchange's vector (every member's region, in rank order).
+        count: :func:`tensor_count`.
+        verdict: the first exchange's verdict.
+    """
+    if not verdict.reference or count == 0:
+        return {}
+
+    def region(rank: int) -> list[int]:
+        return [w & _MASK for w in words[rank * 2 * count : (rank + 1) * 2 * count]]
+
+    reference = region(verdict.reference[0])
+    out = {}
+    for rank in verdict.repair:
+        mine = region(rank)
+        out[rank] = tuple(
+            i for i in range(count) if mine[2 * i : 2 * i + 2] != reference[2 * i : 2 * i + 2]
+        )
+    return out
