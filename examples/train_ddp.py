@@ -133,6 +133,9 @@ def main() -> None:
         train_with_sampler(manager, model, optimizer, device, replica_group, num_replica_groups)
     else:
         train_with_plan(manager, model, optimizer, device)
+    checks, mismatches = manager.divergence_checks()
+    if checks:  # TORCHHEAL_DIVERGENCE_CHECK_INTERVAL was set
+        print(f"divergence checks {checks} mismatches {mismatches}", flush=True)
     manager.shutdown()
 
 

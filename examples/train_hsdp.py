@@ -204,6 +204,9 @@ def main() -> None:
                 loss.item(),
                 manager.num_participants(),
             )
+    checks, mismatches = manager.divergence_checks()
+    if checks:  # TORCHHEAL_DIVERGENCE_CHECK_INTERVAL was set
+        logging.info("divergence checks %d mismatches %d", checks, mismatches)
     manager.shutdown()
     dist.destroy_process_group()
 

@@ -31,7 +31,8 @@ run_example() {  # name script steps
       --dashboard_port 0 > "$OUT/$name-lighthouse.log" 2>&1 &
   local lh=$!
   sleep 3
-  local common="env REPLICA_PG=gloo STEPS=$steps NUM_REPLICA_GROUPS=2 TORCHHEAL_LIGHTHOUSE=http://127.0.0.1:29510"
+  # The divergence guard on (every 100 steps): fingerprints of CUDA state, compared over Gloo.
+  local common="env TORCHHEAL_DIVERGENCE_CHECK_INTERVAL=100 REPLICA_PG=gloo STEPS=$steps NUM_REPLICA_GROUPS=2 TORCHHEAL_LIGHTHOUSE=http://127.0.0.1:29510"
   $common REPLICA_GROUP_ID=0 torchrun --master_port=29600 --nnodes=1 --nproc_per_node=1 "$script" > "$OUT/$name-g0.log" 2>&1 &
   local g0=$!
   $common REPLICA_GROUP_ID=1 torchrun --master_port=29601 --nnodes=1 --nproc_per_node=1 "$script" > "$OUT/$name-g1a.log" 2>&1 &
@@ -46,7 +47,7 @@ run_example() {  # name script steps
   wait $g0; echo "group 0 exit $?"; wait $g1b; echo "group 1 (restarted) exit $?"
   kill $lh 2>/dev/null; wait $lh 2>/dev/null
   for f in "$OUT/$name"-g*.log; do
-    echo "-- $f"; grep -E "healing to|loaded the recovered|Error|Traceback" "$f" | grep -v Warning | tail -4
+    echo "-- $f"; grep -E "healing to|loaded the recovered|Error|Traceback|diverg" "$f" | grep -v Warning | tail -4
     grep -E "^step|root step" "$f" | sed -n '1p;$p'
   done
 }
