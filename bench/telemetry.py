@@ -17,7 +17,7 @@ import threading
 import time
 import urllib.request
 
-from torchheal._base.config import TelemetryEnv
+from torchheal._base.telemetry_env import TelemetryEnv
 from torchheal.coordination.types import QuorumResult
 from torchheal.manager.telemetry import Telemetry
 

@@ -1,8 +1,9 @@
 """ManagedDeviceMesh and friends on a real 2-rank Gloo world (one replica group).
 
 The replicate dimension is a ManagedProcessGroup over a stand-in manager: the mesh only asks
-the manager for ``num_participants``/``participating_rank`` and routes all-reduces to it, so a
-small recording double is enough to check what the mesh reports and where reductions go.
+the manager for ``num_participants`` and routes all-reduces to it, so a small recording double
+is enough to check what the mesh reports and where reductions go. The double also has a
+participating rank, which the mesh must not report (see test_ranks_and_coordinates).
 """
 
 from __future__ import annotations
@@ -180,21 +181,24 @@ def test_sizes_and_shape(observations: dict[int, dict[str, Any]], rank: int) -> 
 @pytest.mark.parametrize("rank", range(WORLD))
 def test_ranks_and_coordinates(observations: dict[int, dict[str, Any]], rank: int) -> None:
     o = observations[rank]
-    assert o["coordinate"] == (2, rank)
-    assert o["local_rank"] == (WORLD * 2 + rank, 2, rank)
-    assert o["swapped"] == (1, (rank, 2), (WORLD, 3))
-    # The reference swapped list.insert's arguments; the replica rank belongs at its dim.
-    assert o["last"] == ((rank, 2), (WORLD, 3), 3)
+    # The replicate coordinate is the façade's rank, 0, as in the reference, even though this
+    # replica participates with rank 2: torchtitan adds its own replica offset to the dp rank.
+    assert o["coordinate"] == (0, rank)
+    assert o["local_rank"] == (rank, 0, rank)
+    assert o["swapped"] == (1, (rank, 0), (WORLD, 3))
+    # The reference swapped list.insert's arguments; the replicate coordinate belongs at its dim.
+    assert o["last"] == ((rank, 0), (WORLD, 3), 3)
 
 
 @pytest.mark.parametrize("rank", range(WORLD))
 def test_slicing_groups_and_flatten(observations: dict[int, dict[str, Any]], rank: int) -> None:
     o = observations[rank]
     assert o["groups"] == (True, True, list(range(WORLD)))
-    assert o["rep"] == ("ManagedDeviceMesh", None, 1, 3, (2,))
+    assert o["rep"] == ("ManagedDeviceMesh", None, 1, 3, (0,))
     assert o["shard"] == ("DeviceMesh", WORLD, rank)
     assert o["tuple_self"] is True
-    assert o["flat"] == (3 * WORLD, WORLD * 2 + rank, True)
+    # The flattened dp rank is the rank within this replica group; its size counts participants.
+    assert o["flat"] == (3 * WORLD, rank, True)
     assert o["errors"] == ["KeyError", "ValueError", "ValueError"]
 
 

@@ -118,7 +118,7 @@ def test_parse_duration_rejects(text):
 
 def _finished(digests: dict[int, str], groups: int = 2) -> Any:
     from torchheal.launcher.events import Event
-    from torchheal.launcher.local import GroupProcess, RunResult
+    from torchheal.launcher.records import GroupProcess, RunResult
 
     events = [Event("done", g, 1.0, {"step": 6, "digest": d}) for g, d in digests.items()]
     return RunResult(events, {g: GroupProcess(g) for g in range(groups)}, 0.0, 1.0, False)
@@ -139,7 +139,7 @@ def test_identical_weights_verdict_follows_the_digests() -> None:
 
 def test_each_recovery_says_whether_its_restart_began_in_a_warm_spare() -> None:
     from torchheal.launcher.events import Event
-    from torchheal.launcher.local import GroupProcess, RunResult
+    from torchheal.launcher.records import GroupProcess, RunResult
 
     # Group 1 is killed twice: its first restart (t=3) started cold (the spare was not ready),
     # its second (t=8) began in a warm spare. Only a start's own event marks its recovery warm.

@@ -37,8 +37,8 @@ import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from torchheal.launcher.local import take_environment
 from torchheal.launcher.spare import DEFAULT_PRELOAD, SparePool
+from torchheal.launcher.spare_child import take_environment
 
 __all__ = ["WORKER_ENV", "mp_context", "start"]
 

@@ -11,10 +11,12 @@ registered façade, which is the honest view for DTensor (replicas are kept iden
 Manager, not by DTensor). The public queries (``size``, ``shape``, ``get_local_rank``,
 ``get_coordinate``, ``get_group``) report the managed view: the replicate dimension's size is
 the number of replicas participating in the current step (0 before any quorum is reported as
-1), and its coordinate is this replica's participating rank.
+1), and its coordinate is this process's rank in the one-process façade, 0, as in the reference:
+the replica's place among the participants is ``Manager.participating_rank()``, which callers
+that shard data across replicas add themselves (torchtitan adds its ``replica_id``).
 
-Difference from the reference: ``get_coordinate`` inserts the replica rank at the replicate
-dimension (the reference swapped ``list.insert``'s arguments).
+Difference from the reference: ``get_coordinate`` puts the replicate coordinate at the
+replicate dimension (the reference swapped ``list.insert``'s arguments).
 """
 
 from __future__ import annotations
@@ -319,8 +321,10 @@ class ManagedDeviceMesh(DeviceMesh):
         return max(1, self.replicate_pg.size())
 
     def _replicate_rank(self) -> int:
-        rank = self.replicate_pg.manager.participating_rank()  # type: ignore[attr-defined]
-        return 0 if rank is None else rank
+        # The façade's rank (0), not the participating rank: torchtitan adds its replica offset
+        # to the flattened dp rank, and a rank that moved with participation would count it twice
+        # once a quorum exists (and reshuffle data shards when membership changes).
+        return self.replicate_pg.rank()
 
     def size(self, mesh_dim: int | str | None = None) -> int:  # type: ignore[override]
         """Number of ranks in a dimension, or in the whole mesh.
@@ -354,7 +358,8 @@ class ManagedDeviceMesh(DeviceMesh):
 
         Args:
             mesh_dim: index or name; ``None`` gives the rank in the flattened mesh
-                (``inner_size * replica_rank + inner_rank``; needs ``replicate_dim == 0``).
+                (``inner_size * replicate_coordinate + inner_rank``, the coordinate being 0;
+                needs ``replicate_dim == 0``).
         """
         if mesh_dim is None:
             if self._inner is None:

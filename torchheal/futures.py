@@ -45,7 +45,7 @@ from typing import Any, Protocol, TypeVar
 import torch
 from torch.futures import Future
 
-from torchheal._base.config import watchdog_timeout_s
+from torchheal._base.manager_env import watchdog_timeout_s
 from torchheal._base.timeouts import to_seconds
 
 logger = logging.getLogger(__name__)

@@ -23,7 +23,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from torchheal._base.config import OTEL_RESOURCE_ATTRIBUTES_JSON_ENVS, TelemetryEnv
+from torchheal._base.telemetry_env import OTEL_RESOURCE_ATTRIBUTES_JSON_ENVS, TelemetryEnv
 
 __all__ = ["TORCHFT_OTEL_RESOURCE_ATTRIBUTES_JSON", "TeeLogExporter", "setup_logger", "shutdown"]
 

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 import torchheal.manager
-from torchheal._base.config import TorchrunEnv
+from torchheal._base.launch_env import TorchrunEnv
 from torchheal.coordination.client import ManagerClient
 from torchheal.coordination.types import QuorumAsk, QuorumResult
 from torchheal.manager.endpoints import (

@@ -5,7 +5,7 @@ from __future__ import annotations
 from torchheal.data import DataPlan, StepKey, positions
 from torchheal.launcher.demo.summary import check_samples, render, summarize
 from torchheal.launcher.events import Event
-from torchheal.launcher.local import GroupProcess, RunResult
+from torchheal.launcher.records import GroupProcess, RunResult
 
 B = 12
 

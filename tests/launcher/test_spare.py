@@ -22,13 +22,10 @@ from pathlib import Path
 
 import pytest
 
-from torchheal.launcher.spare import (
-    SparePool,
-    parse_python_command,
-    started_warm,
-    startup_differences,
-)
+from torchheal.launcher.spare import SparePool
+from torchheal.launcher.spare_command import parse_python_command, startup_differences
 from torchheal.launcher.spare_priority import may_leave_idle
+from torchheal.launcher.spare_process import started_warm
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT = 60

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from torchheal.launcher.spare import SparePool, started_warm
+from torchheal.launcher.spare import SparePool
+from torchheal.launcher.spare_process import started_warm
 
 pytestmark = pytest.mark.gpu
 

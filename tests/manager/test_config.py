@@ -6,8 +6,8 @@ from datetime import timedelta
 
 import pytest
 
-from torchheal._base.config import (
-    EnvConfig,
+from torchheal._base.manager_env import EnvConfig
+from torchheal._base.manager_timeouts import (
     ManagerTimeouts,
     get_timeout,
     timeout_budget_problems,
@@ -128,14 +128,10 @@ def test_commit_rules() -> None:
 
 
 def test_every_other_reader_of_the_environment() -> None:
-    from torchheal._base.config import (
-        LauncherEnv,
-        checkpoint_token,
-        nccl_debug_pipe_prefix,
-        salvage_step,
-        use_bucketization,
-        watchdog_timeout_s,
-    )
+    from torchheal._base.launch_env import LauncherEnv
+    from torchheal._base.manager_env import salvage_step, use_bucketization, watchdog_timeout_s
+    from torchheal._base.security import checkpoint_token
+    from torchheal._base.telemetry_env import nccl_debug_pipe_prefix
 
     assert watchdog_timeout_s({}) == 30.0
     assert watchdog_timeout_s({"TORCHFT_WATCHDOG_TIMEOUT_SEC": "2.5"}) == 2.5

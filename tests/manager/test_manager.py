@@ -12,7 +12,7 @@ from torch.distributed import ReduceOp
 
 from tests.cluster import TIMEOUT, lighthouse, replica
 from tests.manager.twins import PendingGroup
-from torchheal._base.config import TimeoutBudgetWarning
+from torchheal._base.manager_timeouts import TimeoutBudgetWarning
 from torchheal.coordination.types import Notice, NoticeKind
 from torchheal.manager import ExceptionWithTraceback, Manager
 from torchheal.process_group.dummy import ProcessGroupDummy

@@ -19,7 +19,7 @@ import pytest
 
 from tests.coordination_io.helpers import Background, wait_until
 from tests.security.conftest import TOKEN
-from torchheal._base.config import SecurityEnv
+from torchheal._base.security import SecurityEnv
 from torchheal._wire import methods
 from torchheal._wire import session_pb2 as spb
 from torchheal._wire import torchft_pb2 as pb

@@ -6,6 +6,7 @@ plain clients and clients trusting another authority do not.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import urllib.error
@@ -20,7 +21,7 @@ import torch
 
 from tests.security.conftest import TOKEN
 from tests.security.pki import Pki
-from torchheal._base.config import SecurityEnv, job_token
+from torchheal._base.security import SecurityEnv, job_token
 from torchheal._wire import methods
 from torchheal._wire import torchft_pb2 as pb
 from torchheal.checkpointing import HTTPTransport
@@ -222,11 +223,26 @@ def test_token_file(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="together"):
         SecurityEnv.from_env({"TORCHHEAL_TLS_CERT": str(path)})
     # The checkpoint transport's older name still wins for the transport.
-    from torchheal._base.config import checkpoint_token
+    from torchheal._base.security import checkpoint_token
 
     env = {"TORCHHEAL_TOKEN": "job", "TORCHHEAL_CHECKPOINT_TOKEN": "old"}
     assert checkpoint_token(env) == "old"
     assert checkpoint_token({"TORCHHEAL_TOKEN": "job"}) == "job"
+
+
+def test_security_flags_apply_to_a_copy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A command's flags reach its settings and its children's environment, never its own.
+    from torchheal._base.security import SecurityFlags
+
+    path = tmp_path / "token"
+    path.write_text(TOKEN + "\n")
+    monkeypatch.setenv("TORCHHEAL_TOKEN", "old")
+    monkeypatch.delenv("TORCHHEAL_TOKEN_FILE", raising=False)
+    env = SecurityFlags(token_file=str(path)).environment()
+    assert "TORCHHEAL_TOKEN" not in env and env["TORCHHEAL_TOKEN_FILE"] == str(path)
+    assert SecurityEnv.from_env(env).token == TOKEN
+    assert os.environ["TORCHHEAL_TOKEN"] == "old" and "TORCHHEAL_TOKEN_FILE" not in os.environ
+    assert SecurityFlags().environment({"A": "1"}) == {"A": "1"}
 
 
 def test_lighthouse_cli_with_a_token_file(

@@ -22,7 +22,7 @@ import torch
 from tests.dashboard.helpers import http, lighthouse_with_dashboard
 from tests.security.conftest import TOKEN
 from tests.security.test_grpc import call
-from torchheal._base.config import SecurityEnv
+from torchheal._base.security import SecurityEnv
 from torchheal._wire import methods
 from torchheal._wire import torchft_pb2 as pb
 from torchheal.checkpointing import CheckpointError, HTTPTransport

@@ -42,7 +42,7 @@ from socketserver import TCPServer
 from typing import Any, TypeVar
 from urllib.parse import parse_qs, urlsplit
 
-from torchheal._base.config import SecurityEnv, checkpoint_token
+from torchheal._base.security import SecurityEnv, checkpoint_token
 from torchheal._base.timeouts import to_seconds
 from torchheal.checkpointing._direct_send import SocketDirectSend
 from torchheal.checkpointing._http_errors import receive_error

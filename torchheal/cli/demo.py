@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import threading
 
-from torchheal.cli.security_flags import add_security_flags, apply_security_flags
+from torchheal.cli.security_flags import add_security_flags, security_settings
 from torchheal.launcher.demo.run import DemoConfig, run_demo
 
 
@@ -100,10 +100,11 @@ def run(args: argparse.Namespace) -> int:
         0 when training survived the failure with identical weights everywhere, 1 otherwise,
         2 on bad options.
     """
-    from torchheal._base.config import dashboard_port, job_token
+    from torchheal._base.telemetry_env import dashboard_port
 
     try:
-        apply_security_flags(args)  # the groups it starts inherit the settings
+        # The lighthouse started here gets the settings; the groups, the environment.
+        security, environ = security_settings(args)
         port = args.dashboard_port if args.dashboard_port is not None else dashboard_port()
         if port is not None and not 0 <= port <= 65535:
             raise ValueError(f"--dashboard-port must be in 0..65535, got {port}")
@@ -118,7 +119,9 @@ def run(args: argparse.Namespace) -> int:
             step_delay_s=args.step_delay,
             warm_spares=args.warm_spares,
             dashboard_port=port,
-            token=job_token(),
+            token=security.token,
+            security=security,
+            environ=environ,
             metrics_port=args.metrics_port,
         )
         config.validate()

@@ -209,7 +209,7 @@ def run(args: argparse.Namespace) -> int:
         0 when every group finished, 1 when the launch gave up or ran out of time, 2 on bad
         options, 130 on Ctrl-C.
     """
-    from torchheal._base.config import dashboard_port, job_token
+    from torchheal._base.telemetry_env import dashboard_port
     from torchheal.launcher import KillPlan, Launcher
     from torchheal.launcher.group import describe_exit
     from torchheal.launcher.progress import GroupReport, LiveLine, progress_line, render_report
@@ -220,10 +220,11 @@ def run(args: argparse.Namespace) -> int:
     if not command:
         print("torchheal launch: give the training command after --", file=sys.stderr)
         return 2
-    from torchheal.cli.security_flags import apply_security_flags
+    from torchheal.cli.security_flags import security_settings
 
     try:
-        apply_security_flags(args)  # the groups it starts inherit the settings
+        # The lighthouse started here gets the settings; the groups, the environment.
+        security, environ = security_settings(args)
     except ValueError as e:
         print(f"torchheal launch: {e}", file=sys.stderr)
         return 2
@@ -239,7 +240,8 @@ def run(args: argparse.Namespace) -> int:
                 join_timeout_ms=args.join_timeout_ms,
                 heartbeat_timeout_ms=args.heartbeat_timeout_ms,
                 dashboard_port=port,
-                token=job_token(),
+                token=security.token,
+                security=security,
             )
         except (ValueError, RuntimeError) as e:
             print(f"torchheal launch: {e}", file=sys.stderr)
@@ -290,6 +292,7 @@ def run(args: argparse.Namespace) -> int:
         group_env=group_env,
         warm_spares=args.warm_spares,
         spare_preload=args.spare_preload,
+        base_env=environ,
     )
     try:
         result = launcher.run()

@@ -120,7 +120,7 @@ def _idle(status: dict, seen: bool, idle_s: float) -> tuple[bool, bool]:
 
 def _dashboard_port(args: argparse.Namespace, bind_port: int) -> int:
     """The flag, else the environment, else 29511 (any free port when the gRPC port is too)."""
-    from torchheal._base.config import dashboard_port
+    from torchheal._base.telemetry_env import dashboard_port
     from torchheal.coordination.dashboard import DEFAULT_DASHBOARD_PORT
 
     if args.dashboard_port is not None:
@@ -143,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
         0 after a clean stop, 2 when the options are invalid or the address cannot be bound.
     """
     # Imported here so that building the parser (for --help) stays cheap.
-    from torchheal.cli.security_flags import apply_security_flags
+    from torchheal.cli.security_flags import security_settings
     from torchheal.coordination.dashboard import DashboardServer, LighthouseRecorder
     from torchheal.coordination.lighthouse import LighthouseServer
     from torchheal.coordination.rpc.addresses import parse_address
@@ -164,7 +164,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         recorder = LighthouseRecorder()
         try:
-            security = apply_security_flags(args)
+            security, _ = security_settings(args)
             host, bind_port = parse_address(args.bind)
             port = _dashboard_port(args, bind_port)
             from torchheal.cli.lighthouse_store import open_store
@@ -179,6 +179,7 @@ def run(args: argparse.Namespace) -> int:
                 heartbeat_timeout_ms=args.heartbeat_timeout_ms,
                 observer=recorder,
                 store=store,
+                security=security,
             )
         except (ValueError, RuntimeError) as e:
             print(f"torchheal lighthouse: {e}", file=sys.stderr)

@@ -1,17 +1,19 @@
 """The security flags every ``torchheal`` command shares: ``--token-file`` and ``--tls-*``.
 
-Each flag stands for its environment variable (``docs/security.md``) and is put into this
-process's environment by :func:`apply_security_flags`, so every server and client the command
-creates reads it and every process it starts inherits it. The token itself is never a flag: a
-command line is visible to every user in ``ps``; a file path is not a secret.
+Each flag stands for its environment variable (``docs/security.md``). :func:`security_settings`
+applies the flags given to a copy of this process's environment and reads the settings from it:
+the command passes the settings to the servers and clients it creates, and the copy to the
+processes it starts. The token itself is never a flag: a command line is visible to every user
+in ``ps``; a file path is not a secret.
 """
 
 from __future__ import annotations
 
 import argparse
-from typing import Any
 
-__all__ = ["add_security_flags", "apply_security_flags"]
+from torchheal._base.security import SecurityEnv, SecurityFlags
+
+__all__ = ["add_security_flags", "security_settings"]
 
 
 def add_security_flags(parser: argparse.ArgumentParser) -> None:
@@ -57,24 +59,25 @@ def add_security_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def apply_security_flags(args: argparse.Namespace) -> Any:
-    """Export the flags given to the environment and return the resulting settings.
+def security_settings(args: argparse.Namespace) -> tuple[SecurityEnv, dict[str, str]]:
+    """The settings the flags give, and the environment the command's processes start with.
 
     Args:
         args: parsed options (from a parser given :func:`add_security_flags`).
 
     Returns:
-        The ``SecurityEnv`` now in force.
+        ``(settings, environment)``: the ``SecurityEnv`` in force, and a copy of this
+        process's environment with the flags given in place of their variables.
 
     Raises:
         ValueError: the settings are invalid (an unreadable token file, a certificate without
             its key, a missing file); the message names the variable.
     """
-    from torchheal._base.config import export_security
-
-    return export_security(
+    flags = SecurityFlags(
         token_file=getattr(args, "token_file", None),
         tls_cert=getattr(args, "tls_cert", None),
         tls_key=getattr(args, "tls_key", None),
         tls_ca=getattr(args, "tls_ca", None),
     )
+    environ = flags.environment()
+    return SecurityEnv.from_env(environ), environ

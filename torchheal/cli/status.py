@@ -103,13 +103,13 @@ def run(args: argparse.Namespace) -> int:
     Returns:
         0 on success, 1 when the dashboard cannot be read.
     """
-    from torchheal.cli.security_flags import apply_security_flags
+    from torchheal.cli.security_flags import security_settings
     from torchheal.coordination.dashboard.terminal import render
     from torchheal.coordination.rpc.tls import client_ssl_context
 
     addr = args.addr or DEFAULT_ADDR
     try:
-        security = apply_security_flags(args)
+        security, _ = security_settings(args)
         context = client_ssl_context(security) if security.tls else None
     except (ValueError, RuntimeError) as e:
         print(f"torchheal status: {e}", file=sys.stderr)

@@ -33,6 +33,7 @@ from typing import Any, Protocol
 import grpc
 import grpc.aio
 
+from torchheal._base.security import SecurityEnv
 from torchheal._wire import methods
 from torchheal._wire import session_pb2 as spb
 from torchheal._wire import torchft_pb2 as pb
@@ -119,6 +120,8 @@ class LighthouseServer:
         store: where the last issued quorum is kept across restarts (``lighthouse_state``:
             a file, etcd); what it holds is restored before serving. None: nowhere (torchheal
             groups still report their last quorum when they reconnect).
+        security: job token and TLS settings of both lanes (default: read from the
+            environment).
 
     Raises:
         ValueError: an option is out of range or ``bind`` is malformed.
@@ -135,6 +138,7 @@ class LighthouseServer:
         observer: LighthouseObserver | None = None,
         direct_port: int | None = 0,
         store: QuorumStore | None = None,
+        security: SecurityEnv | None = None,
     ) -> None:
         self._observer = observer
         self._config = LighthouseConfig(
@@ -165,7 +169,7 @@ class LighthouseServer:
         # keep-alive probes within about the heartbeat timeout, never sooner: a session must
         # not be more eager to declare a group gone than its heartbeats are.
         keepalive_ms = max(1000, self._config.heartbeat_timeout_ms // 2)
-        self._lane = DirectLane(self, self._config.heartbeat_timeout_ms / 1000.0)
+        self._lane = DirectLane(self, self._config.heartbeat_timeout_ms / 1000.0, security)
         self._created_at = time.monotonic()
         self._server = AioServerThread(
             "torchheal-lighthouse",
@@ -186,6 +190,7 @@ class LighthouseServer:
                 ("grpc.keepalive_timeout_ms", keepalive_ms),
             ],
             cleanup=self._stop_lane,
+            security=security,
         )
         try:
             self._server.submit(self._start(host, direct_port)).result()

@@ -38,7 +38,7 @@ from typing import Any
 import grpc
 import grpc.aio
 
-from torchheal._base.config import DEFAULT_LIGHTHOUSE_HEARTBEAT_TIMEOUT
+from torchheal._base.manager_timeouts import DEFAULT_LIGHTHOUSE_HEARTBEAT_TIMEOUT
 from torchheal._wire import methods
 from torchheal._wire import session_pb2 as spb
 from torchheal._wire import torchft_pb2 as pb

@@ -39,7 +39,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
-from torchheal._base.config import SecurityEnv
+from torchheal._base.security import SecurityEnv
 from torchheal._wire import session_pb2 as spb
 from torchheal._wire.splice import varint
 from torchheal.coordination.lighthouse_session import SessionProtocol

@@ -26,7 +26,7 @@ from typing import Any
 import grpc.aio
 from google.protobuf.message import DecodeError, Message
 
-from torchheal._base.config import SecurityEnv
+from torchheal._base.security import SecurityEnv
 from torchheal._wire import session_pb2 as spb
 from torchheal.coordination.rpc.frames import FrameError, FrameReader, frame
 

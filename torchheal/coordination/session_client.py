@@ -32,7 +32,7 @@ from typing import NamedTuple
 import grpc
 from google.protobuf.message import DecodeError
 
-from torchheal._base.config import SecurityEnv
+from torchheal._base.security import SecurityEnv
 from torchheal._wire import methods
 from torchheal._wire import session_pb2 as spb
 from torchheal._wire import torchft_pb2 as pb

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from torchheal._base.security import SecurityEnv
 from torchheal.coordination import LighthouseServer
 from torchheal.coordination.dashboard import (
     DEFAULT_DASHBOARD_PORT,
@@ -33,6 +34,8 @@ class LocalLighthouse:
         token: the job token the dashboard's kill action needs (None: open).
         host: the address both listen on (loopback by default: the dashboard's kill action is
             open unless a token is set).
+        security: the lighthouse's job token and TLS settings (default: read from the
+            environment).
 
     Raises:
         RuntimeError: a port could not be bound.
@@ -46,6 +49,7 @@ class LocalLighthouse:
         dashboard_port: int | None = None,
         token: str | None = None,
         host: str = "127.0.0.1",
+        security: SecurityEnv | None = None,
     ) -> None:
         self._recorder = LighthouseRecorder()
         self.server = LighthouseServer(
@@ -54,6 +58,7 @@ class LocalLighthouse:
             join_timeout_ms=join_timeout_ms,
             heartbeat_timeout_ms=heartbeat_timeout_ms,
             observer=self._recorder,
+            security=security,
         )
         self.address = f"http://{host}:{self.server.address().rsplit(':', 1)[1]}"
         try:

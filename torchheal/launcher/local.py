@@ -26,14 +26,15 @@ import sys
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from torchheal.launcher.events import Event, parse
 from torchheal.launcher.group import GroupStart, OutputLine, common_env, describe_exit
 from torchheal.launcher.progress import FirstSteps, quorum_members
-from torchheal.launcher.spare import DEFAULT_PRELOAD, SparePool, started_warm
+from torchheal.launcher.records import GroupProcess, KillPlan, RunResult
+from torchheal.launcher.spare import DEFAULT_PRELOAD, SparePool
 from torchheal.launcher.spare_priority import can_preload_idle
+from torchheal.launcher.spare_process import started_warm
 
 logger = logging.getLogger(__name__)
 
@@ -41,93 +42,6 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_STARTUP_FAILURES = 3
 #: How long an exited rank's remaining output may take to arrive before its exit is handled.
 OUTPUT_GRACE_S = 0.5
-
-
-@dataclass(frozen=True)
-class KillPlan:
-    """When to inject failures.
-
-    Args:
-        every_s: kill a group every this many seconds (None: never on a timer). A kill that
-            falls due while its victim has not yet committed a step since its last start waits
-            for that step.
-        at_step: kill once, as soon as a group reports this committed step and every group
-            has committed a step of its own: on a busy machine a group may start late, and a
-            failure before the whole job trains shows nothing (None: never).
-        victims: groups that may be killed, taken in turn. Group 0 is spared by default so the
-            job always keeps one group that has never failed.
-        max_kills: stop injecting after this many kills.
-    """
-
-    every_s: float | None = None
-    at_step: int | None = None
-    victims: tuple[int, ...] = ()
-    max_kills: int = 1_000_000
-
-
-@dataclass
-class GroupProcess:
-    """One replica group's current start and its history.
-
-    Args:
-        group: the group index.
-        proc: rank 0's process of the current (or last) start.
-        starts: wall-clock time of each start.
-        kills: wall-clock time of each injected failure.
-        exit_codes: one per ended start: the first non-zero exit code among its ranks (a
-            negative number is the signal that ended it), or 0 when every rank exited cleanly.
-        done: the group finished its work (it is not restarted).
-        crashes: starts that died on their own (not killed by the launcher).
-        startup_failures: crashes in a row before a first committed step.
-        store_addresses: the TCPStore address of each start.
-        done_at: when it finished.
-        stopped: it died after another group had finished the job's work, so it was not
-            restarted (it would have had no peer to heal from, and nothing left to do).
-        warm_starts: restarts whose every rank began in a warm spare (``spare.py``).
-    """
-
-    group: int
-    proc: subprocess.Popen[str] | None = None
-    starts: list[float] = field(default_factory=list)
-    kills: list[float] = field(default_factory=list)
-    exit_codes: list[int] = field(default_factory=list)
-    done: bool = False
-    crashes: int = 0
-    startup_failures: int = 0
-    store_addresses: list[str] = field(default_factory=list)
-    current: GroupStart | None = None
-    killed: bool = False  # the current start was killed by the launcher
-    stepped: bool = False  # the current start committed a step
-    done_at: float | None = None  # wall-clock time it finished
-    stopped: bool = False  # died after another group had finished: not restarted
-    warm_starts: int = 0
-
-    def finish(self) -> None:
-        """Marks the group as done (once)."""
-        if not self.done:
-            self.done = True
-            self.done_at = time.time()
-
-
-@dataclass
-class RunResult:
-    """Everything a run produced, for summaries and tests.
-
-    Args:
-        events: the progress events the groups reported, in arrival order.
-        groups: each group's history.
-        started: wall-clock start.
-        ended: wall-clock end.
-        timed_out: the deadline ended the run.
-        error: why the launcher gave up (a crash-looping group), or None.
-    """
-
-    events: list[Event]
-    groups: dict[int, GroupProcess]
-    started: float
-    ended: float
-    timed_out: bool
-    error: str | None = None
 
 
 class Launcher:
@@ -166,6 +80,9 @@ class Launcher:
         warm_spares: groups' worth of warm spare processes kept for restarts, started once
             every running group has committed a step (``spare.py``; 0: restarts start cold).
         spare_preload: modules spares import besides ``spare.DEFAULT_PRELOAD``.
+        base_env: the environment every rank starts from, before ``env`` (default: this
+            process's, as it is at each start). A command line's settings reach the ranks
+            here, never through this process's own environment.
     """
 
     def __init__(
@@ -190,6 +107,7 @@ class Launcher:
         group_env: Callable[[int], dict[str, str]] | None = None,
         warm_spares: int = 0,
         spare_preload: Sequence[str] = (),
+        base_env: Mapping[str, str] | None = None,
     ) -> None:
         if replicas < 1:
             raise ValueError(f"replicas must be >= 1, got {replicas}")
@@ -211,6 +129,7 @@ class Launcher:
         self._on_kill = on_kill or (lambda g, reason: None)
         self._on_restart = on_restart or (lambda g, code: None)
         self._env = dict(env or {})
+        self._base_env: Mapping[str, str] = os.environ if base_env is None else dict(base_env)
         self._group_env = group_env or (lambda group: {})
         self._max_startup_failures = max_startup_failures
         self._status = status
@@ -228,7 +147,7 @@ class Launcher:
         self._first_steps = FirstSteps()
         self._error: str | None = None
         self._run_id = f"torchheal-launch-{uuid.uuid4().hex[:8]}"
-        base = common_env({**os.environ, **self._env}, nproc_per_replica)
+        base = common_env({**self._base_env, **self._env}, nproc_per_replica)
         size, preload = warm_spares * nproc_per_replica, (*DEFAULT_PRELOAD, *spare_preload)
         self._spares = SparePool(self._command, size, env=base, preload=preload)
 
@@ -249,7 +168,7 @@ class Launcher:
             nproc=self._nproc,
             replicas=self._replicas,
             lighthouse=self._lighthouse_addr,
-            base_env={**os.environ, **self._env, **self._group_env(g.group)},
+            base_env={**self._base_env, **self._env, **self._group_env(g.group)},
             lines=self._lines,
             run_id=self._run_id,
             spawn=self._spares.spawn if g.starts else None,  # spares are for restarts
@@ -496,16 +415,6 @@ def _crash_loop_message(g: GroupProcess, code: int, tail: list[str]) -> str:
     if not tail:
         lines.append("    (it printed nothing)")
     return "\n".join(lines)
-
-
-def take_environment(env: Mapping[str, str]) -> None:
-    """Replaces this process's environment with ``env``: a warm spare becoming a rank.
-
-    Args:
-        env: the rank's whole environment.
-    """
-    os.environ.clear()
-    os.environ.update(env)
 
 
 def python_module_command(module: str, *args: str) -> list[str]:

@@ -13,18 +13,11 @@ takes it on and runs the script as ``__main__`` at once. The handle returned is 
 yet, it died, the command is not a Python script, or the environment differs where a spare
 cannot follow) :meth:`SparePool.spawn` starts the command cold, with the same pipes.
 
-What a spare cannot take on. Some variables are read once, when the interpreter starts or when a
-preloaded module is imported, and changing ``os.environ`` later has no effect: Python's own
-(``PYTHON*``: ``PYTHONPATH``, ``PYTHONUNBUFFERED``, ``PYTHONHASHSEED``...), the locale
-(``LANG``, ``LC_*``), the dynamic loader's (``LD_*``), the thread pools' (``OMP_*``, ``MKL_*``,
-``KMP_*``, ``GOMP_*``, ``OPENBLAS_*``: ``OMP_NUM_THREADS`` above all) and a few of torch's
-(``TORCH_LOGS``, ``TORCH_CPP_LOG_LEVEL``, ``TORCH_SHOW_CPP_STACKTRACES``). Start the pool with
-the same base environment as the ranks, so that only per-rank variables (``RANK``,
-``MASTER_PORT``, ``REPLICA_GROUP_ID``...) differ; a rank whose environment differs from the
-spare's in any of those (:func:`startup_differences`) is started cold rather than wrongly.
-Variables read lazily (``CUDA_VISIBLE_DEVICES`` before CUDA is first used, ``NCCL_*``,
-``TORCHHEAL_*``) are taken on. A taken spare's environment also carries
-``TORCHHEAL_WARM_SPARE=1``, so a script (or a benchmark) can tell it started warm.
+Start the pool with the same base environment as the ranks, so that only per-rank variables
+(``RANK``, ``MASTER_PORT``, ``REPLICA_GROUP_ID``...) differ: a rank whose command or start-up
+variables a spare cannot take on starts cold (``spare_command.py`` says which). A taken spare's
+environment also carries ``TORCHHEAL_WARM_SPARE=1``, so a script (or a benchmark) can tell it
+started warm. The spare's process, fresh or forked, and its ready line are ``spare_process.py``.
 
 Where the platform allows (Linux), the pool does not start each spare as a fresh interpreter:
 it starts one *template* that preloads once, and forks spares from it
@@ -41,28 +34,29 @@ import contextlib
 import json
 import logging
 import os
-import re
-import select
-import shutil
 import subprocess
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import IO, Any
 
-from torchheal._base.config import WARM_SPARE_ENV
-from torchheal.launcher.spare_fork import ForkedSpare, SpareTemplate, supported
+from torchheal._base.launch_env import WARM_SPARE_ENV
+from torchheal.launcher.spare_command import (
+    PythonCommand,
+    parse_python_command,
+    resolve_interpreter,
+    startup_differences,
+)
+from torchheal.launcher.spare_fork import SpareTemplate, supported
+from torchheal.launcher.spare_process import (
+    ForkedSpareProcess,
+    SpareProcess,
+    close_ready,
+    leftover,
+    read_ready,
+    start_fresh,
+)
 
-__all__ = [
-    "DEFAULT_PRELOAD",
-    "WARM_ENV",
-    "PythonCommand",
-    "SparePool",
-    "SpareProcess",
-    "parse_python_command",
-    "started_warm",
-    "startup_differences",
-]
+__all__ = ["DEFAULT_PRELOAD", "WARM_ENV", "SparePool"]
 
 logger = logging.getLogger(__name__)
 
@@ -81,114 +75,10 @@ DEFAULT_PRELOAD = (
     "torchheal.optim",
     "torchheal.checkpointing",
 )
-#: Variables read only when the interpreter starts or a preloaded module is imported.
-STARTUP_PREFIXES = ("PYTHON", "LC_", "LD_", "OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS_", "MALLOC_")
-STARTUP_NAMES = frozenset(
-    {"LANG", "TORCH_LOGS", "TORCH_CPP_LOG_LEVEL", "TORCH_SHOW_CPP_STACKTRACES"}
-)
 #: How long a rank waits for a template still importing before it starts cold instead.
 HURRY_TIMEOUT_S = 120.0
 #: A pool stops starting spares after this many in a row died before being taken.
 MAX_SPARE_FAILURES = 3
-
-_CHILD = "torchheal.launcher.spare_child"
-_PYTHON = re.compile(r"python[0-9.]*")
-_FLAGS = re.compile(r"-[bBdEIOPqsSuv]+")  # interpreter options without an argument
-
-
-@dataclass(frozen=True)
-class PythonCommand:
-    """A Python command split the way the interpreter reads it.
-
-    Args:
-        interpreter: the interpreter and its options (``python -u -X dev``).
-        kind: "path" (a script), "module" (``-m``) or "code" (``-c``: never handed to a spare).
-        target: the script's path, the module or the code.
-        args: the arguments after it (``sys.argv[1:]``).
-    """
-
-    interpreter: tuple[str, ...]
-    kind: str
-    target: str
-    args: tuple[str, ...]
-
-
-def parse_python_command(argv: Sequence[str]) -> PythonCommand | None:
-    """Splits ``argv`` when it runs a Python script, module or code; None otherwise.
-
-    Interpreter options other than simple flags, ``-W`` and ``-X`` (``-i``, ``-``, ``--long``
-    options...) give None too: such commands always start cold.
-
-    Args:
-        argv: the command.
-    """
-    if not argv or not _PYTHON.fullmatch(os.path.basename(argv[0])):
-        return None
-    options = [argv[0]]
-    i = 1
-    while i < len(argv):
-        arg = argv[i]
-        if arg[:2] in ("-m", "-c"):
-            kind = "module" if arg[1] == "m" else "code"
-            if len(arg) > 2:
-                return PythonCommand(tuple(options), kind, arg[2:], tuple(argv[i + 1 :]))
-            if i + 1 >= len(argv):
-                return None
-            return PythonCommand(tuple(options), kind, argv[i + 1], tuple(argv[i + 2 :]))
-        if not arg.startswith("-"):
-            return PythonCommand(tuple(options), "path", arg, tuple(argv[i + 1 :]))
-        if arg in ("-W", "-X"):
-            if i + 1 >= len(argv):
-                return None
-            options += argv[i : i + 2]
-            i += 2
-            continue
-        if arg[:2] in ("-W", "-X") or _FLAGS.fullmatch(arg):
-            options.append(arg)
-            i += 1
-            continue
-        return None
-    return None
-
-
-def startup_differences(spare_env: Mapping[str, str], env: Mapping[str, str]) -> list[str]:
-    """Variables read at start-up only whose values differ between a spare and a rank.
-
-    Args:
-        spare_env: the environment the spare started with.
-        env: the rank's.
-
-    Returns:
-        Their names, sorted; empty when the spare can become this rank.
-    """
-    names = set(spare_env) | set(env)
-    return sorted(
-        n
-        for n in names
-        if (n.startswith(STARTUP_PREFIXES) or n in STARTUP_NAMES) and spare_env.get(n) != env.get(n)
-    )
-
-
-class SpareProcess(subprocess.Popen):  # type: ignore[type-arg]
-    """A spare's process: a :class:`subprocess.Popen` that is the rank once handed over.
-
-    Attributes:
-        ready: it finished its preloading (as far as the pool has seen).
-        handed_over: when it was handed a rank's identity (None while idle).
-        ready_at_handover: it had finished preloading when it was handed over.
-    """
-
-    ready: bool = False
-    handed_over: float | None = None
-    ready_at_handover: bool = False
-    ready_fd: int | None = None
-    missing: tuple[str, ...] = ()
-
-
-class _ForkedSpareProcess(ForkedSpare, SpareProcess):
-    """A spare forked from the pool's template (``spare_fork.py``): ready from its start."""
-
-    ready = True
 
 
 class SparePool:
@@ -343,7 +233,7 @@ class SparePool:
         if template is None or template.ready is None or not template.alive():
             return None
         try:
-            spare = _ForkedSpareProcess.start(
+            spare = ForkedSpareProcess.start(
                 template,
                 template.proc.args,  # type: ignore[arg-type]
                 stdout=self._popen["stdout"],
@@ -360,44 +250,13 @@ class SparePool:
 
     def _start_spare(self) -> SpareProcess:
         assert self._python is not None
-        read_fd, write_fd = os.pipe()
-        argv = [*self._python.interpreter, "-m", _CHILD, "--ready-fd", str(write_fd)]
-        for module in self._preload:
-            argv += ["--preload", module]
-        try:
-            spare = SpareProcess(
-                argv,
-                env=self._env,
-                cwd=self._cwd,
-                stdin=subprocess.PIPE,
-                pass_fds=(write_fd,),
-                **self._popen,
-            )
-        except BaseException:
-            os.close(read_fd)
-            raise
-        finally:
-            os.close(write_fd)
-        spare.ready_fd = read_fd
-        return spare
+        return start_fresh(
+            self._python.interpreter, self._preload, self._env, self._cwd, self._popen
+        )
 
     def _check_ready(self, spare: SpareProcess, timeout: float = 0.0) -> bool:
         """Reads the spare's ready line if it is there (waiting up to ``timeout``)."""
-        if spare.ready or spare.ready_fd is None:
-            return spare.ready
-        readable, _, _ = select.select([spare.ready_fd], [], [], timeout)
-        if not readable:
-            return False
-        data = os.read(spare.ready_fd, 65536)
-        os.close(spare.ready_fd)
-        spare.ready_fd = None
-        try:
-            ready = json.loads(data)
-            spare.ready = bool(ready.get("ready"))
-            spare.missing = tuple(str(m) for m in ready.get("missing", ()))
-        except (ValueError, AttributeError):
-            spare.ready = False  # it died (EOF) or wrote garbage: it is dropped when seen dead
-        if spare.ready:
+        if read_ready(spare, timeout):
             self._failures = 0
             for missing in spare.missing:
                 self._warn(f"a warm spare could not preload {missing}")
@@ -460,9 +319,9 @@ class SparePool:
             )
         for spare in [s for s in self._spares if s.poll() is not None]:
             self._spares.remove(spare)
-            self._discard(spare)
+            close_ready(spare)
             self._failures += 1
-            output = _leftover(spare)
+            output = leftover(spare)
             logger.warning(
                 "a warm spare exited with %s before it was used%s",
                 spare.returncode,
@@ -473,11 +332,6 @@ class SparePool:
                     f"{self._failures} warm spares in a row died before being used: "
                     "restarts start cold from now on"
                 )
-
-    def _discard(self, spare: SpareProcess) -> None:
-        if spare.ready_fd is not None:
-            os.close(spare.ready_fd)
-            spare.ready_fd = None
 
     def _warn(self, text: str) -> None:
         if text not in self._warned:
@@ -524,9 +378,9 @@ class SparePool:
             except (OSError, ValueError):
                 spare.kill()  # it died as we handed over: try the next one
                 spare.wait()
-                self._discard(spare)
+                close_ready(spare)
                 continue
-            self._discard(spare)
+            close_ready(spare)
             spare.handed_over = time.time()
             self.taken += 1
             return spare
@@ -559,7 +413,8 @@ class SparePool:
         assert self._python is not None
         if command is None or command.kind == "code":
             return "not a Python script or module"
-        if _resolve(command.interpreter, env) != _resolve(self._python.interpreter, self._env):
+        ours = resolve_interpreter(self._python.interpreter, self._env)
+        if resolve_interpreter(command.interpreter, env) != ours:
             return "another interpreter or other interpreter options"
         differ = startup_differences(self._env, env)
         if differ:
@@ -583,7 +438,7 @@ class SparePool:
             if spare.poll() is None:
                 spare.kill()
             spare.wait()
-            self._discard(spare)
+            close_ready(spare)
             for pipe in (spare.stdin, spare.stdout, spare.stderr):
                 if pipe is not None:
                     pipe.close()
@@ -600,30 +455,3 @@ class SparePool:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def started_warm(proc: subprocess.Popen[str]) -> bool:
-    """The process began as a warm spare (it was handed over, not started cold).
-
-    Args:
-        proc: a process :meth:`SparePool.spawn` returned.
-    """
-    return isinstance(proc, SpareProcess) and proc.handed_over is not None
-
-
-def _resolve(interpreter: Sequence[str], env: Mapping[str, str]) -> tuple[str, ...]:
-    """The interpreter as the OS would find it in ``env``'s PATH, with its options."""
-    program = interpreter[0]
-    if os.sep not in program:
-        program = shutil.which(program, path=env.get("PATH", os.defpath)) or program
-    return (os.path.abspath(program), *interpreter[1:])
-
-
-def _leftover(spare: SpareProcess) -> str:
-    """What a dead spare printed (its stdout, when the pool reads it), cut to 2000 characters."""
-    if spare.stdout is None:
-        return ""
-    try:
-        return spare.stdout.read()[-2000:].strip()
-    except (OSError, ValueError):
-        return ""

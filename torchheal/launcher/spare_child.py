@@ -34,10 +34,10 @@ import runpy
 import sys
 import time
 import traceback
+from collections.abc import Mapping
 from types import TracebackType
 from typing import Any
 
-from torchheal.launcher.local import take_environment
 from torchheal.launcher.spare_priority import Priority
 
 #: Longest hand-over line read from stdin (an environment is a few KiB; this bounds a bad one).
@@ -82,6 +82,19 @@ def _handover(raw: bytes) -> dict[str, Any]:
     if not isinstance(msg.get("target"), str) or not isinstance(msg.get("cwd"), str):
         raise ValueError("bad hand-over: target and cwd must be strings")
     return msg
+
+
+def take_environment(env: Mapping[str, str]) -> None:
+    """Replaces this process's environment with ``env``: a warm spare becoming a rank.
+
+    The one write of ``os.environ`` in torchheal: this process *is* the rank from here on, and
+    its script and every process it starts read their settings from it.
+
+    Args:
+        env: the rank's whole environment.
+    """
+    os.environ.clear()
+    os.environ.update(env)
 
 
 def _become(msg: dict[str, Any]) -> None:

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from torch.distributed import Work
 
-from torchheal._base import config
+from torchheal._base import manager_env
 from torchheal._base.salvage_guard import refuse_salvage
 from torchheal.local_sgd.bucketing import (
     DEFAULT_BUCKET_CAP_BYTES,
@@ -327,7 +327,7 @@ class DiLoCo(OptimizerStepHooks):
         self._hooks = []
         if bucket_cap_mb is not None:
             self.bucket_cap_mb = int(bucket_cap_mb * 1024 * 1024)
-        self.use_bucketization = use_bucketization or config.use_bucketization()
+        self.use_bucketization = use_bucketization or manager_env.use_bucketization()
 
         self._fragments = [
             _StreamingDiLoCoFragment(

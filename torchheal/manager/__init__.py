@@ -34,14 +34,14 @@ replaces the client every rank builds: ``endpoints.py`` looks the class up here)
 
 from __future__ import annotations
 
-from torchheal._base.config import (
+from torchheal._base.manager_env import (
     CONNECT_TIMEOUT_SEC_ENV,
     MANAGER_PORT_ENV,
     QUORUM_RETRIES_ENV,
     QUORUM_TIMEOUT_SEC_ENV,
     TIMEOUT_SEC_ENV,
-    get_timeout,
 )
+from torchheal._base.manager_timeouts import get_timeout
 from torchheal.coordination.client import ManagerClient
 from torchheal.coordination.plan import WorldSizeMode
 from torchheal.manager.endpoints import MANAGER_ADDR_KEY, REPLICA_ID_KEY

@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from torchheal._base import config
+from torchheal._base import manager_env
 from torchheal.checkpointing import CheckpointTransport, HTTPTransport
 from torchheal.coordination.plan import Participation, WorldSizeMode
 from torchheal.coordination.types import Notice
@@ -158,8 +158,8 @@ class Manager(ManagerCollectives, ManagerUserState, ReferenceViews):
             world_size_mode=world_size_mode,
             min_replica_size=min_replica_size,
             max_retries=max_retries,
-            salvage=config.salvage_step() if salvage_step is None else salvage_step,
-            guard=config.divergence_guard(divergence_check_interval, on_divergence),
+            salvage=manager_env.salvage_step() if salvage_step is None else salvage_step,
+            guard=manager_env.divergence_guard(divergence_check_interval, on_divergence),
         )
         self._endpoints, self._logger = parts.endpoints, parts.logger
         self._telemetry = parts.telemetry

@@ -13,11 +13,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 
-from torchheal._base.config import (
-    EnvConfig,
+from torchheal._base.launch_env import TorchrunEnv
+from torchheal._base.manager_env import EnvConfig
+from torchheal._base.manager_timeouts import (
     ManagerTimeouts,
     TimeoutBudgetWarning,
-    TorchrunEnv,
     timeout_budget_problems,
 )
 

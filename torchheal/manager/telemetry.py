@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from torchheal._base.config import TelemetryEnv
+from torchheal._base.telemetry_env import TelemetryEnv
 from torchheal.coordination.types import QuorumResult
 from torchheal.metrics.trainer import MetricsServer, TrainerStats, serve_metrics
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 
-from torchheal._base.config import NCCL_DEBUG_PIPE_ENV, nccl_debug_pipe_prefix
+from torchheal._base.telemetry_env import NCCL_DEBUG_PIPE_ENV, nccl_debug_pipe_prefix
 
 __all__ = [
     "TORCHFT_TRIGGER_FR_ON_ABORT",

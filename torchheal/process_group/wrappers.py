@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.futures import Future
 
-from torchheal._base.config import job_id
+from torchheal._base.telemetry_env import job_id
 from torchheal.process_group.base import ProcessGroup, quorum_group_name, takes_options
 from torchheal.process_group.store import create_store_client
 from torchheal.process_group.work import _chain, _DummyWork, _ErrorRecordingWork

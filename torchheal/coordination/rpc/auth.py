@@ -1,7 +1,7 @@
 """The job token on every call: checked by servers, sent by clients.
 
 A torchheal endpoint with a job token (``TORCHHEAL_TOKEN`` / ``TORCHHEAL_TOKEN_FILE``, read by
-``_base/config.py``) accepts a request only when it carries ``authorization: Bearer <token>``:
+``_base/security.py``) accepts a request only when it carries ``authorization: Bearer <token>``:
 as gRPC call metadata (:class:`TokenGuard` on servers, :func:`client_interceptors` /
 :func:`aio_client_interceptors` on channels), or as the HTTP ``Authorization`` header of the
 checkpoint transport and the dashboard (:func:`bearer_matches`). The direct TCP session lane

@@ -18,7 +18,7 @@ import grpc
 import grpc.aio
 from google.protobuf.message import Message
 
-from torchheal._base.config import SecurityEnv
+from torchheal._base.security import SecurityEnv
 from torchheal._base.timeouts import to_seconds
 from torchheal._wire.methods import Method
 from torchheal.coordination.rpc.addresses import format_target, parse_address

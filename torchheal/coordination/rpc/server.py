@@ -22,7 +22,7 @@ import grpc
 import grpc.aio
 from google.protobuf.message import DecodeError, Message
 
-from torchheal._base.config import SecurityEnv
+from torchheal._base.security import SecurityEnv
 from torchheal._wire.methods import Method
 from torchheal.coordination.rpc.addresses import format_target, parse_address
 from torchheal.coordination.rpc.auth import TokenGuard

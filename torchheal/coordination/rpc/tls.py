@@ -1,6 +1,6 @@
 """TLS for torchheal's servers and clients: gRPC credentials and ``ssl`` contexts for HTTP.
 
-Paths come from :class:`~torchheal._base.config.SecurityEnv` (``TORCHHEAL_TLS_CERT``,
+Paths come from :class:`~torchheal._base.security.SecurityEnv` (``TORCHHEAL_TLS_CERT``,
 ``TORCHHEAL_TLS_KEY``, ``TORCHHEAL_TLS_CA`` or the CLIs' ``--tls-*`` flags). A server presents
 its certificate chain; a client verifies the server against the configured authorities (the
 system's when none is given) and the host name it dialled. Clients present no certificate: the
@@ -13,7 +13,7 @@ import ssl
 
 import grpc
 
-from torchheal._base.config import TLS_CERT_ENV, TLS_KEY_ENV, SecurityEnv
+from torchheal._base.security import TLS_CERT_ENV, TLS_KEY_ENV, SecurityEnv
 
 __all__ = [
     "channel_credentials",

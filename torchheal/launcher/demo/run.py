@@ -8,9 +8,10 @@ peer's memory, and every group ends with bit-identical weights.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+from torchheal._base.security import SecurityEnv
 from torchheal.launcher import KillPlan, Launcher, RunResult, python_module_command
 from torchheal.launcher.demo.summary import Summary, render, summarize
 from torchheal.launcher.events import Event
@@ -37,6 +38,9 @@ class DemoConfig:
         token: the job token the dashboard's kill action needs (None: open).
         metrics_port: group g's rank 0 serves Prometheus ``/metrics`` on this port plus g
             (0: any free port; None: no trainer metrics).
+        security: the lighthouse's job token and TLS settings (None: read from the
+            environment).
+        environ: the environment the groups start from (None: this process's).
     """
 
     replicas: int = 3
@@ -55,6 +59,8 @@ class DemoConfig:
     dashboard_port: int | None = None
     token: str | None = None
     metrics_port: int | None = None
+    security: SecurityEnv | None = None
+    environ: Mapping[str, str] | None = None
 
     def validate(self) -> None:
         if self.replicas < 2:
@@ -148,6 +154,7 @@ def run_demo(
         heartbeat_timeout_ms=config.heartbeat_timeout_ms,
         dashboard_port=config.dashboard_port,
         token=config.token,
+        security=config.security,
     )
     try:
         t0 = time.time()
@@ -190,6 +197,7 @@ def run_demo(
                     "TORCHHEAL_METRICS_HOST": "127.0.0.1",
                 }
             ),
+            base_env=config.environ,
         )
         result = launcher.run()
         summary = summarize(result)

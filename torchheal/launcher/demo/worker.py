@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from torchheal._base.config import LauncherEnv, TorchrunEnv
+from torchheal._base.launch_env import LauncherEnv, TorchrunEnv
 from torchheal.launcher.events import emit
 
 

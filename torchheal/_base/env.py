@@ -1,0 +1,61 @@
+"""The one place torchheal reads ``os.environ``, and the parsing every settings module shares.
+
+The settings modules beside this one (``manager_env``, ``manager_timeouts``, ``launch_env``,
+``security``, ``telemetry_env``) parse variables into validated values; only :func:`source`
+touches the process environment (a test reads the import graph to hold this; the launcher only
+*passes* an environment to the processes it starts). Each reader takes an optional mapping in
+place of ``os.environ``, so tests need not patch it.
+
+Every variable the reference also reads has a ``TORCHHEAL_*`` name and the reference's
+``TORCHFT_*`` name as a fallback; the torchheal name wins when both are set. Malformed values
+raise :class:`ValueError` naming the variable, so a typo in a launcher script fails at start-up
+instead of silently using a default.
+
+One torch variable is deliberately *not* written anywhere: ``TORCH_NCCL_NONBLOCKING_TIMEOUT``
+(how long NCCL's non-blocking communicators wait on init). torchheal bounds every NCCL operation
+and the group's construction with its own timer instead, so the process environment is left to
+the user.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+__all__ = ["OFF", "lookup", "parse_int", "parse_port", "source"]
+
+#: Values of an on/off variable that mean off (any case).
+OFF = frozenset({"", "false", "0", "no", "off"})
+
+
+def source(environ: Mapping[str, str] | None) -> Mapping[str, str]:
+    """The mapping to read: ``environ``, or this process's environment when None."""
+    return os.environ if environ is None else environ
+
+
+def lookup(environ: Mapping[str, str], names: tuple[str, ...]) -> tuple[str, str] | None:
+    """``(variable name, stripped value)`` of the first of ``names`` set to a non-blank value."""
+    for name in names:
+        value = environ.get(name)
+        if value is not None and value.strip() != "":
+            return name, value.strip()
+    return None
+
+
+def parse_int(name: str, value: str, minimum: int) -> int:
+    """``value`` as an int of at least ``minimum``; the ValueError names the variable."""
+    try:
+        parsed = int(value)
+    except ValueError:
+        raise ValueError(f"{name}={value!r} is not an integer") from None
+    if parsed < minimum:
+        raise ValueError(f"{name}={value!r} must be >= {minimum}")
+    return parsed
+
+
+def parse_port(name: str, value: str) -> int:
+    """``value`` as a TCP port (0: any free port); the ValueError names the variable."""
+    port = parse_int(name, value, minimum=0)
+    if port > 65535:
+        raise ValueError(f"{name}={value!r} is not a valid port")
+    return port

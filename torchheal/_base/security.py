@@ -1,0 +1,191 @@
+"""Who may talk to torchheal's endpoints, and over what: the job token and TLS (docs/security.md).
+
+* :func:`job_token`, :class:`SecurityEnv` - the job token and TLS files of every endpoint.
+* :func:`checkpoint_token` - the shared secret of the HTTP checkpoint transport.
+* :class:`SecurityFlags` - a command line's ``--token-file``/``--tls-*`` flags, applied to an
+  environment that the command's settings are read from and its child processes start with.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from torchheal._base.env import OFF, source
+
+#: The HTTP checkpoint transport's shared secret (torchheal only; the reference has none).
+CHECKPOINT_TOKEN_ENV: str = "TORCHHEAL_CHECKPOINT_TOKEN"
+#: The job's shared secret, required on every torchheal endpoint when set (docs/security.md).
+JOB_TOKEN_ENV: str = "TORCHHEAL_TOKEN"
+#: A file holding the job token (kept out of ``ps`` and of the environment of every process).
+TOKEN_FILE_ENV: str = "TORCHHEAL_TOKEN_FILE"
+
+
+def job_token(environ: Mapping[str, str] | None = None) -> str | None:
+    """The job token: ``TORCHHEAL_TOKEN``, or the contents of ``TORCHHEAL_TOKEN_FILE``.
+
+    Surrounding white space (a file's final newline) is not part of the token. A token is
+    printable ASCII without spaces, so that it fits an HTTP header and gRPC metadata as is.
+
+    Args:
+        environ: the environment to read; ``os.environ`` when None.
+
+    Returns:
+        The token, or None when neither variable is set (or both are blank).
+
+    Raises:
+        ValueError: both variables are set, the file cannot be read or is empty, or the token
+            has a character outside printable ASCII; the message names the variable.
+    """
+    env = source(environ)
+    value = env.get(JOB_TOKEN_ENV, "").strip()
+    path = env.get(TOKEN_FILE_ENV, "").strip()
+    if value and path:
+        raise ValueError(f"set {JOB_TOKEN_ENV} or {TOKEN_FILE_ENV}, not both")
+    name = JOB_TOKEN_ENV
+    if path:
+        name = f"{TOKEN_FILE_ENV}={path!r}"
+        try:
+            with open(path, encoding="utf-8") as f:
+                value = f.read().strip()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"{name}: cannot read the token file: {e}") from None
+        if not value:
+            raise ValueError(f"{name}: the token file is empty")
+    return _checked_token(name, value) if value else None
+
+
+def _checked_token(name: str, value: str) -> str:
+    # Sent as is in an HTTP header and gRPC metadata: a control character there fails every
+    # request (or, inside the value, could split the header), so refuse it at start-up.
+    if not all("!" <= c <= "~" for c in value):
+        raise ValueError(f"{name}: the token must be printable ASCII without spaces")
+    return value
+
+
+def checkpoint_token(environ: Mapping[str, str] | None = None) -> str | None:
+    """The HTTP checkpoint transport's shared secret, or None.
+
+    ``TORCHHEAL_CHECKPOINT_TOKEN`` (its older, transport-only name) when set, else the job
+    token (:func:`job_token`), so one ``TORCHHEAL_TOKEN`` guards the transport too. Either is
+    stripped and checked as the job token is.
+
+    Args:
+        environ: the environment to read; ``os.environ`` when None.
+
+    Raises:
+        ValueError: the token has a character outside printable ASCII, or the job token's file
+            cannot be read or holds no valid token; the message names the variable.
+    """
+    env = source(environ)
+    value = env.get(CHECKPOINT_TOKEN_ENV, "").strip()
+    return _checked_token(CHECKPOINT_TOKEN_ENV, value) if value else job_token(env)
+
+
+#: PEM certificate chain a server presents (with :data:`TLS_KEY_ENV`); setting it turns TLS on.
+TLS_CERT_ENV: str = "TORCHHEAL_TLS_CERT"
+#: PEM private key of that certificate.
+TLS_KEY_ENV: str = "TORCHHEAL_TLS_KEY"
+#: PEM bundle of the certificate authorities a client trusts; setting it turns TLS on.
+TLS_CA_ENV: str = "TORCHHEAL_TLS_CA"
+#: ``1``/``true``: ``/metrics`` needs the job token too (default: open, as Prometheus expects).
+METRICS_AUTH_ENV: str = "TORCHHEAL_METRICS_AUTH"
+
+
+@dataclass(frozen=True)
+class SecurityEnv:
+    """Who may talk to torchheal's endpoints, and over what: read from the environment.
+
+    With nothing set, every endpoint speaks the reference's plain wire (no token, no TLS).
+
+    Attributes:
+        token: the job token every server requires and every client sends (:func:`job_token`).
+        tls_cert: ``TORCHHEAL_TLS_CERT``: the certificate chain servers present (PEM path).
+        tls_key: ``TORCHHEAL_TLS_KEY``: its private key (PEM path).
+        tls_ca: ``TORCHHEAL_TLS_CA``: the authorities clients verify servers with (PEM path);
+            None with TLS on: the system's default authorities.
+        metrics_auth: ``TORCHHEAL_METRICS_AUTH``: ``/metrics`` requires the token as well.
+    """
+
+    token: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_ca: str | None = None
+    metrics_auth: bool = False
+
+    @property
+    def tls(self) -> bool:
+        """Whether TLS is on (a certificate or an authority bundle is configured)."""
+        return self.tls_cert is not None or self.tls_ca is not None
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> SecurityEnv:
+        """Reads and validates the variables.
+
+        Args:
+            environ: the environment to read; ``os.environ`` when None.
+
+        Raises:
+            ValueError: a token problem (see :func:`job_token`), a certificate without its key
+                (or the reverse), or a file that does not exist; the message names the variable.
+        """
+        env = source(environ)
+        paths: dict[str, str | None] = {}
+        for field, name in (
+            ("tls_cert", TLS_CERT_ENV),
+            ("tls_key", TLS_KEY_ENV),
+            ("tls_ca", TLS_CA_ENV),
+        ):
+            value = env.get(name, "").strip()
+            if value and not os.path.isfile(value):
+                raise ValueError(f"{name}={value!r}: no such file")
+            paths[field] = value or None
+        if (paths["tls_cert"] is None) != (paths["tls_key"] is None):
+            raise ValueError(f"set {TLS_CERT_ENV} and {TLS_KEY_ENV} together")
+        return cls(
+            token=job_token(env),
+            metrics_auth=env.get(METRICS_AUTH_ENV, "").strip().lower() not in OFF,
+            **paths,
+        )
+
+
+@dataclass(frozen=True)
+class SecurityFlags:
+    """A command line's security flags (``--token-file``, ``--tls-*``); None: not given.
+
+    Each flag stands for its variable. :meth:`environment` applies them to a copy of an
+    environment: the command reads its settings from that copy (:meth:`SecurityEnv.from_env`)
+    and its child processes start with it, so they see a path, never the token itself (it
+    stays out of ``ps``). This process's own environment is never written.
+
+    Attributes:
+        token_file: ``--token-file`` (replaces ``TORCHHEAL_TOKEN``, which is then removed).
+        tls_cert: ``--tls-cert``.
+        tls_key: ``--tls-key``.
+        tls_ca: ``--tls-ca``.
+    """
+
+    token_file: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_ca: str | None = None
+
+    def environment(self, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+        """A copy of ``environ`` with each flag given in place of its variable.
+
+        Args:
+            environ: the environment the flags apply to; ``os.environ`` when None.
+        """
+        env = dict(source(environ))
+        if self.token_file is not None:
+            env.pop(JOB_TOKEN_ENV, None)
+            env[TOKEN_FILE_ENV] = self.token_file
+        for name, value in (
+            (TLS_CERT_ENV, self.tls_cert),
+            (TLS_KEY_ENV, self.tls_key),
+            (TLS_CA_ENV, self.tls_ca),
+        ):
+            if value is not None:
+                env[name] = value
+        return env

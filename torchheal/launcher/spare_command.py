@@ -1,0 +1,121 @@
+"""Which ranks a warm spare can become: the command as Python reads it, and start-up variables.
+
+A spare runs the rank's script or module (never ``-c CODE``: that would take ``exec``) in an
+interpreter started earlier, so the rank must run the same interpreter with the same options
+(:func:`parse_python_command`, :func:`resolve_interpreter`). Some variables are read once, when
+the interpreter starts or a preloaded module is imported, and changing ``os.environ`` later has
+no effect: Python's own (``PYTHON*``: ``PYTHONPATH``, ``PYTHONUNBUFFERED``,
+``PYTHONHASHSEED``...), the locale (``LANG``, ``LC_*``), the dynamic loader's (``LD_*``), the
+thread pools' (``OMP_*``, ``MKL_*``, ``KMP_*``, ``GOMP_*``, ``OPENBLAS_*``: ``OMP_NUM_THREADS``
+above all) and a few of torch's (``TORCH_LOGS``, ``TORCH_CPP_LOG_LEVEL``,
+``TORCH_SHOW_CPP_STACKTRACES``). A rank whose environment differs from the spare's in any of
+those (:func:`startup_differences`) is started cold rather than wrongly. Variables read lazily
+(``CUDA_VISIBLE_DEVICES`` before CUDA is first used, ``NCCL_*``, ``TORCHHEAL_*``) are taken on.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+__all__ = [
+    "STARTUP_NAMES",
+    "STARTUP_PREFIXES",
+    "PythonCommand",
+    "parse_python_command",
+    "resolve_interpreter",
+    "startup_differences",
+]
+
+#: Variables read only when the interpreter starts or a preloaded module is imported.
+STARTUP_PREFIXES = ("PYTHON", "LC_", "LD_", "OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS_", "MALLOC_")
+STARTUP_NAMES = frozenset(
+    {"LANG", "TORCH_LOGS", "TORCH_CPP_LOG_LEVEL", "TORCH_SHOW_CPP_STACKTRACES"}
+)
+
+_PYTHON = re.compile(r"python[0-9.]*")
+_FLAGS = re.compile(r"-[bBdEIOPqsSuv]+")  # interpreter options without an argument
+
+
+@dataclass(frozen=True)
+class PythonCommand:
+    """A Python command split the way the interpreter reads it.
+
+    Args:
+        interpreter: the interpreter and its options (``python -u -X dev``).
+        kind: "path" (a script), "module" (``-m``) or "code" (``-c``: never handed to a spare).
+        target: the script's path, the module or the code.
+        args: the arguments after it (``sys.argv[1:]``).
+    """
+
+    interpreter: tuple[str, ...]
+    kind: str
+    target: str
+    args: tuple[str, ...]
+
+
+def parse_python_command(argv: Sequence[str]) -> PythonCommand | None:
+    """Splits ``argv`` when it runs a Python script, module or code; None otherwise.
+
+    Interpreter options other than simple flags, ``-W`` and ``-X`` (``-i``, ``-``, ``--long``
+    options...) give None too: such commands always start cold.
+
+    Args:
+        argv: the command.
+    """
+    if not argv or not _PYTHON.fullmatch(os.path.basename(argv[0])):
+        return None
+    options = [argv[0]]
+    i = 1
+    while i < len(argv):
+        arg = argv[i]
+        if arg[:2] in ("-m", "-c"):
+            kind = "module" if arg[1] == "m" else "code"
+            if len(arg) > 2:
+                return PythonCommand(tuple(options), kind, arg[2:], tuple(argv[i + 1 :]))
+            if i + 1 >= len(argv):
+                return None
+            return PythonCommand(tuple(options), kind, argv[i + 1], tuple(argv[i + 2 :]))
+        if not arg.startswith("-"):
+            return PythonCommand(tuple(options), "path", arg, tuple(argv[i + 1 :]))
+        if arg in ("-W", "-X"):
+            if i + 1 >= len(argv):
+                return None
+            options += argv[i : i + 2]
+            i += 2
+            continue
+        if arg[:2] in ("-W", "-X") or _FLAGS.fullmatch(arg):
+            options.append(arg)
+            i += 1
+            continue
+        return None
+    return None
+
+
+def startup_differences(spare_env: Mapping[str, str], env: Mapping[str, str]) -> list[str]:
+    """Variables read at start-up only whose values differ between a spare and a rank.
+
+    Args:
+        spare_env: the environment the spare started with.
+        env: the rank's.
+
+    Returns:
+        Their names, sorted; empty when the spare can become this rank.
+    """
+    names = set(spare_env) | set(env)
+    return sorted(
+        n
+        for n in names
+        if (n.startswith(STARTUP_PREFIXES) or n in STARTUP_NAMES) and spare_env.get(n) != env.get(n)
+    )
+
+
+def resolve_interpreter(interpreter: Sequence[str], env: Mapping[str, str]) -> tuple[str, ...]:
+    """The interpreter as the OS would find it in ``env``'s PATH, with its options."""
+    program = interpreter[0]
+    if os.sep not in program:
+        program = shutil.which(program, path=env.get("PATH", os.defpath)) or program
+    return (os.path.abspath(program), *interpreter[1:])
