@@ -23,8 +23,8 @@ Script commands (one per line; ``#`` starts a comment):
 ``decide yes|no``        the group's decision; ``expect fatal "text"`` / ``expect no-fatal``.
 ``warmup_done``          the vote is asked for: ``expect warmup`` when the step was the warm-up.
 ``expect step=N batches=N failures=N healing=b torn=b contributes=b``  (any subset)
-``notice lost|gave_up|dropped|superseded REPLICA quorum=N``
-                         a lighthouse notice; ``expect actions ...`` lists what it does
+``notice lost|gave_up|dropped|superseded REPLICA quorum=N [steps_done=N]``
+                         a lighthouse notice, heard at the machine's step; ``expect actions ...`` lists what it does
                          (``end-heal:b``, ``abort:b``, ``abort-dropped:me``, ``cancel:b``) or ``-``.
 ``build quorum=N members=a,b``  a process-group build starts; ``expect refused b`` / ``expect
                          started``.
@@ -124,8 +124,14 @@ class Run:
             self.last["fatal"] = m.decided(args[0] == "yes")
         elif command == "notice":
             kind = NoticeKind(args[0])
-            notice = Notice(kind, args[1], int(kv["quorum"]), kv.get("reason", "gone"))
-            self.last["actions"] = self.connection.on_notice(notice)
+            notice = Notice(
+                kind,
+                args[1],
+                int(kv["quorum"]),
+                kv.get("reason", "gone"),
+                steps_done=int(kv.get("steps_done", "0")),
+            )
+            self.last["actions"] = self.connection.on_notice(notice, self.machine.step)
         elif command == "build":
             members = frozenset(kv["members"].split(","))
             self.last["refused"] = self.connection.start_build(int(kv["quorum"]), members)

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from torchheal._wire import torchft_pb2 as torchheal_dot___wire_dot_torchft__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dtorchheal/_wire/session.proto\x12\ttorchheal\x1a\x1dtorchheal/_wire/torchft.proto\"\xdf\x01\n\x0eSessionRequest\x12!\n\x05hello\x18\x01 \x01(\x0b\x32\x10.torchheal.HelloH\x00\x12)\n\theartbeat\x18\x02 \x01(\x0b\x32\x14.torchheal.HeartbeatH\x00\x12*\n\x06quorum\x18\x03 \x01(\x0b\x32\x18.torchheal.QuorumRequestH\x00\x12%\n\x07goodbye\x18\x04 \x01(\x0b\x32\x12.torchheal.GoodbyeH\x00\x12$\n\x07gave_up\x18\x05 \x01(\x0b\x32\x11.torchheal.GaveUpH\x00\x42\x06\n\x04kind\"+\n\x06GaveUp\x12\x11\n\tquorum_id\x18\x01 \x01(\x03\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x0b\n\tGaveUpAck\"t\n\x05Hello\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x10\n\x08protocol\x18\x02 \x01(\r\x12\x10\n\x08\x64\x65tached\x18\x03 \x01(\x08\x12\r\n\x05token\x18\x04 \x01(\t\x12$\n\x0blast_quorum\x18\x05 \x01(\x0b\x32\x0f.torchft.Quorum\",\n\tHeartbeat\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0b\n\x03\x61\x63k\x18\x02 \x01(\x04\"r\n\rQuorumRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12(\n\trequester\x18\x02 \x01(\x0b\x32\x15.torchft.QuorumMember\x12\x12\n\ntimeout_ms\x18\x03 \x01(\x03\x12\x0f\n\x07lineage\x18\x04 \x01(\x03\"\x19\n\x07Goodbye\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\x98\x02\n\x0cSessionEvent\x12%\n\x07welcome\x18\x01 \x01(\x0b\x32\x12.torchheal.WelcomeH\x00\x12)\n\x06quorum\x18\x02 \x01(\x0b\x32\x17.torchheal.QuorumIssuedH\x00\x12)\n\x06\x66\x61iled\x18\x03 \x01(\x0b\x32\x17.torchheal.QuorumFailedH\x00\x12%\n\x04lost\x18\x04 \x01(\x0b\x32\x15.torchheal.MemberLostH\x00\x12\x30\n\rheartbeat_ack\x18\x05 \x01(\x0b\x32\x17.torchheal.HeartbeatAckH\x00\x12*\n\x06\x63losed\x18\x06 \x01(\x0b\x32\x18.torchheal.SessionClosedH\x00\x42\x06\n\x04kind\"\x1b\n\x0cHeartbeatAck\x12\x0b\n\x03\x61\x63k\x18\x01 \x01(\x04\".\n\rSessionClosed\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x11\n\x0f\x44\x65scribeRequest\"5\n\x0b\x44\x65scription\x12\x10\n\x08protocol\x18\x01 \x01(\r\x12\x14\n\x0csession_port\x18\x02 \x01(\r\"L\n\x07Welcome\x12\x10\n\x08protocol\x18\x01 \x01(\r\x12\x11\n\tquorum_id\x18\x02 \x01(\x03\x12\x1c\n\x14heartbeat_timeout_ms\x18\x03 \x01(\r\"C\n\x0cQuorumIssued\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12\x1f\n\x06quorum\x18\x02 \x01(\x0b\x32\x0f.torchft.Quorum\"A\n\x0cQuorumFailed\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x0f\n\x07message\x18\x03 \x01(\t\"k\n\nMemberLost\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x11\n\tquorum_id\x18\x02 \x01(\x03\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x15\n\rsuperseded_by\x18\x04 \x01(\x03\x12\x0f\n\x07gave_up\x18\x05 \x01(\x08\"\"\n\x0cWatchRequest\x12\x12\n\ngroup_rank\x18\x01 \x01(\x03\"7\n\x06Notice\x12%\n\x04lost\x18\x01 \x01(\x0b\x32\x15.torchheal.MemberLostH\x00\x42\x06\n\x04kind2\x96\x01\n\x11LighthouseSession\x12\x41\n\x07Session\x12\x19.torchheal.SessionRequest\x1a\x17.torchheal.SessionEvent(\x01\x30\x01\x12>\n\x08\x44\x65scribe\x12\x1a.torchheal.DescribeRequest\x1a\x16.torchheal.Description2\x80\x01\n\x0eManagerNotices\x12\x35\n\x05Watch\x12\x17.torchheal.WatchRequest\x1a\x11.torchheal.Notice0\x01\x12\x37\n\x0cReportGaveUp\x12\x11.torchheal.GaveUp\x1a\x14.torchheal.GaveUpAckb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dtorchheal/_wire/session.proto\x12\ttorchheal\x1a\x1dtorchheal/_wire/torchft.proto\"\xdf\x01\n\x0eSessionRequest\x12!\n\x05hello\x18\x01 \x01(\x0b\x32\x10.torchheal.HelloH\x00\x12)\n\theartbeat\x18\x02 \x01(\x0b\x32\x14.torchheal.HeartbeatH\x00\x12*\n\x06quorum\x18\x03 \x01(\x0b\x32\x18.torchheal.QuorumRequestH\x00\x12%\n\x07goodbye\x18\x04 \x01(\x0b\x32\x12.torchheal.GoodbyeH\x00\x12$\n\x07gave_up\x18\x05 \x01(\x0b\x32\x11.torchheal.GaveUpH\x00\x42\x06\n\x04kind\"+\n\x06GaveUp\x12\x11\n\tquorum_id\x18\x01 \x01(\x03\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x0b\n\tGaveUpAck\"t\n\x05Hello\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x10\n\x08protocol\x18\x02 \x01(\r\x12\x10\n\x08\x64\x65tached\x18\x03 \x01(\x08\x12\r\n\x05token\x18\x04 \x01(\t\x12$\n\x0blast_quorum\x18\x05 \x01(\x0b\x32\x0f.torchft.Quorum\",\n\tHeartbeat\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0b\n\x03\x61\x63k\x18\x02 \x01(\x04\"r\n\rQuorumRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12(\n\trequester\x18\x02 \x01(\x0b\x32\x15.torchft.QuorumMember\x12\x12\n\ntimeout_ms\x18\x03 \x01(\x03\x12\x0f\n\x07lineage\x18\x04 \x01(\x03\"-\n\x07Goodbye\x12\x0e\n\x06reason\x18\x01 \x01(\t\x12\x12\n\nsteps_done\x18\x02 \x01(\x03\"\x98\x02\n\x0cSessionEvent\x12%\n\x07welcome\x18\x01 \x01(\x0b\x32\x12.torchheal.WelcomeH\x00\x12)\n\x06quorum\x18\x02 \x01(\x0b\x32\x17.torchheal.QuorumIssuedH\x00\x12)\n\x06\x66\x61iled\x18\x03 \x01(\x0b\x32\x17.torchheal.QuorumFailedH\x00\x12%\n\x04lost\x18\x04 \x01(\x0b\x32\x15.torchheal.MemberLostH\x00\x12\x30\n\rheartbeat_ack\x18\x05 \x01(\x0b\x32\x17.torchheal.HeartbeatAckH\x00\x12*\n\x06\x63losed\x18\x06 \x01(\x0b\x32\x18.torchheal.SessionClosedH\x00\x42\x06\n\x04kind\"\x1b\n\x0cHeartbeatAck\x12\x0b\n\x03\x61\x63k\x18\x01 \x01(\x04\".\n\rSessionClosed\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x11\n\x0f\x44\x65scribeRequest\"5\n\x0b\x44\x65scription\x12\x10\n\x08protocol\x18\x01 \x01(\r\x12\x14\n\x0csession_port\x18\x02 \x01(\r\"L\n\x07Welcome\x12\x10\n\x08protocol\x18\x01 \x01(\r\x12\x11\n\tquorum_id\x18\x02 \x01(\x03\x12\x1c\n\x14heartbeat_timeout_ms\x18\x03 \x01(\r\"C\n\x0cQuorumIssued\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12\x1f\n\x06quorum\x18\x02 \x01(\x0b\x32\x0f.torchft.Quorum\"A\n\x0cQuorumFailed\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x0f\n\x07message\x18\x03 \x01(\t\"\x7f\n\nMemberLost\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x11\n\tquorum_id\x18\x02 \x01(\x03\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x15\n\rsuperseded_by\x18\x04 \x01(\x03\x12\x0f\n\x07gave_up\x18\x05 \x01(\x08\x12\x12\n\nsteps_done\x18\x06 \x01(\x03\"\"\n\x0cWatchRequest\x12\x12\n\ngroup_rank\x18\x01 \x01(\x03\"7\n\x06Notice\x12%\n\x04lost\x18\x01 \x01(\x0b\x32\x15.torchheal.MemberLostH\x00\x42\x06\n\x04kind2\x96\x01\n\x11LighthouseSession\x12\x41\n\x07Session\x12\x19.torchheal.SessionRequest\x1a\x17.torchheal.SessionEvent(\x01\x30\x01\x12>\n\x08\x44\x65scribe\x12\x1a.torchheal.DescribeRequest\x1a\x16.torchheal.Description2\x80\x01\n\x0eManagerNotices\x12\x35\n\x05Watch\x12\x17.torchheal.WatchRequest\x1a\x11.torchheal.Notice0\x01\x12\x37\n\x0cReportGaveUp\x12\x11.torchheal.GaveUp\x1a\x14.torchheal.GaveUpAckb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -45,31 +45,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_QUORUMREQUEST']._serialized_start=523
   _globals['_QUORUMREQUEST']._serialized_end=637
   _globals['_GOODBYE']._serialized_start=639
-  _globals['_GOODBYE']._serialized_end=664
-  _globals['_SESSIONEVENT']._serialized_start=667
-  _globals['_SESSIONEVENT']._serialized_end=947
-  _globals['_HEARTBEATACK']._serialized_start=949
-  _globals['_HEARTBEATACK']._serialized_end=976
-  _globals['_SESSIONCLOSED']._serialized_start=978
-  _globals['_SESSIONCLOSED']._serialized_end=1024
-  _globals['_DESCRIBEREQUEST']._serialized_start=1026
-  _globals['_DESCRIBEREQUEST']._serialized_end=1043
-  _globals['_DESCRIPTION']._serialized_start=1045
-  _globals['_DESCRIPTION']._serialized_end=1098
-  _globals['_WELCOME']._serialized_start=1100
-  _globals['_WELCOME']._serialized_end=1176
-  _globals['_QUORUMISSUED']._serialized_start=1178
-  _globals['_QUORUMISSUED']._serialized_end=1245
-  _globals['_QUORUMFAILED']._serialized_start=1247
-  _globals['_QUORUMFAILED']._serialized_end=1312
-  _globals['_MEMBERLOST']._serialized_start=1314
-  _globals['_MEMBERLOST']._serialized_end=1421
-  _globals['_WATCHREQUEST']._serialized_start=1423
-  _globals['_WATCHREQUEST']._serialized_end=1457
-  _globals['_NOTICE']._serialized_start=1459
-  _globals['_NOTICE']._serialized_end=1514
-  _globals['_LIGHTHOUSESESSION']._serialized_start=1517
-  _globals['_LIGHTHOUSESESSION']._serialized_end=1667
-  _globals['_MANAGERNOTICES']._serialized_start=1670
-  _globals['_MANAGERNOTICES']._serialized_end=1798
+  _globals['_GOODBYE']._serialized_end=684
+  _globals['_SESSIONEVENT']._serialized_start=687
+  _globals['_SESSIONEVENT']._serialized_end=967
+  _globals['_HEARTBEATACK']._serialized_start=969
+  _globals['_HEARTBEATACK']._serialized_end=996
+  _globals['_SESSIONCLOSED']._serialized_start=998
+  _globals['_SESSIONCLOSED']._serialized_end=1044
+  _globals['_DESCRIBEREQUEST']._serialized_start=1046
+  _globals['_DESCRIBEREQUEST']._serialized_end=1063
+  _globals['_DESCRIPTION']._serialized_start=1065
+  _globals['_DESCRIPTION']._serialized_end=1118
+  _globals['_WELCOME']._serialized_start=1120
+  _globals['_WELCOME']._serialized_end=1196
+  _globals['_QUORUMISSUED']._serialized_start=1198
+  _globals['_QUORUMISSUED']._serialized_end=1265
+  _globals['_QUORUMFAILED']._serialized_start=1267
+  _globals['_QUORUMFAILED']._serialized_end=1332
+  _globals['_MEMBERLOST']._serialized_start=1334
+  _globals['_MEMBERLOST']._serialized_end=1461
+  _globals['_WATCHREQUEST']._serialized_start=1463
+  _globals['_WATCHREQUEST']._serialized_end=1497
+  _globals['_NOTICE']._serialized_start=1499
+  _globals['_NOTICE']._serialized_end=1554
+  _globals['_LIGHTHOUSESESSION']._serialized_start=1557
+  _globals['_LIGHTHOUSESESSION']._serialized_end=1707
+  _globals['_MANAGERNOTICES']._serialized_start=1710
+  _globals['_MANAGERNOTICES']._serialized_end=1838
 # @@protoc_insertion_point(module_scope)

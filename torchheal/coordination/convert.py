@@ -321,4 +321,11 @@ def notice_from_pb(lost: spb.MemberLost, own_replica_id: str) -> Notice:
         kind = NoticeKind.SUPERSEDED
     else:
         kind = NoticeKind.DROPPED
-    return Notice(kind, lost.replica_id, lost.quorum_id, lost.reason, bool(lost.gave_up))
+    return Notice(
+        kind,
+        lost.replica_id,
+        lost.quorum_id,
+        lost.reason,
+        bool(lost.gave_up),
+        steps_done=max(0, lost.steps_done),
+    )

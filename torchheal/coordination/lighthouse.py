@@ -362,9 +362,9 @@ class LighthouseServer:
         (``SessionRegistry.missed``)."""
         return self._sessions.missed(replica_id, last_quorum)
 
-    def end_session(self, replica_id: str, peer: Peer, reason: str) -> None:
+    def end_session(self, replica_id: str, peer: Peer, reason: str, steps_done: int = 0) -> None:
         """A group's session ended: the group is gone now (unless a newer session replaced it)."""
-        self._sessions.end(replica_id, peer, reason)
+        self._sessions.end(replica_id, peer, reason, steps_done)
 
     def gave_up(self, replica_id: str, peer: Peer, quorum_id: int, reason: str) -> None:
         """A group gave up building quorum ``quorum_id``'s process group: tell the others."""

@@ -210,6 +210,9 @@ class LighthouseLink:
         # it), told with every request so a lighthouse can tell a history it superseded
         # (quorum.superseded). Any thread.
         self._lineage = 0
+        # The steps committed while the group is between two steps (0: in a step), said in the
+        # goodbye so that peers still in the step it finished keep their collectives with it.
+        self._steps_done = 0
         self._call: Any = None  # the live session stream, or None while it is (re)opening
         self._opened = asyncio.Event()  # set while there is a live session
         self._protocol = 0  # the session protocol of the lighthouse's last welcome
@@ -346,7 +349,8 @@ class LighthouseLink:
         self._opened.clear()
         if call is not None:
             try:
-                await self._write(call, spb.SessionRequest(goodbye=spb.Goodbye(reason=reason)))
+                goodbye = spb.Goodbye(reason=reason, steps_done=self._steps_done)
+                await self._write(call, spb.SessionRequest(goodbye=goodbye))
                 await call.done_writing()
             except (grpc.aio.AioRpcError, asyncio.InvalidStateError, RuntimeError):
                 pass
@@ -373,6 +377,7 @@ class LighthouseLink:
         """
         with self._standing_lock:
             self._standing.asked()
+        self._steps_done = 0  # in a step now: a goodbye says nothing of its collectives
         if not self.session_mode:
             return await self._unary_quorum_call(requester, timeout_s)
         call = self._call
@@ -664,9 +669,11 @@ class LighthouseLink:
                 except Exception:
                     logger.exception("%s handling a lost-member notice failed", self._prefix)
 
-    def holds_last_quorum(self) -> None:
+    def holds_last_quorum(self, steps_done: int = 0) -> None:
         """The group holds the history of the last quorum it received: it committed a step in
-        it, or healed in it from a peer that holds it (any thread)."""
+        it (``steps_done``: the steps committed then), or healed in it from a peer that holds
+        it (any thread)."""
+        self._steps_done = steps_done  # said in a goodbye until the group asks again
         last = self._last_quorum
         if last is not None and last.participants:
             self._lineage = last.quorum_id

@@ -129,13 +129,15 @@ class SessionRegistry:
             lost=spb.MemberLost(replica_id=replica_id, quorum_id=quorum_id, reason=reason)
         ).SerializeToString()
 
-    def end(self, replica_id: str, peer: Peer, reason: str) -> None:
+    def end(self, replica_id: str, peer: Peer, reason: str, steps_done: int = 0) -> None:
         """A group's session ended: the group is gone now (unless a newer session replaced it).
 
         Args:
             replica_id: the group's full id.
             peer: the session that ended.
             reason: why ("connection ended", "left": it said goodbye).
+            steps_done: the steps it had committed when it left between two steps (0: it did
+                not say), passed on in the notice.
         """
         if self._sessions.get(replica_id) is not peer:
             return  # a newer session of the same group is live; this one was stale
@@ -149,7 +151,9 @@ class SessionRegistry:
         level = logging.INFO if reason.startswith("left") else logging.WARNING
         logger.log(level, "Replica %s is gone: its session ended (%s)", replica_id, reason)
         if was_member and prev is not None:
-            self._announce(replica_id, prev.quorum_id, reason, time.monotonic())
+            self._announce(
+                replica_id, prev.quorum_id, reason, time.monotonic(), steps_done=steps_done
+            )
         # The survivors may be complete without it now.
         rounds.schedule_tick()
 
@@ -226,7 +230,14 @@ class SessionRegistry:
         )
 
     def _announce(
-        self, replica_id: str, quorum_id: int, reason: str, now: float, *, gave_up: bool = False
+        self,
+        replica_id: str,
+        quorum_id: int,
+        reason: str,
+        now: float,
+        *,
+        gave_up: bool = False,
+        steps_done: int = 0,
     ) -> None:
         announced_id, announced = self._announced
         if announced_id != quorum_id:
@@ -250,7 +261,11 @@ class SessionRegistry:
         )
         event = spb.SessionEvent(
             lost=spb.MemberLost(
-                replica_id=replica_id, quorum_id=quorum_id, reason=reason, gave_up=gave_up
+                replica_id=replica_id,
+                quorum_id=quorum_id,
+                reason=reason,
+                gave_up=gave_up,
+                steps_done=steps_done,
             )
         ).SerializeToString()
         for peer in list(self._sessions.values()):

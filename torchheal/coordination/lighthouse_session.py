@@ -84,7 +84,9 @@ class _Lighthouse(Protocol):
 
     def missed_notice(self, replica_id: str, last_quorum: pb.Quorum | None) -> bytes | None: ...
 
-    def end_session(self, replica_id: str, peer: Peer, reason: str) -> None: ...
+    def end_session(
+        self, replica_id: str, peer: Peer, reason: str, steps_done: int = 0
+    ) -> None: ...
 
     def gave_up(self, replica_id: str, peer: Peer, quorum_id: int, reason: str) -> None: ...
 
@@ -175,6 +177,7 @@ class SessionProtocol:
         self.replica_id: str | None = None
         self.detached = False
         self.reason = "connection ended"
+        self.steps_done = 0  # said in the goodbye: see session.proto's Goodbye
         # request id -> its pending quorum request (at most one unless detached).
         self._pending: dict[int, Any] = {}
 
@@ -204,6 +207,7 @@ class SessionProtocol:
             self._quorum(request.quorum)
         elif kind == "goodbye":
             self.reason = f"left: {request.goodbye.reason}" if request.goodbye.reason else "left"
+            self.steps_done = max(0, request.goodbye.steps_done)
             return False
         elif kind == "gave_up":
             self._gave_up(request.gave_up)
@@ -219,7 +223,7 @@ class SessionProtocol:
         for waiter in pending.values():
             self._lighthouse.withdraw(waiter)
         if self.replica_id is not None and not self.detached:
-            self._lighthouse.end_session(self.replica_id, self._peer, self.reason)
+            self._lighthouse.end_session(self.replica_id, self._peer, self.reason, self.steps_done)
 
     def _hello(self, hello: spb.Hello) -> None:
         _check_replica_id(hello.replica_id, "hello.replica_id")

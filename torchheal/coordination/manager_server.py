@@ -410,11 +410,12 @@ class ManagerServer:
         if self._lighthouse is not None:
             await self._lighthouse.close()
 
-    def _committed(self) -> None:
-        """The group committed a step (any thread): in the link's last quorum."""
+    def _committed(self, steps_done: int) -> None:
+        """The group committed a step (any thread): in the link's last quorum, and it is now
+        between steps with ``steps_done`` committed."""
         link = self._link
         if link is not None:
-            link.holds_last_quorum()
+            link.holds_last_quorum(steps_done)
 
     def healed(self) -> None:
         """Group rank 0 loaded a peer's state in the last quorum (any thread)."""

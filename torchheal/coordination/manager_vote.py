@@ -44,7 +44,7 @@ class GroupVote:
         world_size: int,
         log_prefix: str,
         fence: Callable[[], str | None] | None = None,
-        committed: Callable[[], None] | None = None,
+        committed: Callable[[int], None] | None = None,
     ) -> None:
         self._lock = threading.Lock()
         self._vote = CommitVote(world_size)
@@ -89,7 +89,7 @@ class GroupVote:
                 if why is not None:
                     decision = self._vote.overrule(why)
             if decision is not None and decision.commit and self._committed is not None:
-                self._committed()
+                self._committed(step + 1)
             round_ = self._round
             if round_ is None:
                 round_ = self._round = concurrent.futures.Future()

@@ -163,6 +163,8 @@ class Notice:
         quorum_id: the quorum it is about.
         reason: why, for the logs.
         gave_up: (``LOST``) the group gave up building the quorum's process group; it is alive.
+        steps_done: (``LOST``) the steps the group had committed when it said goodbye between
+            two steps (0: it did not say so).
     """
 
     kind: NoticeKind
@@ -170,3 +172,4 @@ class Notice:
     quorum_id: int
     reason: str
     gave_up: bool = False
+    steps_done: int = 0

@@ -226,15 +226,16 @@ class ConnectedQuorum:
                 return
         self._abort(abort, expiry)
 
-    def on_notice(self, notice: Notice, end_heal: Callable[[EndHeal], None]) -> None:
+    def on_notice(self, notice: Notice, end_heal: Callable[[EndHeal], None], step: int = 0) -> None:
         """Does what ``Connection.on_notice`` decides for a lighthouse notice.
 
         Args:
             notice: the notice.
             end_heal: ends a heal from a lost group (the Manager's recovery).
+            step: this rank's step (its committed steps).
         """
         with self._lock:
-            actions = self._core.on_notice(notice)
+            actions = self._core.on_notice(notice, step)
             # This configuration's, not the next one's, which may be adopted before we end it.
             expiry, build = self.expiry, self._build
         for action in actions:

@@ -313,8 +313,8 @@ class Connection:
         self.build: _Build | None = None
         self._lost: dict[int, set[str]] = {}
 
-    def on_notice(self, notice: Notice) -> list[Action]:
-        """What a lighthouse notice does (the one place).
+    def on_notice(self, notice: Notice, step: int = 0) -> list[Action]:
+        """What a lighthouse notice does (the one place), to a rank at ``step``.
 
         * ``lost`` (or a rank of ours gave that build up): a heal from that group ends; a build
           of that quorum with it is abandoned, and a group built for it is aborted: ours will
@@ -325,6 +325,10 @@ class Connection:
         * ``superseded`` (left out of a newer quorum while at work in this one): a build of
           that quorum is abandoned, but a group already built is kept: its peers completed the
           step with it before moving on, so its collectives complete and its step commits.
+        * ``lost`` by a goodbye between steps, after committing the step this rank is in
+          (``steps_done > step``): its data of that step was sent, so the group is kept too and
+          the step completes as it would have (a group whose job ends first does not fail its
+          peers' last step).
         """
         kind, replica, quorum = notice.kind, notice.replica_id, notice.quorum_id
         self._remember_lost(replica, quorum)  # a build of that quorum that starts later fails
@@ -344,6 +348,8 @@ class Connection:
             return actions  # not our group's quorum (or kept: see above)
         if not own and replica not in self.members:
             return actions
+        if kind is NoticeKind.LOST and notice.steps_done > step:
+            return actions  # it finished this step before it left (see above)
         self.quorum_id, self.members = -1, frozenset()  # the next quorum rebuilds the group
         actions.append(self._abort(replica, quorum, notice.reason, dropped=own))
         return actions

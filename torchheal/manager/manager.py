@@ -172,7 +172,7 @@ class Manager(ManagerCollectives, ManagerUserState, ReferenceViews):
 
     def _on_notice(self, notice: Notice) -> None:
         """Does what a lighthouse notice does (decided by ``machine.Connection.on_notice``)."""
-        self._connected.on_notice(notice, self._end_heal)
+        self._connected.on_notice(notice, self._end_heal, self._machine.step)
 
     def _end_heal(self, end: EndHeal) -> None:
         self._recovery.on_member_lost(end.replica_id, end.quorum_id, end.reason)
