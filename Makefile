@@ -12,7 +12,7 @@ STAMP := $(VENV)/.torchheal-installed
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml scripts/setup_env.sh scripts/dashboard_assets.sh torchheal/coordination/dashboard/package-lock.json
+$(STAMP): pyproject.toml scripts/setup_env.sh scripts/dashboard_assets.sh torchheal/coordination/lighthouse/dashboard/package-lock.json
 	PY=$(PY) VENV=$(VENV) bash scripts/setup_env.sh
 	touch $@
 

@@ -205,7 +205,7 @@ def main() -> None:
                 manager.num_participants(),
             )
     checks, mismatches = manager.divergence_checks()
-    if checks:  # TORCHHEAL_DIVERGENCE_CHECK_INTERVAL was set
+    if checks:  # the divergence guard ran (on by default: every 100 steps)
         logging.info("divergence checks %d mismatches %d", checks, mismatches)
     manager.shutdown()
     dist.destroy_process_group()

@@ -5,7 +5,7 @@
 # files match the lock file. Called by scripts/setup_env.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-DIR=torchheal/coordination/dashboard
+DIR=torchheal/coordination/lighthouse/dashboard
 VENDOR=$DIR/static/vendor
 STAMP=$VENDOR/.package-lock.sha256
 want=$(sha256sum "$DIR/package-lock.json" | cut -d' ' -f1)

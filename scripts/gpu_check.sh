@@ -31,7 +31,7 @@ run_example() {  # name script steps
       --dashboard_port 0 > "$OUT/$name-lighthouse.log" 2>&1 &
   local lh=$!
   sleep 3
-  # The divergence guard on (every 100 steps): fingerprints of CUDA state, compared over Gloo.
+  # The divergence guard (every 100 steps, the default): fingerprints of CUDA state, over Gloo.
   local common="env TORCHHEAL_DIVERGENCE_CHECK_INTERVAL=100 REPLICA_PG=gloo STEPS=$steps NUM_REPLICA_GROUPS=2 TORCHHEAL_LIGHTHOUSE=http://127.0.0.1:29510"
   $common REPLICA_GROUP_ID=0 torchrun --master_port=29600 --nnodes=1 --nproc_per_node=1 "$script" > "$OUT/$name-g0.log" 2>&1 &
   local g0=$!

@@ -32,7 +32,7 @@ import torch
 from torch.distributed import TCPStore
 
 from tests import warm
-from torchheal.coordination.lighthouse import LighthouseServer
+from torchheal.coordination.lighthouse.server import LighthouseServer
 from torchheal.manager import Manager
 from torchheal.process_group.gloo import ProcessGroupGloo
 

@@ -3,7 +3,8 @@
 The layer order is the ``layers`` block of ``docs/architecture.md`` (lowest first), so the page
 and the code cannot drift apart: a module may import from its own layer and the layers below,
 never from one above; the module graph has no cycle; every module belongs to a layer; the pure
-cores import nothing that does I/O; and only ``_base/env.py`` reads the environment.
+cores import nothing that does I/O; the programs of ``coordination/`` stay apart; and only
+``_base/env.py`` reads the environment.
 """
 
 from __future__ import annotations
@@ -21,6 +22,21 @@ ARCHITECTURE = ROOT / "docs" / "architecture.md"
 # What a pure core may import: plain data and typing, nothing that touches time, threads,
 # sockets, processes or torch.
 PURE_ALLOWED = {"__future__", "dataclasses", "enum", "typing", "collections", "math", "itertools"}
+
+# The three programs of coordination/: each shares only the cores below it, never the modules of
+# another (a client that imported the lighthouse would drag a server into every rank).
+PROGRAMS = (
+    "torchheal.coordination.clients",
+    "torchheal.coordination.group",
+    "torchheal.coordination.lighthouse",
+)
+# Edges between programs that are allowed, and why.
+PROGRAM_EDGES_ALLOWED = {
+    (
+        "torchheal.coordination.lighthouse.dashboard",
+        "torchheal.coordination.clients",
+    ): "the dashboard's stop button asks a group's manager server to exit",
+}
 
 # Modules allowed to touch os.environ, and why.
 ENVIRON_ALLOWED = {
@@ -200,6 +216,29 @@ def test_pure_cores_do_no_io() -> None:
         assert not extra, f"{module} is a pure core but imports {sorted(extra)}"
         for target in GRAPH[module]:
             assert target in pure[0], f"{module} is pure but imports {target}"
+
+
+def _program_of(module: str) -> str | None:
+    return next((p for p in PROGRAMS if module == p or module.startswith(p + ".")), None)
+
+
+def test_programs_import_none_of_each_other() -> None:
+    crossing = []
+    for module, targets in GRAPH.items():
+        own = _program_of(module)
+        if own is None:
+            continue
+        for target, line in targets.items():
+            theirs = _program_of(target)
+            if theirs is None or theirs == own:
+                continue
+            if any(
+                (module == m or module.startswith(m + ".")) and theirs == allowed
+                for m, allowed in PROGRAM_EDGES_ALLOWED
+            ):
+                continue
+            crossing.append(f"{MODULES[module].relative_to(ROOT)}:{line} imports {target}")
+    assert not crossing, "one program of coordination/ imports another:\n" + "\n".join(crossing)
 
 
 def test_only_the_env_module_touches_the_environment() -> None:

@@ -10,8 +10,9 @@ Failures never escape into the training loop: the first derived future goes thro
 :meth:`_ManagedWork.wait` reports any later error and returns ``False``.
 
 The first continuation runs in one Python callback on the collective's own future when the
-manager offers ``_wrap_future_then``: the error check of the process group's recording work,
-the continuation (the Manager's averaging) and the manager's timeout and swallowing. Each
+manager hands the work a :class:`StepSink` (its ``wrap_future_then``): the error check of the
+process group's recording work, the continuation (the Manager's averaging) and the manager's
+timeout and swallowing. Each
 callback takes the GIL on the thread that completes the collective (Gloo's), once per gradient
 bucket, while the training thread computes the rest of backward; three of them per bucket were
 three hand-offs of the GIL.
@@ -38,7 +39,7 @@ import torch.distributed as dist
 from torchheal.futures import Expiry
 from torchheal.process_group.work import _DummyWork, _ErrorRecordingWork
 
-__all__ = ["_DummyWork", "_ManagedFuture", "_ManagedWork"]
+__all__ = ["StepSink", "_DummyWork", "_ManagedFuture", "_ManagedWork"]
 
 logger: logging.Logger = logging.getLogger(__name__)
 
@@ -51,6 +52,51 @@ class _ErrorSink(Protocol):
     ) -> torch.futures.Future[Any]: ...
 
     def report_error(self, e: Exception) -> None: ...
+
+
+class StepSink(Protocol):
+    """What the Manager hands a managed work beside the reference's sink: it times the first
+    continuation itself and fails the step (torchheal's extensions; the Manager satisfies it)."""
+
+    def wrap_future_then(
+        self,
+        fut: torch.futures.Future[Any],
+        then: Callable[[torch.futures.Future[Any]], Any],
+        default: Any,
+        timeout: timedelta | None = None,
+        foreign: bool = False,
+        expiry: Expiry | None = None,
+    ) -> torch.futures.Future[Any]:
+        """``wrap_future(fut.then(then), default)`` in one callback on ``fut``.
+
+        Args:
+            fut: the collective's future.
+            then: the first continuation.
+            default: the value when ``fut`` or ``then`` fails, times out or expires.
+            timeout: defaults to the manager's timeout.
+            foreign: the failure is the loop's own, not the step's collectives'.
+            expiry: ends the wait early (the process group was aborted for its quorum).
+        """
+        ...
+
+    def fail_step(
+        self,
+        e: Exception,
+        foreign: bool = False,
+        how: str = "step failed",
+        trace: bool = False,
+        cause: bool = True,
+    ) -> None:
+        """Fails the step: it will not commit.
+
+        Args:
+            e: what failed.
+            foreign: the failure is the loop's own, not the step's collectives'.
+            how: what failed, for the log.
+            trace: log the traceback.
+            cause: the error may explain the step's failure (else only counted).
+        """
+        ...
 
 
 def _completed_future(value: Any) -> torch.futures.Future[Any]:
@@ -111,16 +157,14 @@ class _ManagedFuture(torch.futures.Future):
         raise NotImplementedError("_ManagedFuture.set_exception is not supported")
 
 
-def _extended(manager: Any) -> bool:
-    """Whether ``manager`` is used with torchheal's extensions: ``_wrap_future_then``
-    (``wrap_future`` and ``then`` in one timed callback) and ``_fail_step``. Otherwise it is the
-    reference's sink, ``wrap_future`` + ``report_error``: a plain sink, or a Manager whose
-    ``wrap_future`` was replaced on the instance (the reference's tests do), since the
-    replacement must see the first continuation, which fusing skips.
+def _extended(manager: Any, step: StepSink | None) -> StepSink | None:
+    """``step``, unless ``manager`` must be used as the reference's plain sink (``wrap_future``
+    + ``report_error``): ``wrap_future`` was replaced on the instance (the reference's tests do),
+    and the replacement must see the first continuation, which fusing skips.
     """
-    if "wrap_future" in getattr(manager, "__dict__", {}):
-        return False
-    return hasattr(manager, "_wrap_future_then") and hasattr(manager, "_fail_step")
+    if step is None or "wrap_future" in getattr(manager, "__dict__", {}):
+        return None
+    return step
 
 
 class _ManagedWork(dist.Work):
@@ -135,6 +179,8 @@ class _ManagedWork(dist.Work):
         expiry: ends the collective early (the manager's process group was aborted for its
             quorum): the chain resolves to ``default_result`` at once, and ``wait`` returns
             False, even if the operation itself is never woken.
+        step: the Manager's extensions (normally the manager itself): the first continuation
+            runs in one timed callback and failures fail the step. None: the plain sink.
     """
 
     def __init__(
@@ -143,13 +189,14 @@ class _ManagedWork(dist.Work):
         work: dist.Work,
         default_result: Any,
         expiry: Expiry | None = None,
+        step: StepSink | None = None,
     ) -> None:
         super().__init__()
         self._manager = manager
         self._work = work
         self._default_result = default_result
-        self._extended = _extended(manager)
-        self._wrap_then = manager._wrap_future_then if self._extended else None
+        self._step = _extended(manager, step)
+        self._wrap_then = self._step.wrap_future_then if self._step is not None else None
         # Only a manager that times the first continuation itself can end it early.
         self._expiry = expiry if self._wrap_then is not None else None
         # The first continuation saw the collective fail, time out or expire.
@@ -280,7 +327,7 @@ class _ManagedWork(dist.Work):
         an error or timeout is reported to the manager and resolves to the default result.
         The chain's callbacks run on the thread that completes the collective.
 
-        Only a manager that times the chain itself (see :func:`_extended`) bounds it: with
+        Only a manager that times the chain itself (a :class:`StepSink`) bounds it: with
         any other sink this waits first, as the reference's comm hook does, so a collective
         whose future never completes cannot hang the caller.
         """
@@ -324,8 +371,8 @@ class _ManagedWork(dist.Work):
         except Exception as e:
             # The Manager tells the step's own collective failures from the loop's reports,
             # and logs only the step's first failure.
-            if self._extended:
-                self._manager._fail_step(e, how="collective failed, the step will not commit")
+            if self._step is not None:
+                self._step.fail_step(e, how="collective failed, the step will not commit")
             else:
                 logger.warning("collective failed; the step will not commit: %s", e)
                 self._manager.report_error(e)

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from tests import warm
-from torchheal.coordination.lighthouse import LighthouseServer
+from torchheal.coordination.lighthouse.server import LighthouseServer
 
 pytestmark = pytest.mark.timeout(120)
 STEPS = 2

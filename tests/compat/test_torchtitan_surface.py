@@ -25,7 +25,7 @@ from torch.distributed import TCPStore
 
 from tests.cluster import TIMEOUT, lighthouse, run_parallel, url
 from torchheal import Optimizer
-from torchheal.coordination.lighthouse import LighthouseServer
+from torchheal.coordination.lighthouse.server import LighthouseServer
 from torchheal.local_sgd import DiLoCo, LocalSGD
 from torchheal.manager import Manager
 from torchheal.process_group import ProcessGroupGloo

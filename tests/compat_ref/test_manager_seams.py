@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 import torchheal.manager
 from torchheal._base.launch_env import TorchrunEnv
-from torchheal.coordination.client import ManagerClient
+from torchheal.coordination.clients.manager_client import ManagerClient
 from torchheal.coordination.types import QuorumAsk, QuorumResult
 from torchheal.manager.endpoints import (
     MANAGER_ADDR_KEY,
@@ -92,7 +92,7 @@ def test_patched_client_is_built_and_spoken_to_with_reference_methods(
         endpoints.client.should_commit.assert_called_once_with(
             1, 7, True, timeout=timedelta(seconds=5)
         )
-        endpoints.client._vote.assert_not_called()
+        endpoints.client.vote.assert_not_called()
 
         fetch = metadata_through(client_class(), timedelta(seconds=5))
         endpoints.client._checkpoint_metadata.return_value = "http://src/checkpoint/"
@@ -107,14 +107,14 @@ def test_patched_client_is_built_and_spoken_to_with_reference_methods(
 def test_own_client_keeps_the_salvage_vote(reference_rank_0_store: dist.TCPStore) -> None:
     # The real class, stood in for by an autospec of it built by the test (not via the package).
     client = create_autospec(ManagerClient, instance=True)
-    client._vote.return_value = (False, True)
+    client.vote.return_value = (False, True)
     with patch("torchheal.manager.endpoints.ManagerClient", return_value=client) as cls:
         # Unpatched in the package, so the endpoints use torchheal's own API.
         with patch("torchheal.manager.ManagerClient", cls):
             endpoints = _open_rank_1(reference_rank_0_store)
     assert not endpoints.reference_client
     assert endpoints.vote(1, 7, True, timedelta(seconds=5)) == (False, True)
-    client._vote.assert_called_once_with(1, 7, True, False, timedelta(seconds=5))
+    client.vote.assert_called_once_with(1, 7, True, False, timedelta(seconds=5))
     client.should_commit.assert_not_called()
 
 
@@ -144,10 +144,10 @@ class _Extended:
     def wrap_future(self, fut, default, timeout=None):  # pragma: no cover - replaced
         raise AssertionError("the class's wrap_future must not be used")
 
-    def _wrap_future_then(self, *args, **kwargs):  # pragma: no cover - must not be used
+    def wrap_future_then(self, *args, **kwargs):  # pragma: no cover - must not be used
         raise AssertionError("fusing would skip the replaced wrap_future")
 
-    def _fail_step(self, e: Exception, how: str) -> None:  # pragma: no cover - must not be used
+    def fail_step(self, e: Exception, how: str) -> None:  # pragma: no cover - must not be used
         self.failed.append(e)
 
     def report_error(self, e: Exception) -> None:
@@ -158,7 +158,7 @@ def test_replaced_wrap_future_makes_the_manager_a_plain_sink() -> None:
     manager = _Extended()
     manager.wrap_future = lambda fut, default, timeout=None: fut
     tensor = torch.ones(2)
-    fut = _ManagedWork(manager, _Failing(), tensor).as_future()
+    fut = _ManagedWork(manager, _Failing(), tensor, step=manager).as_future()
     # Waited in place (the future never completes): done, with the default, error reported.
     assert fut.done() and fut.value() is tensor
     assert [str(e) for e in manager.reported] == ["Connection closed by peer"]

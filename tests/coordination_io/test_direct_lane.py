@@ -20,10 +20,14 @@ from torchheal._wire import methods
 from torchheal._wire import session_pb2 as spb
 from torchheal._wire import torchft_pb2 as pb
 from torchheal.coordination import LighthouseClient, LighthouseServer
-from torchheal.coordination.lighthouse import LighthouseObserver
-from torchheal.coordination.link_tcp import DirectStream
+from torchheal.coordination.clients.direct_session import (
+    heartbeat_ack,
+    heartbeat_request,
+    issued_quorum,
+)
+from torchheal.coordination.group.link_tcp import DirectStream
+from torchheal.coordination.lighthouse.server import LighthouseObserver
 from torchheal.coordination.rpc.frames import FrameReader, frame
-from torchheal.coordination.session_client import heartbeat_ack, heartbeat_request, issued_quorum
 
 from .helpers import loopback, raw_call, wait_until
 

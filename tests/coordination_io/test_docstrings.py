@@ -12,7 +12,9 @@ import torchheal.coordination as coordination
 
 IO_MODULES = [
     "torchheal.coordination",
-    "torchheal.coordination.client",
+    "torchheal.coordination.clients",
+    "torchheal.coordination.clients.lighthouse_client",
+    "torchheal.coordination.clients.manager_client",
     "torchheal.coordination.convert",
     "torchheal.coordination.rpc",
     "torchheal.coordination.rpc.addresses",
@@ -21,7 +23,11 @@ IO_MODULES = [
     "torchheal.coordination.rpc.in_process",
     "torchheal.coordination.rpc.server",
     "torchheal.coordination.lighthouse",
-    "torchheal.coordination.manager_server",
+    "torchheal.coordination.lighthouse.server",
+    "torchheal.coordination.group",
+    "torchheal.coordination.group.dial",
+    "torchheal.coordination.group.link",
+    "torchheal.coordination.group.server",
     "torchheal._wire",
     "torchheal._wire.methods",
     "torchheal.cli",

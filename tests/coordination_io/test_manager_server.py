@@ -268,7 +268,7 @@ def test_kill_exits_the_process_with_code_1(make_lighthouse, caplog):
         address = proc.stdout.readline().strip()
         assert address.startswith("http://127.0.0.1:"), proc.stderr.read()
         mclient_ = ManagerClient(address, connect_timeout=timedelta(seconds=10))
-        mclient_._kill("killed from test")
+        mclient_.kill("killed from test")
         assert proc.wait(timeout=20) == 1
         assert "killed from test" in proc.stderr.read()
     finally:

@@ -25,7 +25,7 @@ from torchheal._wire import methods
 from torchheal._wire import session_pb2 as spb
 from torchheal._wire import torchft_pb2 as pb
 from torchheal.coordination import LighthouseServer, ManagerServer
-from torchheal.coordination.client import ManagerClient
+from torchheal.coordination.clients.manager_client import ManagerClient
 from torchheal.coordination.types import Notice, NoticeKind, QuorumAsk
 
 LONG = timedelta(seconds=30)
@@ -463,8 +463,8 @@ def test_a_rank_other_than_0_reports_a_build_it_gave_up_through_its_server(
     client = ManagerClient(loopback(b), timedelta(seconds=10))
     try:
         with pytest.raises(RuntimeError, match="quorum_id must be > 0"):
-            client._gave_up(0, "bad", timedelta(seconds=10))
-        client._gave_up(1, "RuntimeError: rank 1's own failure", timedelta(seconds=10))
+            client.gave_up(0, "bad", timedelta(seconds=10))
+        client.gave_up(1, "RuntimeError: rank 1's own failure", timedelta(seconds=10))
     finally:
         client.close()
     assert notices.get(timeout=20) == Notice(

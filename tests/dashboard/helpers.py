@@ -13,8 +13,8 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from torchheal.coordination.dashboard import DashboardServer, LighthouseRecorder
-from torchheal.coordination.lighthouse import LighthouseServer
+from torchheal.coordination.lighthouse.dashboard import DashboardServer, LighthouseRecorder
+from torchheal.coordination.lighthouse.server import LighthouseServer
 
 
 def http(

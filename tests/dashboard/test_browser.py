@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 
 from tests.dashboard.helpers import lighthouse_with_dashboard, wait_until
-from torchheal.coordination.dashboard.app import STATIC_DIR
+from torchheal.coordination.lighthouse.dashboard.app import STATIC_DIR
 
 pytestmark = pytest.mark.slow
 

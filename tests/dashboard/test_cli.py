@@ -16,10 +16,10 @@ import pytest
 
 from tests.dashboard.helpers import http, scrape
 from torchheal.coordination import LighthouseClient
-from torchheal.coordination.dashboard.events import MemberInfo, QuorumIssued
-from torchheal.coordination.dashboard.history import History
-from torchheal.coordination.dashboard.terminal import render
-from torchheal.coordination.dashboard.view import build_status
+from torchheal.coordination.lighthouse.dashboard.events import MemberInfo, QuorumIssued
+from torchheal.coordination.lighthouse.dashboard.history import History
+from torchheal.coordination.lighthouse.dashboard.terminal import render
+from torchheal.coordination.lighthouse.dashboard.view import build_status
 
 A = "a:0b5f0a4e-7c1e-4a8e-9d8b-1f2e3d4c5b6a"
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from torchheal.coordination.dashboard.events import (
+from torchheal.coordination.lighthouse.dashboard.events import (
     Expired,
     Joined,
     KillRequested,
@@ -14,7 +14,7 @@ from torchheal.coordination.dashboard.events import (
     ReasonChanged,
     group_name,
 )
-from torchheal.coordination.dashboard.history import History, HistoryLimits
+from torchheal.coordination.lighthouse.dashboard.history import History, HistoryLimits
 
 A = "a:0b5f0a4e-7c1e-4a8e-9d8b-1f2e3d4c5b6a"
 B = "b:1b5f0a4e-7c1e-4a8e-9d8b-1f2e3d4c5b6a"
@@ -174,8 +174,8 @@ def test_a_member_that_said_goodbye_is_no_failure_until_a_quorum_lacks_it() -> N
 def test_the_recorder_takes_every_event_the_lighthouse_tells() -> None:
     # The lighthouse calls its observer by method name; one the recorder lacks is an error
     # logged on every such event (the dashboard missed every lost member until this test).
-    from torchheal.coordination.dashboard.recorder import LighthouseRecorder
-    from torchheal.coordination.lighthouse import LighthouseObserver
+    from torchheal.coordination.lighthouse.dashboard.recorder import LighthouseRecorder
+    from torchheal.coordination.lighthouse.server import LighthouseObserver
 
     told = [n for n, v in vars(LighthouseObserver).items() if callable(v) and n[0] != "_"]
     assert "lost" in told

@@ -11,7 +11,7 @@ import pytest
 
 from tests.dashboard.helpers import Background, get_json, http, lighthouse_with_dashboard
 from torchheal.coordination import LighthouseClient
-from torchheal.coordination.dashboard.app import STATIC_DIR
+from torchheal.coordination.lighthouse.dashboard.app import STATIC_DIR
 
 TIMEOUT = timedelta(seconds=10)
 A = "a:0b5f0a4e-7c1e-4a8e-9d8b-1f2e3d4c5b6a"

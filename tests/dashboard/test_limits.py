@@ -16,7 +16,7 @@ import pytest
 
 from tests.dashboard.helpers import get_json, lighthouse_with_dashboard, wait_until
 from tests.raw_client import RawClient
-from torchheal.coordination.dashboard import server as dashboard_server
+from torchheal.coordination.lighthouse.dashboard import server as dashboard_server
 
 
 class Client(RawClient):

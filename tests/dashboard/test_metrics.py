@@ -10,7 +10,7 @@ import pytest
 
 from tests.dashboard.helpers import Background, lighthouse_with_dashboard, scrape, wait_until
 from torchheal.coordination import LighthouseClient
-from torchheal.coordination.lighthouse import LighthouseServer
+from torchheal.coordination.lighthouse.server import LighthouseServer
 from torchheal.metrics.stats import Histogram
 
 P = "torchheal_lighthouse_"

@@ -7,7 +7,7 @@ page used to show in green while every group trained.
 
 from __future__ import annotations
 
-from torchheal.coordination.dashboard.view import next_quorum
+from torchheal.coordination.lighthouse.dashboard.view import next_quorum
 
 NOT_READY = "New quorum not ready, only have 0 participants, need min_replicas 1 [...]"
 

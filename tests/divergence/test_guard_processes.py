@@ -110,8 +110,9 @@ def _records(path: Path) -> list[dict]:
 
 
 def healed_and_committed(joiner: int) -> Callable[[list[list[dict]]], bool]:
-    """The joining group committed twice (its heal's step and one more)."""
-    return lambda records: sum("digest" in r for r in records[joiner]) >= 2
+    """The joining group committed three times (its heal's step, the step compared after it,
+    and the next, whose vote takes that comparison's verdict)."""
+    return lambda records: sum("digest" in r for r in records[joiner]) >= 3
 
 
 def digests(group: dict) -> dict[int, str]:
@@ -142,8 +143,8 @@ def flip_run(
 
 def test_a_flipped_bit_is_repaired_from_the_majority(tmp_path: Path, **kwargs: Any) -> None:
     # Group 2 flips one bit of one weight after committing step 4. The guard (every step)
-    # finds it at step 4's vote; group 2 votes no, heals from the majority at the next
-    # quorum, and every group ends with the same weights.
+    # compares step 4 and finds it at step 5's vote; group 2 votes no, heals from the majority
+    # at the next quorum, and every group ends with the same weights.
     steps = 12
     groups, codes = flip_run(tmp_path, 1, "repair", steps, flip=4, **kwargs)
     assert codes == [0, 0, 0], [g["stderr"][-2000:] for g in groups]

@@ -44,7 +44,7 @@ from torchheal._wire import session_pb2 as spb
 from torchheal._wire import torchft_pb2 as pb
 from torchheal._wire.methods import Method
 from torchheal.coordination import LighthouseClient, LighthouseServer, ManagerClient, ManagerServer
-from torchheal.coordination.lighthouse_session import MAX_REPLICA_ID_BYTES
+from torchheal.coordination.lighthouse.session import MAX_REPLICA_ID_BYTES
 from torchheal.coordination.rpc.addresses import parse_grpc_timeout
 
 REPO = Path(__file__).resolve().parents[2]
@@ -684,7 +684,7 @@ class ManagerGaveUpTarget(_ManagerTarget):
 
     def normal(self) -> str | None:
         try:
-            self.client._gave_up(1, "normal", T)
+            self.client.gave_up(1, "normal", T)
         except Exception as e:
             return str(e)
         return None

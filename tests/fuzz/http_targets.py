@@ -22,7 +22,7 @@ from tests.fuzz.http_inputs import HttpInput, http_inputs, send_http
 from tests.fuzz.runner import ACCEPTED, UNCLEAR, Outcome
 from torchheal.checkpointing import HTTPTransport
 from torchheal.coordination import LighthouseClient, LighthouseServer
-from torchheal.coordination.dashboard import DashboardServer, LighthouseRecorder
+from torchheal.coordination.lighthouse.dashboard import DashboardServer, LighthouseRecorder
 from torchheal.parameter_server import ParameterServer
 from torchheal.process_group.base import ProcessGroup
 from torchheal.process_group.dummy import ProcessGroupDummy

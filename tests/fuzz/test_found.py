@@ -43,7 +43,7 @@ from torchheal.checkpointing.pg_transport import (
 from torchheal.checkpointing.serialization import decode_bytes, encode_bytes, stage
 from torchheal.coordination import LighthouseClient, LighthouseServer, ManagerServer
 from torchheal.coordination.convert import data_from_wire
-from torchheal.coordination.lighthouse_session import MAX_REPLICA_ID_BYTES
+from torchheal.coordination.lighthouse.session import MAX_REPLICA_ID_BYTES
 from torchheal.coordination.types import QuorumAsk
 from torchheal.parameter_server import ParameterServer
 from torchheal.process_group.dummy import ProcessGroupDummy

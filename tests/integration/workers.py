@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from tests.integration.jobs import GroupPlan, JobSpec
+from torchheal.checkpointing.transport import CheckpointTransport
 
 IN, HIDDEN, OUT = 8, 16, 4
 
@@ -139,7 +140,7 @@ def train_ddp(
     manager.shutdown()
 
 
-class CountingTransport:
+class CountingTransport(CheckpointTransport[Any]):
     """Wraps a checkpoint transport and records the steps it sent and received state for.
 
     Args:
@@ -156,15 +157,15 @@ class CountingTransport:
 
     @property
     def copies_state(self) -> bool:  # what the inner transport says (HTTP: it copies)
-        return getattr(self.inner, "copies_state", False)
+        return self.inner.copies_state
 
     @property
     def copies_on_write(self) -> bool:  # HTTP: serves the live state, copies before changes
-        return getattr(self.inner, "copies_on_write", False)
+        return self.inner.copies_on_write
 
     @property
     def runs_beside_collectives(self) -> bool:  # so heals run beside the collectives
-        return getattr(self.inner, "runs_beside_collectives", False)
+        return self.inner.runs_beside_collectives
 
     def send_checkpoint(
         self, dst_ranks: list[int], step: int, state_dict: Any, timeout: Any

@@ -16,14 +16,14 @@ import pytest
 
 from tests.coordination_io.helpers import Background, wait_until
 from tests.lighthouse_restart.etcd import etcd_process, etcd_server
-from torchheal.coordination.lighthouse_etcd import (
+from torchheal.coordination.lighthouse.etcd import (
     OUTAGE_BACKOFF_MAX_S,
     OUTAGE_REMIND_S,
     STANDBY_POLL_S,
     EtcdLeaderStore,
     Outage,
 )
-from torchheal.coordination.lighthouse_state import StoreError
+from torchheal.coordination.lighthouse.store import StoreError
 from torchheal.coordination.types import Quorum, QuorumMember, Timestamp
 
 

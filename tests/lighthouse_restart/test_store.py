@@ -15,7 +15,7 @@ import pytest
 
 from tests.coordination_io.helpers import Background, loopback, wait_until
 from torchheal.coordination import LighthouseClient, LighthouseServer
-from torchheal.coordination.lighthouse_state import FileStore, MemoryStore, StoreError
+from torchheal.coordination.lighthouse.store import FileStore, MemoryStore, StoreError
 from torchheal.coordination.types import Quorum, QuorumMember, Timestamp
 
 TIMEOUT = timedelta(seconds=10)

@@ -1,18 +1,22 @@
 """Scenario tests of the divergence guard's pure core (``torchheal.manager.divergence``).
 
-Each ``divergence_scenarios/*.txt`` file is one rule: when an exchange is due, when the
-handshake arms the guard, and the verdict (reference class, who repairs, which keys differ).
-Slots go through the real word layout (``encode`` then ``decode``), as the exchange does.
+Each ``divergence_scenarios/*.txt`` file is one rule: which settings the quorum's replica ids
+advertise alike, when an exchange is due, and the verdict (reference class, who repairs, which
+keys differ). Replica ids are made by ``advertise`` and read by ``agreed``, slots go through the
+real word layout (``encode`` then ``decode``), as the Manager and the exchange do.
 
 Script commands (one per line; ``#`` starts a comment):
 
 ``config interval=N policy=P``   this member's settings (a fresh schedule).
-``quorum id=N step=N [heals]``   this step's quorum; ``expect due handshake|heal|interval|-``.
+``quorum id=N step=N [heals] [peers=P,..]``
+                                 this step's quorum: this member and one peer per ``P`` (default
+                                 ``same``): ``same`` advertises this member's settings,
+                                 ``interval:N``, ``policy:P`` or ``format:N`` others,
+                                 ``reference`` a reference group's id (a uuid4), ``name`` an id
+                                 without a uuid; ``expect due quorum|heal|interval|-``.
 ``slot rank=N [interval=N] [policy=P] step=N [last_heal=N] (state=k:v,... | ineligible)``
                                  one member's part of the exchange (its fingerprint entries are
                                  made from the ``key:value`` pairs).
-``exchanged id=N [failed]``      the exchange of the slots so far ended (or failed);
-                                 ``expect armed true|false``.
 ``judge step=N``                 the verdict on the slots so far; ``expect verdict matched
                                  compared=0,..`` or ``expect verdict reference=.. repair=..
                                  rule=..``; ``expect differing RANK:key,key``.
@@ -21,17 +25,23 @@ Script commands (one per line; ``#`` starts a comment):
 from __future__ import annotations
 
 import shlex
+import uuid
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from torchheal.manager import divergence
 from torchheal.manager.divergence import (
     POLICIES,
     GuardSettings,
     Schedule,
     Slot,
     Verdict,
+    advertise,
+    advertised,
+    agreed,
     decode,
     differing_tensors,
     encode,
@@ -53,9 +63,32 @@ def _ranks(text: str) -> tuple[int, ...]:
     return tuple(int(r) for r in text.split(",")) if text else ()
 
 
+def _peer(spec: str, mine: GuardSettings, rng: int) -> str:
+    """A peer's replica id as ``quorum ... peers=`` describes it."""
+    if spec == "reference":
+        return f"ref:{uuid.UUID(int=rng, version=4)}"
+    if spec == "name":
+        return "plain-name"
+    settings, fmt = mine, divergence.FORMAT
+    if spec.startswith("interval:"):
+        settings = replace(mine, interval=int(spec.split(":")[1]))
+    elif spec.startswith("policy:"):
+        settings = replace(mine, policy=spec.split(":")[1])
+    elif spec.startswith("format:"):
+        fmt = int(spec.split(":")[1])
+    elif spec != "same":
+        raise ValueError(f"unknown peer {spec!r}")
+    suffix = advertise(settings, rng)
+    if fmt != divergence.FORMAT:  # rewrite the format field (bits 52-61)
+        value = uuid.UUID(suffix).int & ~(0x3FF << 52) | fmt << 52
+        suffix = str(uuid.UUID(int=value))
+    return f"peer:{suffix}"
+
+
 class Run:
     def __init__(self) -> None:
-        self.schedule = Schedule(GuardSettings(interval=5, policy="repair"))
+        self.settings = GuardSettings(interval=5, policy="repair")
+        self.schedule = Schedule()
         self.slots: list[Slot] = []
         self.keys: dict[int, list[str]] = {}
         self.last: dict[str, Any] = {}
@@ -72,10 +105,18 @@ class Run:
     def do(self, cmd: str, args: list[str]) -> None:
         kv, flags = _kv(args)
         if cmd == "config":
-            self.schedule = Schedule(GuardSettings(int(kv["interval"]), kv["policy"]))
+            self.settings = GuardSettings(int(kv["interval"]), kv["policy"])
+            self.schedule = Schedule()
         elif cmd == "quorum":
+            mine = f"me:{advertise(self.settings, 12345)}"
+            assert advertised(mine) == (divergence.FORMAT, self.settings)
+            peers = kv.get("peers", "same").split(",")
+            ids = [mine] + [_peer(p, self.settings, 777 + i) for i, p in enumerate(peers)]
             self.last["due"] = self.schedule.due(
-                quorum_id=int(kv["id"]), step=int(kv["step"]), heals="heals" in flags
+                quorum_id=int(kv["id"]),
+                step=int(kv["step"]),
+                heals="heals" in flags,
+                settings=agreed(ids),
             )
         elif cmd == "slot":
             entries: tuple[tuple[int, int, int], ...] = ()
@@ -97,10 +138,6 @@ class Run:
                     entries=entries,
                 )
             )
-        elif cmd == "exchanged":
-            slots = [] if "failed" in flags else self.exchange()
-            self.slots = []
-            self.last["armed"] = self.schedule.exchanged(int(kv["id"]), slots)
         elif cmd == "judge":
             self.last["verdict"] = judge(self.exchange(), int(kv["step"]))
         elif cmd == "expect":
@@ -114,8 +151,6 @@ class Run:
         if what == "due":
             want = None if rest[0] == "-" else rest[0]
             assert self.last["due"] == want, f"due {self.last['due']!r}, expected {want!r}"
-        elif what == "armed":
-            assert self.last["armed"] == (rest[0] == "true"), self.last["armed"]
         elif what == "verdict":
             v = self.last["verdict"]
             if "matched" in flags:

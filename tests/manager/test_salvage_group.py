@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from tests.cluster import TIMEOUT, lighthouse, new_store, url
-from torchheal.coordination.lighthouse import LighthouseServer
+from torchheal.coordination.lighthouse.server import LighthouseServer
 from torchheal.manager import Manager
 from torchheal.process_group.gloo import ProcessGroupGloo
 from torchheal.process_group.wrappers import FakeProcessGroupWrapper

@@ -22,7 +22,8 @@ import pytest
 from bench._chaos_proxy import StallingProxy
 from torchheal._wire import torchft_pb2 as pb
 from torchheal.coordination import LighthouseServer
-from torchheal.coordination.lighthouse_link import LighthouseLink, LinkError
+from torchheal.coordination.group.dial import LinkError
+from torchheal.coordination.group.link import LighthouseLink
 from torchheal.coordination.rpc.channels import aio_connect
 
 pytestmark = pytest.mark.timeout(120)

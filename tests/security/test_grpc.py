@@ -24,9 +24,9 @@ from torchheal._wire import methods
 from torchheal._wire import session_pb2 as spb
 from torchheal._wire import torchft_pb2 as pb
 from torchheal.coordination import LighthouseClient, LighthouseServer, ManagerServer
-from torchheal.coordination import manager_server as manager_server_module
+from torchheal.coordination.clients.direct_session import DirectSession, SessionBroken
+from torchheal.coordination.group import server as manager_server_module
 from torchheal.coordination.rpc.frames import FrameReader, frame
-from torchheal.coordination.session_client import DirectSession, SessionBroken
 from torchheal.coordination.types import QuorumAsk
 
 NO_TOKEN: list[tuple[str, str]] = []

@@ -1,7 +1,7 @@
 """What strangers can make the lighthouse's direct lane hold before their ``Hello`` lets them in.
 
 With a job token, a connection is a stranger's until its first frame (the ``Hello``) has shown
-the token. The lane bounds what strangers hold (``lighthouse_tcp.LaneLimits``): a first frame
+the token. The lane bounds what strangers hold (``lighthouse.tcp.LaneLimits``): a first frame
 of at most ``hello_bytes``, ``waiting_bytes`` of unfinished hellos among them all, a ``Hello``
 complete within ``hello_s`` and at most ``waiting`` stranger connections (the oldest makes room
 for a newer one). The tests shrink the limits so that a handful of connections cross them, read
@@ -22,7 +22,8 @@ from tests.coordination_io.helpers import wait_until
 from tests.raw_client import RawClient
 from torchheal._wire import session_pb2 as spb
 from torchheal._wire.splice import varint
-from torchheal.coordination import LighthouseClient, LighthouseServer, lighthouse_tcp
+from torchheal.coordination import LighthouseClient, LighthouseServer
+from torchheal.coordination.lighthouse import tcp as lighthouse_tcp
 from torchheal.coordination.rpc.frames import FrameReader
 
 KIB = 1024

@@ -27,7 +27,7 @@ from torchheal._wire import torchft_pb2 as pb
 from torchheal.checkpointing import HTTPTransport
 from torchheal.checkpointing.transport import CheckpointError
 from torchheal.coordination import LighthouseClient, LighthouseServer, ManagerServer
-from torchheal.coordination.dashboard import DashboardServer, LighthouseRecorder
+from torchheal.coordination.lighthouse.dashboard import DashboardServer, LighthouseRecorder
 from torchheal.coordination.rpc.channels import UnaryCaller, connect
 from torchheal.coordination.rpc.tls import client_ssl_context
 from torchheal.coordination.types import QuorumAsk

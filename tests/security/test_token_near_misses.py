@@ -27,8 +27,8 @@ from torchheal._wire import methods
 from torchheal._wire import torchft_pb2 as pb
 from torchheal.checkpointing import CheckpointError, HTTPTransport
 from torchheal.coordination import LighthouseServer
+from torchheal.coordination.clients.direct_session import DirectSession, SessionBroken
 from torchheal.coordination.rpc.auth import bearer_matches, token_matches
-from torchheal.coordination.session_client import DirectSession, SessionBroken
 
 TIMEOUT = timedelta(seconds=10)
 

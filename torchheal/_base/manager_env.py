@@ -146,22 +146,26 @@ ON_DIVERGENCE_ENV: str = "TORCHHEAL_ON_DIVERGENCE"
 
 
 def divergence_guard(
-    interval: int | None, policy: str | None, environ: Mapping[str, str] | None = None
+    interval: int | None,
+    policy: str | None,
+    environ: Mapping[str, str] | None = None,
+    default_interval: int = 0,
 ) -> tuple[int, str]:
     """The divergence guard's ``(interval, policy)``: arguments win, then the environment.
 
     Args:
         interval: the Manager's ``divergence_check_interval`` (None: the environment's, else
-            0: off; 100 is the interval to use).
+            ``default_interval``; 0: off).
         policy: the Manager's ``on_divergence`` (None: the environment's, else ``repair``).
         environ: the environment to read; ``os.environ`` when None.
+        default_interval: the interval when neither says (the guard's own default).
 
     Raises:
         ValueError: a variable or argument is invalid.
     """
     env = source(environ)
     if interval is None:
-        text = env.get(DIVERGENCE_INTERVAL_ENV, "0").strip()
+        text = env.get(DIVERGENCE_INTERVAL_ENV, str(default_interval)).strip()
         try:
             interval = int(text)
         except ValueError:

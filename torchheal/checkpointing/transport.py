@@ -35,27 +35,40 @@ class TornCheckpointError(CheckpointError):
 
 
 class CheckpointTransport(ABC, Generic[T]):
-    """Moves a replica's state to healing peers; generic over the state type ``T``."""
+    """Moves a replica's state to healing peers; generic over the state type ``T``.
 
-    #: ``send_checkpoint`` serves a private copy taken before it returns: the caller may change
-    #: the state at once, and a healer's download may go on after ``disallow_checkpoint``
-    #: would be due (the Manager then lets it finish instead of making training wait).
-    copies_state: bool = False
+    Its capabilities are the properties below, all False here: a transport that has one
+    overrides it (a class attribute will do), and the Manager reads them, never probes.
+    """
 
-    #: ``send_checkpoint`` serves the state where it lies, and ``disallow_checkpoint`` copies
-    #: what the healers have not yet received before it returns (copy on write): the Manager
-    #: makes no copy of its own, and calls ``disallow_checkpoint`` before the state changes.
-    copies_on_write: bool = False
+    @property
+    def copies_state(self) -> bool:
+        """``send_checkpoint`` serves a private copy taken before it returns: the caller may
+        change the state at once, and a healer's download may go on after
+        ``disallow_checkpoint`` would be due (the Manager then lets it finish instead of making
+        training wait)."""
+        return False
 
-    #: ``send_checkpoint`` may run on another thread than the collectives and concurrently with
-    #: them (it does not use the cross-replica process group).
-    runs_beside_collectives: bool = False
+    @property
+    def copies_on_write(self) -> bool:
+        """``send_checkpoint`` serves the state where it lies, and ``disallow_checkpoint`` copies
+        what the healers have not yet received before it returns (copy on write): the Manager
+        makes no copy of its own, and calls ``disallow_checkpoint`` before the state changes."""
+        return False
 
-    #: ``recv_checkpoint`` takes ``into=``, a state of the receiver's own tensors, and receives
-    #: straight into those whose layout matches (no fresh buffers, nothing to copy when
-    #: loading). The bytes land before they are verified: a receive that fails after that
-    #: raises :class:`TornCheckpointError`.
-    receives_in_place: bool = False
+    @property
+    def runs_beside_collectives(self) -> bool:
+        """``send_checkpoint`` may run on another thread than the collectives and concurrently
+        with them (it does not use the cross-replica process group)."""
+        return False
+
+    @property
+    def receives_in_place(self) -> bool:
+        """``recv_checkpoint`` takes ``into=``, a state of the receiver's own tensors, and
+        receives straight into those whose layout matches (no fresh buffers, nothing to copy
+        when loading). The bytes land before they are verified: a receive that fails after
+        that raises :class:`TornCheckpointError`."""
+        return False
 
     @abstractmethod
     def metadata(self) -> str:

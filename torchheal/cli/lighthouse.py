@@ -121,7 +121,7 @@ def _idle(status: dict, seen: bool, idle_s: float) -> tuple[bool, bool]:
 def _dashboard_port(args: argparse.Namespace, bind_port: int) -> int:
     """The flag, else the environment, else 29511 (any free port when the gRPC port is too)."""
     from torchheal._base.telemetry_env import dashboard_port
-    from torchheal.coordination.dashboard import DEFAULT_DASHBOARD_PORT
+    from torchheal.coordination.lighthouse.dashboard import DEFAULT_DASHBOARD_PORT
 
     if args.dashboard_port is not None:
         if not 0 <= args.dashboard_port <= 65535:
@@ -144,8 +144,8 @@ def run(args: argparse.Namespace) -> int:
     """
     # Imported here so that building the parser (for --help) stays cheap.
     from torchheal.cli.security_flags import security_settings
-    from torchheal.coordination.dashboard import DashboardServer, LighthouseRecorder
-    from torchheal.coordination.lighthouse import LighthouseServer
+    from torchheal.coordination.lighthouse.dashboard import DashboardServer, LighthouseRecorder
+    from torchheal.coordination.lighthouse.server import LighthouseServer
     from torchheal.coordination.rpc.addresses import parse_address
 
     if not logging.getLogger().handlers:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import threading
 
-from torchheal.coordination.lighthouse_state import FileStore, QuorumStore
+from torchheal.coordination.lighthouse.store import FileStore, QuorumStore
 
 __all__ = ["add_store_flags", "open_store"]
 
@@ -82,7 +82,7 @@ def open_store(args: argparse.Namespace, stop: threading.Event) -> QuorumStore |
     if args.state_file:
         return FileStore(args.state_file)
     if args.etcd:
-        from torchheal.coordination.lighthouse_etcd import EtcdLeaderStore
+        from torchheal.coordination.lighthouse.etcd import EtcdLeaderStore
 
         store = EtcdLeaderStore(args.etcd, args.etcd_prefix, args.etcd_lease_s)
         if not store.acquire(stop):

@@ -104,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
         0 on success, 1 when the dashboard cannot be read.
     """
     from torchheal.cli.security_flags import security_settings
-    from torchheal.coordination.dashboard.terminal import render
+    from torchheal.coordination.lighthouse.dashboard.terminal import render
     from torchheal.coordination.rpc.tls import client_ssl_context
 
     addr = args.addr or DEFAULT_ADDR

@@ -18,7 +18,7 @@ live here, free of gRPC, threads and clocks (``now`` is passed in, in seconds):
 * :class:`RetryPolicy` says, after a failed lighthouse attempt, whether to try again and after
   how long, or to give up and with which message.
 
-The server (``manager_server.py``) only carries requests, cancellations, time and lighthouse
+The server (``group/server.py``) only carries requests, cancellations, time and lighthouse
 answers to these objects and delivers what they decide.
 """
 

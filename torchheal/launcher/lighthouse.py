@@ -12,7 +12,7 @@ from typing import Any
 
 from torchheal._base.security import SecurityEnv
 from torchheal.coordination import LighthouseServer
-from torchheal.coordination.dashboard import (
+from torchheal.coordination.lighthouse.dashboard import (
     DEFAULT_DASHBOARD_PORT,
     DashboardServer,
     LighthouseRecorder,

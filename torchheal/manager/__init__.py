@@ -42,7 +42,7 @@ from torchheal._base.manager_env import (
     TIMEOUT_SEC_ENV,
 )
 from torchheal._base.manager_timeouts import get_timeout
-from torchheal.coordination.client import ManagerClient
+from torchheal.coordination.clients.manager_client import ManagerClient
 from torchheal.coordination.plan import WorldSizeMode
 from torchheal.manager.endpoints import MANAGER_ADDR_KEY, REPLICA_ID_KEY
 from torchheal.manager.manager import IS_TRITON_AVAILABLE, Manager

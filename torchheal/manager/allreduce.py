@@ -28,7 +28,7 @@ from torchheal.manager.salvage import Salvage
 from torchheal.manager.step import ExceptionWithTraceback, StepLedger
 from torchheal.manager.telemetry import Telemetry
 from torchheal.process_group.work import _DummyWork, _ErrorRecordingWork
-from torchheal.work import _ManagedWork
+from torchheal.work import StepSink, _ManagedWork
 
 __all__ = ["IS_TRITON_AVAILABLE", "ManagerCollectives", "averaging", "start_allreduce"]
 
@@ -92,9 +92,10 @@ def _value(f: torch.futures.Future[T]) -> T:
     return f.value()
 
 
-class ManagerCollectives:
+class ManagerCollectives(StepSink):
     """The Manager's collectives and step errors (part of ``Manager``, whose ``wait_quorum``,
-    ``num_participants`` and ``is_participating`` they use)."""
+    ``num_participants`` and ``is_participating`` they use); the :class:`StepSink` its managed
+    works are handed."""
 
     _pg: Any
     _ledger: StepLedger
@@ -104,7 +105,7 @@ class ManagerCollectives:
     _telemetry: Telemetry
     _timeout: timedelta
 
-    def _fail_step(
+    def fail_step(
         self,
         e: Exception,
         foreign: bool = False,
@@ -112,7 +113,15 @@ class ManagerCollectives:
         trace: bool = False,
         cause: bool = True,
     ) -> None:
-        """Fails the step (``StepLedger.fail``; ``torchheal.work`` calls it too)."""
+        """Fails the step (``StepLedger.fail``; part of :class:`~torchheal.work.StepSink`).
+
+        Args:
+            e: what failed.
+            foreign: the failure is the loop's own, not the step's collectives'.
+            how: what failed, for the log.
+            trace: log the traceback.
+            cause: the error may explain the step's failure (else only counted).
+        """
         self._ledger.fail(e, foreign, how, trace, cause)
 
     def allreduce(
@@ -161,14 +170,14 @@ class ManagerCollectives:
             self._telemetry.allreduce_failed()
             if lost is not None:  # the fail-fast abort of a lost peer: expected, no traceback
                 how = f"allreduce not started: the process group was aborted as {lost}"
-                self._fail_step(e, how=how, cause=False)
+                self.fail_step(e, how=how, cause=False)
             else:
-                self._fail_step(e, how="allreduce failed to start", trace=True)
+                self.fail_step(e, how="allreduce failed to start", trace=True)
             return _DummyWork(tensor)
 
         # Counts this allreduce's failure once, whether wait() or its future reports it.
         work = _ErrorRecordingWork(work, self._telemetry.allreduce_error_counter())
-        managed = _ManagedWork(self, work, tensor, expiry)
+        managed = _ManagedWork(self, work, tensor, expiry, step=self)
         managed.get_future().then(averaging(tensor, num_participants if is_avg else 1))
         self._ledger.track_work(managed)
         return managed
@@ -179,7 +188,7 @@ class ManagerCollectives:
         Args:
             e: what failed.
         """
-        self._fail_step(e, foreign=True)
+        self.fail_step(e, foreign=True)
 
     def errored(self) -> ExceptionWithTraceback | None:
         """Returns the error reported in this step, or None."""
@@ -200,9 +209,9 @@ class ManagerCollectives:
         """
 
         # The loop's own future: a salvage would not redo it, so its failure stands.
-        return self._wrap_future_then(fut, _value, default, timeout, foreign=True)
+        return self.wrap_future_then(fut, _value, default, timeout, foreign=True)
 
-    def _wrap_future_then(
+    def wrap_future_then(
         self,
         fut: torch.futures.Future[Any],
         then: Callable[[torch.futures.Future[Any]], T],
@@ -211,14 +220,25 @@ class ManagerCollectives:
         foreign: bool = False,
         expiry: Expiry | None = None,
     ) -> torch.futures.Future[T]:
-        # ``wrap_future(fut.then(then), default)`` in one callback on ``fut``: this runs for
-        # every gradient bucket, on the thread completing its collective (torchheal.work).
+        """``wrap_future(fut.then(then), default)`` in one callback on ``fut`` (part of
+        :class:`~torchheal.work.StepSink`): it runs for every gradient bucket, on the thread
+        completing its collective.
+
+        Args:
+            fut: the future to wrap.
+            then: the continuation.
+            default: the value when ``fut`` or ``then`` fails, times out or expires.
+            timeout: defaults to the manager's ``timeout``.
+            foreign: the failure is the loop's own: a salvage would not redo it.
+            expiry: ends the wait early (the process group was aborted for its quorum).
+        """
+
         def callback(f: torch.futures.Future[Any]) -> T:
             try:
                 return then(f)
             except Exception as e:
                 # The loop's own futures may fail for a bug: their first failure keeps its trace.
-                self._fail_step(e, foreign, "future failed, skipping the step", trace=foreign)
+                self.fail_step(e, foreign, "future failed, skipping the step", trace=foreign)
                 return default
 
         wrapped = timed_then(fut, timeout or self._timeout, callback, expiry)

@@ -19,14 +19,16 @@ Transports are duck-typed (any object with the methods), so their flags are read
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+from torchheal.checkpointing.transport import CheckpointTransport
 from torchheal.coordination.plan import WorldSizeMode
-from torchheal.manager.divergence import GuardSettings
+from torchheal.manager.divergence import FORMAT, advertise, advertised
 from torchheal.manager.endpoints import (
     GroupEndpoints,
     client_class,
@@ -34,7 +36,7 @@ from torchheal.manager.endpoints import (
     open_endpoints,
 )
 from torchheal.manager.failfast import ConnectedQuorum
-from torchheal.manager.guard import DivergenceGuard
+from torchheal.manager.guard import DivergenceGuard, guard_settings
 from torchheal.manager.heal import HealHost, HealStep
 from torchheal.manager.log import ManagerLogger
 from torchheal.manager.machine import StepMachine
@@ -50,23 +52,26 @@ from torchheal.manager.telemetry import Telemetry
 __all__ = ["ManagerParts", "build_parts", "copies_state", "needs_no_snapshot"]
 
 
-def copies_state(transport: Any) -> bool:
+def copies_state(transport: CheckpointTransport[Any]) -> bool:
     """Whether ``transport`` stages its own copy of the state it sends (``copies_state``).
+
+    ``is True`` here and at every read of a capability: a mocked transport (the reference's
+    tests use ``MagicMock(spec=CheckpointTransport)``) answers each with a truthy mock.
 
     Args:
         transport: a checkpoint transport.
     """
-    return getattr(transport, "copies_state", False) is True
+    return transport.copies_state is True
 
 
-def needs_no_snapshot(transport: Any) -> bool:
+def needs_no_snapshot(transport: CheckpointTransport[Any]) -> bool:
     """Whether ``transport`` keeps what it sends intact itself: it copies the state when it
     sends it (``copies_state``) or before it may change (``copies_on_write``).
 
     Args:
         transport: a checkpoint transport.
     """
-    return copies_state(transport) or getattr(transport, "copies_on_write", False) is True
+    return copies_state(transport) or transport.copies_on_write is True
 
 
 @dataclass
@@ -107,7 +112,7 @@ class ManagerParts:
 def build_parts(
     settings: ManagerSettings,
     *,
-    transport: Any,
+    transport: CheckpointTransport[Any],
     state: StateRegistry,
     process_group: Callable[[], Any],
     host: HealHost,
@@ -121,7 +126,7 @@ def build_parts(
     min_replica_size: int,
     max_retries: int | None,
     salvage: bool,
-    guard: tuple[int, str],
+    guard: tuple[int | None, str | None],
 ) -> ManagerParts:
     """Opens the group's endpoints and builds the parts that use them.
 
@@ -141,9 +146,12 @@ def build_parts(
         min_replica_size: fewest participating replicas with which a step may commit.
         max_retries: failed commits in a row tolerated (None: no limit).
         salvage: ``salvage_step``.
-        guard: the divergence guard's interval (0: off) and policy.
+        guard: the Manager's ``divergence_check_interval`` and ``on_divergence`` (resolved by
+            :func:`~torchheal.manager.guard.guard_settings`; group rank 0 advertises them in the
+            group's replica id).
     """
     timeouts = settings.timeouts
+    guard_set = guard_settings(*guard)
     endpoints = open_endpoints(
         group_rank=settings.group_rank,
         group_world_size=settings.group_world_size,
@@ -156,6 +164,7 @@ def build_parts(
         heartbeat_interval=heartbeat_interval,
         connect_timeout=timeouts.connect_timeout,
         quorum_retries=timeouts.quorum_retries,
+        id_suffix=advertise(guard_set, uuid.uuid4().int),
     )
     machine = StepMachine(
         min_replica_size=min_replica_size,
@@ -218,8 +227,13 @@ def build_parts(
         process_group, logger, telemetry.process_group_aborted, gave_up=endpoints.gave_up
     )
     worker.guard_builds(connected.building)
+    if advertised(endpoints.replica_id) not in (None, (FORMAT, guard_set)):
+        logger.warning(
+            f"this rank's divergence guard settings ({guard_set}) differ from its group rank 0's "
+            f"({endpoints.replica_id}): the group runs with rank 0's"
+        )
     divergence = DivergenceGuard(
-        GuardSettings(*guard),
+        guard_set,
         machine=machine,
         quorum=lambda: heal.quorum,
         # What a healer would receive (the user's state, the Manager's counters), and what
@@ -248,7 +262,7 @@ def build_parts(
         recovery=recovery,
         background_transfer=(
             use_async_quorum
-            and getattr(transport, "runs_beside_collectives", False) is True
+            and transport.runs_beside_collectives is True
             and endpoints.session_mode
         ),
         machine=machine,

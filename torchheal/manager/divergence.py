@@ -8,16 +8,21 @@ clocks: when an exchange is due, the layout of the exchanged words, and the verd
 
 **When.** A collective hangs unless every member of the process group runs it, so the rule
 uses only what every member of the quorum knows alike (its id, its step, whether anyone heals
-in it) and settings every member has shown the others:
+in it, its members' replica ids) and never the outcome of a member's own exchange:
 
+* only when every participant *advertises* the same settings: each Manager carries its
+  interval, policy and fingerprint format (:data:`FORMAT`) in the uuid part of its replica id
+  (:func:`advertise`), which every rank of every group receives with each quorum, through either
+  lighthouse and either manager server. A reference (torchft) group's replica id advertises
+  nothing, so a quorum with one, or with a group built with other settings (the guard off
+  included), runs no exchange at all: nobody is ever asked to join a collective its peers do
+  not run (:func:`agreed`);
 * never in a step where someone heals: the healer receives its state beside the step's
   collectives, and an exchange would make every other member wait for its transfer;
-* off (interval 0, the default): never. On, every group must have it on;
-* the first step of every quorum id where nobody heals. Each member advertises its interval
-  and policy there (the *handshake*); the guard is armed for that quorum only when every
-  member advertises the same interval and policy (other settings disarm it: nothing hangs);
-* while armed: the first step after a heal (the healer's first commit on its new state), and
-  every ``interval``-th step.
+* the first step of every quorum id where nobody heals (a newcomer's state, or a heal in the
+  previous quorum, is compared at once);
+* the first step after a heal (the healer's first commit on its new state), and every
+  ``interval``-th step.
 
 **Who is compared.** A member whose step is the quorum's step after its heal (so not a healer
 whose load failed, not a torn one) and that could read its state. Ranks of a group compare
@@ -29,9 +34,10 @@ one whose members healed least recently (never healed counts as oldest), then th
 lowest participating rank. So with two groups the group that healed most recently yields to
 the other (its heal is the likeliest cause), and with neither healed the higher rank yields.
 Every member computes the same verdict from the same words. Members outside the reference
-class *repair* (``repair``: they vote no on this step, fall one step behind, and the next
-quorum heals them from a member at the quorum's step, which the reference class holds), or
-every member that sees the mismatch stops (``stop``), or it is only reported (``warn``).
+class *repair* (``repair``: they vote no on the step that takes the verdict, the next one, since
+the exchange runs beside it; they fall one step behind, and the next quorum heals them from a
+member at the quorum's step, which the reference class holds), or every member that sees the
+mismatch stops (``stop``), or it is only reported (``warn``).
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 __all__ = [
+    "FORMAT",
     "HEADER",
     "MAX_KEYS",
     "POLICIES",
@@ -46,6 +53,9 @@ __all__ = [
     "Schedule",
     "Slot",
     "Verdict",
+    "advertise",
+    "advertised",
+    "agreed",
     "combine",
     "decode",
     "differing_tensors",
@@ -59,6 +69,13 @@ __all__ = [
 
 #: What a mismatch does (the first is the default).
 POLICIES = ("repair", "stop", "warn")
+
+#: The version of the fingerprint and of the exchanged words: groups compare only with groups
+#: that advertise the same (raise it whenever either changes).
+FORMAT = 1
+
+#: The default interval (``divergence_check_interval`` and its variable unset).
+DEFAULT_INTERVAL = 100
 
 #: Words of a slot's header: present, interval, policy, step, eligible, last heal + 1,
 #: number of keys, number of tensors.
@@ -81,13 +98,16 @@ class GuardSettings:
         policy: ``repair``, ``stop`` or ``warn``.
     """
 
-    interval: int | None = 100
+    interval: int | None = DEFAULT_INTERVAL
     policy: str = "repair"
 
     def validate(self) -> None:
         """Raises ValueError naming the bad field."""
-        if self.interval is not None and self.interval < 0:
-            raise ValueError(f"divergence_check_interval must be >= 1 or None, got {self.interval}")
+        if self.interval is not None and not 0 <= self.interval < 1 << _INTERVAL_BITS:
+            raise ValueError(
+                f"divergence_check_interval must be >= 0 (0: off) and < 2**{_INTERVAL_BITS}, "
+                f"got {self.interval}"
+            )
         if self.policy not in POLICIES:
             raise ValueError(f"on_divergence must be one of {POLICIES}, got {self.policy!r}")
 
@@ -98,8 +118,81 @@ class GuardSettings:
 
     @property
     def advertised(self) -> tuple[int, int]:
-        """``(interval, policy code)`` as the handshake carries them (0: off)."""
+        """``(interval, policy code)`` as a slot's header carries them (0: off)."""
         return (self.interval or 0, POLICIES.index(self.policy) + 1)
+
+
+# -- the settings a group advertises in its replica id ---------------------------------------
+#
+# A Manager registers as ``{name}:{uuid}`` with a fresh uuid at every start. Its uuid is a
+# version 8 (custom) uuid carrying the settings in fixed fields; the rest stays random, so the
+# id is as unique as before. A reference group's id is a version 4 uuid and never decodes:
+#
+#   bits 80-127 random | 76-79 version 8 | 64-75 tag | 62-63 variant | 52-61 format (10 bits) |
+#   48-51 policy code | 16-47 interval | 0-15 random
+
+_TAG = 0xD17
+_INTERVAL_BITS = 32
+_RANDOM = ((1 << 48) - 1) << 80 | 0xFFFF
+
+
+def advertise(settings: GuardSettings, random: int) -> str:
+    """The uuid part of a Manager's replica id, carrying ``settings`` and :data:`FORMAT`.
+
+    Args:
+        settings: this group's settings (validated).
+        random: random bits (``uuid.uuid4().int``); 64 of them are kept.
+    """
+    interval, policy = settings.advertised
+    value = (
+        (random & _RANDOM)
+        | 8 << 76
+        | _TAG << 64
+        | 0b10 << 62
+        | FORMAT << 52
+        | policy << 48
+        | interval << 16
+    )
+    h = f"{value:032x}"
+    return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+
+
+def advertised(replica_id: str) -> tuple[int, GuardSettings] | None:
+    """``(format, settings)`` a replica id advertises, or None (a reference group's, a name).
+
+    Args:
+        replica_id: a quorum member's replica id (``{name}:{uuid}``, or a uuid alone).
+    """
+    digits = replica_id.rpartition(":")[2]
+    if [len(part) for part in digits.split("-")] != [8, 4, 4, 4, 12]:
+        return None
+    try:
+        value = int(digits.replace("-", ""), 16)
+    except ValueError:
+        return None
+    if value >> 76 & 0xF != 8 or value >> 64 & 0xFFF != _TAG or value >> 62 & 0b11 != 0b10:
+        return None
+    policy = value >> 48 & 0xF
+    if not 1 <= policy <= len(POLICIES):
+        return None
+    interval = value >> 16 & ((1 << _INTERVAL_BITS) - 1)
+    return value >> 52 & 0x3FF, GuardSettings(interval, POLICIES[policy - 1])
+
+
+def agreed(replica_ids: list[str]) -> GuardSettings | None:
+    """The settings every participant of a quorum advertises, when they are the same, in this
+    format, and on; None otherwise (then nobody compares: nothing hangs).
+
+    Args:
+        replica_ids: the quorum's participants (every rank of every group receives the same).
+    """
+    seen = {advertised(r) for r in replica_ids}
+    if len(seen) != 1:
+        return None  # none, or other settings, or a group that advertises nothing
+    only = seen.pop()
+    if only is None or only[0] != FORMAT or not only[1].on:
+        return None
+    return only[1]
 
 
 def name_hash(name: str) -> int:
@@ -205,65 +298,46 @@ def decode(words: list[int], world: int) -> list[Slot | None]:
 class Schedule:
     """When this rank exchanges fingerprints (one per rank, advanced on the training thread).
 
-    Args:
-        settings: this member's settings.
+    Its state changes only with what every member of a quorum sees alike (the quorum, its step,
+    whether someone heals, the advertised settings), never with how a member's own exchange
+    went: so every member of a quorum holds the same state and decides alike.
     """
 
-    settings: GuardSettings
-    #: The quorum whose handshake ran (-1: none yet), and whether it armed the guard.
+    #: The quorum whose first step without a heal was compared (-1: none yet).
     quorum_id: int = -1
-    armed: bool = False
     #: Someone healed in a step not compared since.
     after_heal: bool = False
 
-    def due(self, *, quorum_id: int, step: int, heals: bool) -> str | None:
-        """Why an exchange runs this step, or None.
+    def due(
+        self, *, quorum_id: int, step: int, heals: bool, settings: GuardSettings | None
+    ) -> str | None:
+        """Why an exchange runs this step, or None. Call once per step.
 
         Args:
             quorum_id: the step's quorum.
             step: the quorum's step (every member is at it when it votes).
             heals: someone heals in this step (every member knows it from the quorum: fewer
                 members are at its step than are in it, or it is step 0).
+            settings: the settings every participant advertised (:func:`agreed`); None: they
+                differ, or someone advertises none, or the guard is off: no exchange at all.
         """
-        if not self.settings.on:
-            return None  # off: no collective at all (every group must pass the same settings)
+        if settings is None:
+            return None
         if heals:
             # The healer receives beside the step's collectives: nobody waits for it in one.
             self.after_heal = True
             return None
+        reason = None
+        interval = settings.interval or 0
         if quorum_id != self.quorum_id:
-            return "handshake"
-        if not self.armed:
-            return None
-        if self.after_heal:
-            return "heal"
-        interval = self.settings.interval or 0
-        if interval and step % interval == 0:
-            return "interval"
-        return None
-
-    def exchanged(self, quorum_id: int, slots: list[Slot | None]) -> bool:
-        """Records an exchange; returns whether the guard is armed in ``quorum_id``.
-
-        The handshake arms it when every member advertised this member's settings; a later
-        exchange keeps what the handshake decided. A failed exchange (``slots`` empty)
-        disarms it until the next quorum.
-        """
-        if slots:
-            self.after_heal = False
-        if quorum_id != self.quorum_id:
-            self.quorum_id = quorum_id
-            interval, policy = self.settings.advertised
-            self.armed = (
-                bool(slots)
-                and all(
-                    s is not None and s.interval == interval and s.policy == policy for s in slots
-                )
-                and interval > 0
-            )
-        elif not slots:
-            self.armed = False
-        return self.armed
+            reason = "quorum"
+        elif self.after_heal:
+            reason = "heal"
+        elif interval and step % interval == 0:
+            reason = "interval"
+        if reason is not None:
+            self.quorum_id, self.after_heal = quorum_id, False
+        return reason
 
 
 @dataclass(frozen=True)

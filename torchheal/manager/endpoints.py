@@ -2,9 +2,9 @@
 
 :func:`open_endpoints` builds them in the reference's order (§6.1): a client of the replica
 group's TCPStore (which torchrun already runs); on group rank 0 the
-:class:`~torchheal.coordination.manager_server.ManagerServer`, whose address and the group's
+:class:`~torchheal.coordination.group.server.ManagerServer`, whose address and the group's
 full replica id are published in the store; on every rank a
-:class:`~torchheal.coordination.client.ManagerClient` of that address.
+:class:`~torchheal.coordination.clients.manager_client.ManagerClient` of that address.
 :class:`GroupEndpoints` then offers the two per-step calls. Group rank 0 owns the server, so it
 joins the quorum and votes in-process (the handlers' own coroutines on the server's loop, same
 deadlines and errors) instead of a gRPC round trip to itself.
@@ -23,9 +23,9 @@ from datetime import timedelta
 
 from torch.distributed import TCPStore
 
-from torchheal.coordination.client import ManagerClient
+from torchheal.coordination.clients.manager_client import ManagerClient
 from torchheal.coordination.convert import notice_from_pb
-from torchheal.coordination.manager_server import ManagerServer
+from torchheal.coordination.group.server import ManagerServer
 from torchheal.coordination.rpc.addresses import format_target
 from torchheal.coordination.types import Notice, QuorumAsk, QuorumResult
 from torchheal.process_group.store import connect_store
@@ -85,22 +85,25 @@ class GroupEndpoints:
     _closed: threading.Event = field(default_factory=threading.Event)
 
     def quorum(self, ask: QuorumAsk) -> QuorumResult:
-        """This rank's part of the quorum round (see ``ManagerClient._quorum``).
+        """This rank's part of the quorum round (see ``ManagerClient.quorum``).
 
         Args:
             ask: the rank's request.
         """
         if self.server is not None:
             return self.server.quorum_in_process(ask)
-        return self.client._quorum(
-            group_rank=ask.group_rank,
-            step=ask.step,
-            checkpoint_metadata=ask.checkpoint_metadata,
-            shrink_only=ask.shrink_only,
-            init_sync=ask.init_sync,
-            commit_failures=ask.commit_failures,
-            timeout=ask.timeout,
-        )
+        if self.reference_client:
+            # A replaced client is spoken to with the reference's method only.
+            return self.client._quorum(
+                group_rank=ask.group_rank,
+                step=ask.step,
+                checkpoint_metadata=ask.checkpoint_metadata,
+                shrink_only=ask.shrink_only,
+                init_sync=ask.init_sync,
+                commit_failures=ask.commit_failures,
+                timeout=ask.timeout,
+            )
+        return self.client.quorum(ask)
 
     def start_quorum(self, ask: QuorumAsk) -> concurrent.futures.Future[QuorumResult] | None:
         """:meth:`quorum` without waiting, where the server lives in this process (rank 0).
@@ -140,7 +143,7 @@ class GroupEndpoints:
                 group_rank, step, should_commit, timeout=timeout
             ), False
         else:
-            call = self.client._vote
+            call = self.client.vote
         return call(group_rank, step, should_commit, salvageable, timeout)
 
     def gave_up(self, quorum_id: int, reason: str) -> None:
@@ -159,7 +162,7 @@ class GroupEndpoints:
             if self.server is not None:
                 self.server.report_gave_up(quorum_id, reason)
             else:
-                self.client._gave_up(quorum_id, reason, GAVE_UP_TIMEOUT)
+                self.client.gave_up(quorum_id, reason, GAVE_UP_TIMEOUT)
         except Exception as e:
             logger.warning(f"could not report the build of quorum {quorum_id} given up: {e}")
 
@@ -183,7 +186,7 @@ class GroupEndpoints:
         def watch() -> None:
             while not self._closed.is_set():
                 try:
-                    for lost in self.client._watch(group_rank):
+                    for lost in self.client.watch(group_rank):
                         listener(notice_from_pb(lost, self.replica_id))
                 except Exception as e:
                     if self._closed.is_set():
@@ -261,6 +264,7 @@ def open_endpoints(
     heartbeat_interval: timedelta,
     connect_timeout: timedelta,
     quorum_retries: int,
+    id_suffix: str | None = None,
 ) -> GroupEndpoints:
     """Connects to the group's store; group rank 0 starts the manager server; all connect to it.
 
@@ -277,6 +281,9 @@ def open_endpoints(
         heartbeat_interval: how often the server heartbeats the lighthouse.
         connect_timeout: reaching the lighthouse and the server.
         quorum_retries: lighthouse quorum retries inside the server.
+        id_suffix: the uuid appended to the name (group rank 0; a fresh ``uuid4`` when None):
+            the Manager's carries its divergence guard settings
+            (:func:`~torchheal.manager.divergence.advertise`).
 
     Raises:
         ValueError: group rank 0 has no lighthouse address.
@@ -291,7 +298,8 @@ def open_endpoints(
                 "no lighthouse address: pass lighthouse_addr or set TORCHHEAL_LIGHTHOUSE "
                 "(or TORCHFT_LIGHTHOUSE)"
             )
-        full_id = f"{replica_name}:{uuid.uuid4()}" if replica_name else str(uuid.uuid4())
+        suffix = id_suffix or str(uuid.uuid4())
+        full_id = f"{replica_name}:{suffix}" if replica_name else suffix
         last_quorum_id = 0
         if store.check([LAST_QUORUM_KEY]):
             last_quorum_id = int(store.get(LAST_QUORUM_KEY).decode("ascii") or 0)

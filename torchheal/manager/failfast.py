@@ -27,7 +27,7 @@ from torchheal.coordination.types import Notice
 from torchheal.futures import Expiry
 from torchheal.manager.log import ManagerLogger
 from torchheal.manager.machine import Abort, CancelBuild, Connection, EndHeal
-from torchheal.process_group.gloo_sockets import PairSockets
+from torchheal.process_group.store import StoreConnections
 
 __all__ = ["ConnectedQuorum", "DroppedError", "MemberLostError"]
 
@@ -56,9 +56,8 @@ class _Build:
     ) -> None:
         self.quorum_id = quorum_id
         self.members = members
-        self.store_port = store_port
         self._abandon = abandon
-        self.before = PairSockets.before()
+        self._store = StoreConnections(store_port)
         self.ended = threading.Event()
         # A cut and the build's end exclude each other: once the build has ended, no cut is
         # under way that could catch the next build's fresh connection to the same store.
@@ -75,7 +74,7 @@ class _Build:
                     self._abandon()
                 except Exception:  # a group of the user's that cannot be told: cuts only
                     pass
-                PairSockets.to_port(self.before, self.store_port).cut()
+                self._store.cut()
             if self.ended.wait(_CANCEL_POLL_S):
                 return
 

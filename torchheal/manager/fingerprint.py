@@ -1,14 +1,21 @@
 """Fingerprints of the state a healer would receive: per key, per tensor, on the tensor's device.
 
-A tensor's fingerprint is two integers modulo 2**64 over its bytes read as integer words (int64
-where its size allows, else int32, int16 or bytes): their sum, and the sum of its blocks of
+A tensor's fingerprint is two integers modulo 2**64 over its bytes read as integer words (signed
+int64 where its size allows, else int32, int16, or unsigned bytes; which depends on its size
+only, not on where it lies in memory): their sum, and the sum of its blocks of
 :data:`BLOCK` words weighted by odd numbers (``2i + 1`` for block ``i``). Flipping bit ``k`` of
 one word changes the word by ``±2**k`` and so both sums by a non-zero amount (an odd weight
 times ``2**k`` is never a multiple of ``2**64``): any single flipped bit is caught, which a
 float sum would not guarantee (``x + tiny`` rounds back). The weighted sum also catches blocks
 moved or swapped; words permuted within one block are not caught (the price of one pass over
-the tensor instead of two). Both are integer reductions on the tensor's own device, in one
-pass; the only copy to the host is one small vector at the end.
+the tensor instead of two).
+
+The work is fused over all the tensors of one device, so its cost is one pass over their bytes
+plus a few operations, not a dozen small operations per tensor (a model with a thousand tensors
+would pay them a thousand times, in Python on a CPU and in kernel launches on a GPU): each
+tensor's block sums are written straight into one shared vector (one reduction per tensor, no
+copy of the tensor), then one multiplication by the cached odd weights and two indexed sums give
+every tensor's pair, and one small vector is copied to the host.
 
 Plain values (an optimizer's learning rate, a scheduler's counters, strings) are hashed from
 their ``repr``. A sharded ``DTensor`` is fingerprinted by its local shard.
@@ -23,10 +30,12 @@ import torch
 
 from torchheal.manager.divergence import MAX_KEYS, combine, name_hash
 
-__all__ = ["Fingerprint", "fingerprint", "tensor_digest"]
+__all__ = ["Fingerprint", "digests", "fingerprint", "tensor_digest"]
 
 #: Words per block of the weighted sum (measured fastest for a row-wise sum on CPU).
 BLOCK = 256
+
+_MASK = (1 << 64) - 1
 
 _WORDS = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
 
@@ -39,44 +48,123 @@ def _words(tensor: torch.Tensor) -> torch.Tensor:
         flat = flat.view(torch.uint8)
     if flat.is_complex():
         flat = torch.view_as_real(flat).reshape(-1)
-    nbytes = flat.numel() * flat.element_size()
+    element = flat.element_size()
+    nbytes = flat.numel() * element
     for size, dtype in _WORDS:
-        if nbytes % size == 0 and size >= flat.element_size() and size % flat.element_size() == 0:
-            try:
-                return flat.view(dtype)
-            except RuntimeError:
-                continue  # an unaligned view: try a narrower word
+        if nbytes % size == 0 and size >= element and size % element == 0:
+            if flat.storage_offset() * element % size:
+                # A view that starts between words (a slice of a flat buffer): read an aligned
+                # copy, so the words depend on the bytes only, not on where they lie.
+                flat = flat.clone()
+            return flat.view(dtype)
     return flat.view(torch.uint8)
+
+
+def _int64_words(tensor: torch.Tensor) -> torch.Tensor:
+    words = _words(tensor)
+    return words if words.dtype == torch.int64 else words.to(torch.int64)
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Where each tensor's block sums go in the shared vector, and the weights (cached while
+    the tensors' sizes stay the same: every step, usually).
+
+    Args:
+        spans: per tensor, ``(first block, full blocks, tail words)``; the tail is summed into
+            one more block after the full ones.
+        owner: per block, the index of its tensor.
+        weights: per block, its odd weight (``2i + 1`` for the tensor's block ``i``).
+        small: per word of the tensors shorter than a block, taken together, its tensor's
+            block: they are summed in one indexed sum instead of one reduction each (biases,
+            norms and their optimizer state are most of a model's tensors).
+    """
+
+    spans: tuple[tuple[int, int, int], ...]
+    owner: torch.Tensor
+    weights: torch.Tensor
+    small: torch.Tensor
+
+
+_layouts: dict[tuple[torch.device, tuple[int, ...]], _Layout] = {}
+
+
+def _layout(device: torch.device, sizes: tuple[int, ...]) -> _Layout:
+    key = (device, sizes)
+    layout = _layouts.get(key)
+    if layout is not None:
+        return layout
+    spans, owner, weights, small = [], [], [], []
+    for index, n in enumerate(sizes):
+        rows, tail = divmod(n, BLOCK)
+        blocks = rows + (1 if tail else 0)
+        spans.append((len(owner), rows, tail))
+        if not rows:
+            small.extend([len(owner)] * tail)
+        owner.extend([index] * blocks)
+        weights.extend(range(1, 2 * blocks, 2))
+    layout = _Layout(
+        tuple(spans),
+        torch.tensor(owner, dtype=torch.int64, device=device),
+        torch.tensor(weights, dtype=torch.int64, device=device),
+        torch.tensor(small, dtype=torch.int64, device=device),
+    )
+    if len(_layouts) >= 8:  # a few states at once (tests, several Managers); not a leak
+        _layouts.clear()
+    _layouts[key] = layout
+    return layout
+
+
+def _device_digests(words: list[torch.Tensor]) -> torch.Tensor:
+    """``[[sum...], [weighted sum...]]`` of tensors of one device, as a ``(2, n)`` int64 tensor."""
+    device = words[0].device
+    layout = _layout(device, tuple(w.numel() for w in words))
+    sums = torch.zeros(len(layout.weights), dtype=torch.int64, device=device)
+    small = []
+    for w, (first, rows, tail) in zip(words, layout.spans, strict=True):
+        if not rows:
+            small.append(w)
+            continue
+        head = rows * BLOCK
+        torch.sum(w[:head].view(rows, BLOCK), 1, out=sums[first : first + rows])
+        if tail:
+            torch.sum(w[head:], 0, keepdim=True, out=sums[first + rows : first + rows + 1])
+    if len(layout.small):
+        sums.index_add_(0, layout.small, torch.cat(small))
+    out = torch.zeros((2, len(words)), dtype=torch.int64, device=device)
+    out[0].index_add_(0, layout.owner, sums)
+    out[1].index_add_(0, layout.owner, sums.mul_(layout.weights))
+    return out
+
+
+def digests(tensors: list[torch.Tensor]) -> list[tuple[int, int]]:
+    """``(sum, weighted sum)`` of each tensor's words, as unsigned 64-bit integers.
+
+    The reductions run on each tensor's device, fused over the tensors of one device; one small
+    vector per device comes to the host.
+
+    Args:
+        tensors: dense tensors (a DTensor: its local shard).
+    """
+    values: list[tuple[int, int]] = [(0, 0)] * len(tensors)
+    by_device: dict[torch.device, list[int]] = {}
+    words = [_int64_words(t) for t in tensors]
+    for i, w in enumerate(words):
+        by_device.setdefault(w.device, []).append(i)
+    for indices in by_device.values():
+        host = _device_digests([words[i] for i in indices]).cpu().tolist()
+        for i, s, w in zip(indices, host[0], host[1], strict=True):
+            values[i] = (s & _MASK, w & _MASK)
+    return values
 
 
 def tensor_digest(tensor: torch.Tensor) -> torch.Tensor:
     """``[sum, weighted sum]`` of a tensor's words as a 2-element int64 tensor on its device.
 
-    One pass over the tensor: the words are summed per block of :data:`BLOCK`; the sum adds
-    the blocks, the weighted sum weighs block ``i`` by ``2i + 1``.
-
     Args:
         tensor: any dense tensor (a DTensor: its local shard).
     """
-    words = _words(tensor)
-    if words.dtype != torch.int64:
-        words = words.to(torch.int64)
-    n = words.numel()
-    device = words.device
-    rows = n // BLOCK
-    head_n = rows * BLOCK
-    total = torch.zeros((), dtype=torch.int64, device=device)
-    weighted = torch.zeros((), dtype=torch.int64, device=device)
-    if rows:
-        sums = words[:head_n].view(rows, BLOCK).sum(1)
-        odd = torch.arange(1, 2 * rows, 2, dtype=torch.int64, device=device)
-        total = sums.sum()
-        weighted = (odd * sums).sum()
-    if head_n < n:
-        tail = words[head_n:].sum()
-        total = total + tail
-        weighted = weighted + (2 * rows + 1) * tail
-    return torch.stack([total, weighted])
+    return _device_digests([_int64_words(tensor)])[:, 0]
 
 
 @dataclass(frozen=True)
@@ -134,7 +222,7 @@ def fingerprint(state: dict[str, Any]) -> Fingerprint:
     """
     keys = _keys(state)
     names: list[str] = []
-    digests: list[torch.Tensor] = []
+    tensors: list[torch.Tensor] = []
     owner: list[int] = []
     plain: list[list[tuple[int, int]]] = [[] for _ in keys]
     for index, (key, value) in enumerate(keys):
@@ -143,20 +231,12 @@ def fingerprint(state: dict[str, Any]) -> Fingerprint:
         for path, leaf in leaves:
             if isinstance(leaf, torch.Tensor) and not leaf.is_sparse:
                 names.append(path)
-                digests.append(tensor_digest(leaf))
+                tensors.append(leaf)
                 owner.append(index)
             else:
                 h = name_hash(f"{path}={leaf!r}")
                 plain[index].append((h, h))
-    # One copy to the host for every tensor's digest (grouped by device).
-    values: list[tuple[int, int]] = [(0, 0)] * len(digests)
-    by_device: dict[torch.device, list[int]] = {}
-    for i, d in enumerate(digests):
-        by_device.setdefault(d.device, []).append(i)
-    for indices in by_device.values():
-        host = torch.stack([digests[i] for i in indices]).cpu().tolist()
-        for i, (s, w) in zip(indices, host, strict=True):
-            values[i] = (s, w)
+    values = digests(tensors)
     per_key: list[list[tuple[int, int]]] = [[] for _ in keys]
     for i, index in enumerate(owner):
         per_key[index].append(values[i])

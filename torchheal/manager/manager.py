@@ -76,9 +76,9 @@ class Manager(ManagerCollectives, ManagerUserState, ReferenceViews):
             what it costs and what it asks of the training loop). Every rank of a group must
             pass the same. ``TORCHHEAL_SALVAGE_STEP=1`` when None; off by default, as the
             reference.
-        divergence_check_interval: compare the groups' state every this many steps and after
-            heals (``docs/divergence.md``; 100 is a good value); 0: off; None:
-            ``TORCHHEAL_DIVERGENCE_CHECK_INTERVAL`` or off. Every group must pass the same.
+        divergence_check_interval: compare the groups' state every this many steps, after heals
+            and new quorums, in quorums whose groups all use the same (``docs/divergence.md``);
+            0: off; None: ``TORCHHEAL_DIVERGENCE_CHECK_INTERVAL``, else 100 (the default).
         on_divergence: ``repair``, ``stop`` or ``warn`` (``TORCHHEAL_ON_DIVERGENCE`` or repair).
     """
 
@@ -159,7 +159,7 @@ class Manager(ManagerCollectives, ManagerUserState, ReferenceViews):
             min_replica_size=min_replica_size,
             max_retries=max_retries,
             salvage=manager_env.salvage_step() if salvage_step is None else salvage_step,
-            guard=manager_env.divergence_guard(divergence_check_interval, on_divergence),
+            guard=(divergence_check_interval, on_divergence),
         )
         self._endpoints, self._logger = parts.endpoints, parts.logger
         self._telemetry = parts.telemetry
@@ -266,7 +266,7 @@ class Manager(ManagerCollectives, ManagerUserState, ReferenceViews):
         if outcome.reconfigured:
             self._connected.adopt(outcome.quorum.quorum_id, outcome.quorum.replica_ids)
         for error in outcome.errors:
-            self._fail_step(error)
+            self.fail_step(error)
         self._heal.take_outcome(outcome)
 
     def _apply_pending_state_dict(self) -> None:
@@ -315,10 +315,10 @@ class Manager(ManagerCollectives, ManagerUserState, ReferenceViews):
             torch.cuda.current_stream().synchronize()
         pg_error = self._pg.errored()
         if pg_error is not None:
-            self._fail_step(pg_error)
+            self.fail_step(pg_error)
         if self._healing:
             self._apply_pending_state_dict()
-        # Fingerprints compared when due: a group that differs votes no.
+        # The last comparison's verdict (a group that differs votes no); this step's, when due.
         self._guard.check(pg_errored=pg_error is not None)
         self._heal.check_torn()
         return pg_error is not None

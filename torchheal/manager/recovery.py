@@ -148,7 +148,7 @@ class Recovery:
         self.transport = transport
         # Receiving into this replica's own tensors needs a transport that says it can, and
         # whose recv_checkpoint (a subclass may override it) takes ``into``.
-        self._in_place = getattr(transport, "receives_in_place", False) is True and _takes(
+        self._in_place = transport.receives_in_place is True and _takes(
             transport.recv_checkpoint, "into"
         )
         self._fetch_metadata = fetch_metadata

@@ -24,6 +24,7 @@ import torch
 
 from torchheal._base.timeouts import to_seconds
 from torchheal.checkpointing.rwlock import RWLock
+from torchheal.checkpointing.transport import CheckpointTransport
 from torchheal.manager.log import ManagerLogger
 from torchheal.manager.machine import StepMachine
 
@@ -170,7 +171,7 @@ class ManagerUserState:
 
     _state: StateRegistry
     _machine: StepMachine
-    _checkpoint_transport: Any
+    _checkpoint_transport: CheckpointTransport[Any]
     _logger: ManagerLogger
     _telemetry: Any
 
@@ -245,7 +246,7 @@ class ManagerUserState:
     def disallow_state_dict_read(self) -> None:
         """Makes state-dict reads wait while the state is being changed (idempotent)."""
         self._state.block_reads()
-        if getattr(self._checkpoint_transport, "copies_on_write", False) is True:
+        if self._checkpoint_transport.copies_on_write is True:
             # A transport serving the state where it lies copies what a healer still needs now.
             self._checkpoint_transport.disallow_checkpoint()
 

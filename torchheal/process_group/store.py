@@ -44,6 +44,28 @@ class _UnansweredConnection(DistNetworkError):
     """The store's host accepted the connection and never answered it (a frozen process)."""
 
 
+class StoreConnections:
+    """This process's connections to a store's ``port`` opened from now on, to be cut.
+
+    A process group's build waits on its client of the rendezvous store, whichever group (ours,
+    NCCL's, the reference's) opened it; cutting the connection makes that wait fail at once
+    ("Failed to recv"): how a build stuck on a peer that died before publishing its address is
+    given up.
+
+    Args:
+        port: the store's port.
+    """
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self._before = PairSockets.before()
+
+    def cut(self) -> int:
+        """Shuts down those connections still open (safe from any thread, any number of
+        times); returns how many were cut."""
+        return PairSockets.to_port(self._before, self.port).cut()
+
+
 def parse_store_addr(store_addr: str) -> tuple[str, int, str]:
     """Splits ``"host:port/prefix"`` into its parts; IPv6 hosts may be bracketed.
 

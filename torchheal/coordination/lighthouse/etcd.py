@@ -6,7 +6,7 @@ asks for a lease and tries to create ``{prefix}/leader`` bound to it; the one th
 exists. The leader keeps its lease alive; if it dies, the lease expires after ``lease_s``, etcd
 deletes the key and a standby takes over, starting from the record the leader left:
 
-* ``{prefix}/quorum`` holds the last issued quorum (``lighthouse_state.encode``), written by a
+* ``{prefix}/quorum`` holds the last issued quorum (``store.encode``), written by a
   transaction that succeeds only while ``{prefix}/leader`` is still this lighthouse's (its value
   is a random token of this process): a deposed leader can never write, and a quorum that cannot
   be written is never delivered (``QuorumRounds``). A new leader therefore starts above every id
@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-from torchheal.coordination.lighthouse_state import StoreError, decode, encode
+from torchheal.coordination.lighthouse.store import StoreError, decode, encode
 from torchheal.coordination.types import Quorum
 
 __all__ = ["EtcdLeaderStore", "Outage"]

@@ -31,8 +31,8 @@ from typing import Any
 
 from aiohttp import web
 
-from torchheal.coordination.dashboard.app import STATIC_DIR, DashboardApp
-from torchheal.coordination.dashboard.recorder import LighthouseRecorder
+from torchheal.coordination.lighthouse.dashboard.app import STATIC_DIR, DashboardApp
+from torchheal.coordination.lighthouse.dashboard.recorder import LighthouseRecorder
 from torchheal.coordination.rpc.auth import RefusalLog
 
 __all__ = ["DEFAULT_DASHBOARD_PORT", "LIMITS", "DashboardServer", "HttpLimits"]
@@ -135,11 +135,11 @@ def kill_replica(address: str, message: str) -> None:
         TimeoutError: it did not answer in time.
     """
     # Imported here: only the kill action needs a gRPC client.
-    from torchheal.coordination.client import ManagerClient
+    from torchheal.coordination.clients.manager_client import ManagerClient
 
     client = ManagerClient(address, connect_timeout=timedelta(seconds=5))
     try:
-        client._kill(message, timeout=timedelta(seconds=5))
+        client.kill(message, timeout=timedelta(seconds=5))
     finally:
         client.close()
 

@@ -25,7 +25,7 @@ from torchheal.coordination.vote import CommitVote, Decision
 
 __all__ = ["GroupVote"]
 
-logger: logging.Logger = logging.getLogger("torchheal.coordination.manager_server.vote")
+logger: logging.Logger = logging.getLogger("torchheal.coordination.group.vote")
 
 
 class GroupVote:

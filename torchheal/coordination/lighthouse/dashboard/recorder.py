@@ -3,7 +3,7 @@
 :class:`LighthouseRecorder` is handed to ``LighthouseServer(observer=...)``. Its methods run on
 the lighthouse's event-loop thread, so they only count and queue: a heartbeat is one integer
 add; a request, an issued quorum, an expiry or a reason change becomes one
-:mod:`event <torchheal.coordination.dashboard.events>` stamped with wall-clock time. The
+:mod:`event <torchheal.coordination.lighthouse.dashboard.events>` stamped with wall-clock time. The
 dashboard's own thread drains the queue into the pure :class:`~.history.History`; the metrics
 collector reads the counters when ``/metrics`` is scraped. Nothing is locked: each value has one
 writer (the lighthouse thread), ``collections.deque`` appends and pops are thread-safe, and a
@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from collections import deque
 
-from torchheal.coordination.dashboard.events import (
+from torchheal.coordination.lighthouse.dashboard.events import (
     Event,
     Expired,
     Joined,
@@ -41,7 +41,7 @@ MAX_SEEN_IDS = 100_000
 class LighthouseRecorder:
     """Counts what the lighthouse does and queues events for the dashboard.
 
-    Implements :class:`~torchheal.coordination.lighthouse.LighthouseObserver`.
+    Implements :class:`~torchheal.coordination.lighthouse.server.LighthouseObserver`.
 
     Args:
         clock_offset: wall-clock minus monotonic seconds; default: measured now. Events carry

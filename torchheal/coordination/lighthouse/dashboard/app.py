@@ -32,10 +32,10 @@ from urllib.parse import urlsplit
 
 from aiohttp import web
 
-from torchheal.coordination.dashboard.events import group_name
-from torchheal.coordination.dashboard.history import History
-from torchheal.coordination.dashboard.recorder import LighthouseRecorder
-from torchheal.coordination.dashboard.view import build_status
+from torchheal.coordination.lighthouse.dashboard.events import group_name
+from torchheal.coordination.lighthouse.dashboard.history import History
+from torchheal.coordination.lighthouse.dashboard.recorder import LighthouseRecorder
+from torchheal.coordination.lighthouse.dashboard.view import build_status
 from torchheal.coordination.rpc.auth import RefusalLog, bearer_matches
 from torchheal.metrics.exposition import new_registry, render
 from torchheal.metrics.lighthouse import LighthouseCollector

@@ -42,7 +42,7 @@ from google.protobuf.message import DecodeError
 from torchheal._base.security import SecurityEnv
 from torchheal._wire import session_pb2 as spb
 from torchheal._wire.splice import varint
-from torchheal.coordination.lighthouse_session import SessionProtocol
+from torchheal.coordination.lighthouse.session import SessionProtocol
 from torchheal.coordination.rpc.auth import RefusalLog, token_matches
 from torchheal.coordination.rpc.errors import StatusError
 from torchheal.coordination.rpc.frames import DEFAULT_MAX_FRAME, FrameError, FrameReader
@@ -375,7 +375,7 @@ class DirectLane:
     """The direct session lane of one lighthouse: a listening socket and its connections.
 
     Args:
-        lighthouse: what sessions talk to (see ``lighthouse_session._Lighthouse``).
+        lighthouse: what sessions talk to (see ``session._Lighthouse``).
         keepalive_s: how long a peer that stopped answering keeps its session.
         security: job token and TLS settings (default: read from the environment); with TLS
             on, :meth:`start` opens nothing and :attr:`port` stays 0.

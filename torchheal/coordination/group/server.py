@@ -4,8 +4,8 @@ It gathers the ``Quorum`` calls of all ranks of its group into one lighthouse re
 (who is in the round, deadlines, who speaks for the group and the retry policy are the pure
 ``round.QuorumRound``/``round.RetryPolicy``), heartbeats the lighthouse, answers each rank with
 its own view of the quorum (the pure ``plan.compute_quorum_results``), runs the per-step commit
-vote (``manager_vote.GroupVote`` around the pure ``vote.CommitVote``), serves checkpoint metadata to healing peers, and can be
-told to exit. This module only moves requests, time and answers in and out of those cores.
+vote (``group.vote.GroupVote`` around the pure ``vote.CommitVote``), serves checkpoint
+metadata to healing peers, and can be told to exit. This module only moves requests, time and answers in and out of those cores.
 
 All state is touched only on the server's event-loop thread, so it needs no lock.
 
@@ -22,30 +22,22 @@ Deliberate differences from the reference:
 * ``Kill`` answers before exiting (the process exits ~100 ms after the call), so the caller
   learns that the request arrived.
 
-With a torchheal lighthouse the server keeps one session open to it (``lighthouse_link.py``):
-heartbeats and the group's quorum requests go up it, and if this process dies its end tells the
-lighthouse at once. The lighthouse's ``MemberLost`` notices (another group of the current quorum
-is gone) are forwarded to every rank of the group, which watch this server
+With a torchheal lighthouse the server keeps one session open to it (``link.py``): heartbeats
+and the group's quorum requests go up it, and if this process dies its end tells the lighthouse
+at once. The lighthouse's ``MemberLost`` notices (another group of the current quorum is gone)
+are forwarded to every rank of the group, which watch this server
 (``torchheal.ManagerNotices/Watch``; rank 0 in-process through :meth:`add_lost_listener`), so each
 can abort the collective it has in flight with the lost group. With a reference lighthouse the
 server speaks its unary protocol, as a torchft manager does.
 
-Group rank 0 runs in the same process as this server, so it skips gRPC, with the same deadlines
-and errors as :class:`~torchheal.coordination.client.ManagerClient`: ``quorum_in_process`` runs
-the very coroutine behind the ``Quorum`` handler on the server's loop (cancelled when its deadline
-passes, as gRPC cancels a handler; :class:`~torchheal.coordination.rpc.in_process.InProcessCaller`),
-and ``should_commit_in_process`` casts its vote from the caller's thread into the same round the
-``ShouldCommit`` handler casts into (``manager_vote.py``): when that vote completes the round (a
-group of one rank, or rank 0 voting last) the decision is back without a trip through the loop.
-
-Parts of its own: ``manager_quorum.py`` (the group's lighthouse request and its retries),
-``manager_vote.py`` (the commit vote), ``manager_notices.py`` (passing notices on to the ranks).
+Parts of its own: ``in_process.py`` (group rank 0's calls, without gRPC), ``quorum_request.py``
+(the group's lighthouse request and its retries), ``vote.py`` (the commit vote), ``notices.py``
+(passing notices on to the ranks).
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
 import os
 from collections.abc import AsyncIterator, Callable
@@ -60,24 +52,21 @@ from torchheal._wire import methods
 from torchheal._wire import session_pb2 as spb
 from torchheal._wire import torchft_pb2 as pb
 from torchheal.coordination import convert
-from torchheal.coordination.lighthouse_link import (
-    LighthouseLink,
-    LinkError,
-    connect_first,
-    split_addresses,
-)
-from torchheal.coordination.manager_notices import NoticeFanout
-from torchheal.coordination.manager_quorum import (
+from torchheal.coordination.group.dial import LinkError, connect_first, split_addresses
+from torchheal.coordination.group.in_process import InProcessRank, ServerGone
+from torchheal.coordination.group.link import LighthouseLink
+from torchheal.coordination.group.notices import NoticeFanout
+from torchheal.coordination.group.quorum_request import (
     MIN_RETRY_SLEEP_S,
     LighthouseFailed,
     request_quorum,
 )
-from torchheal.coordination.manager_vote import GroupVote
+from torchheal.coordination.group.vote import GroupVote
 from torchheal.coordination.plan import NotParticipatingError, compute_quorum_results
 from torchheal.coordination.round import QuorumRound, RetryPolicy, RoundStart
 from torchheal.coordination.rpc.addresses import format_target, parse_address
-from torchheal.coordination.rpc.errors import StatusError, status_error
-from torchheal.coordination.rpc.in_process import IN_PROCESS_GRACE_S, InProcessCaller
+from torchheal.coordination.rpc.errors import StatusError
+from torchheal.coordination.rpc.in_process import InProcessCaller
 from torchheal.coordination.rpc.server import AioServerThread, unary_handler, unary_stream_handler
 from torchheal.coordination.types import Notice, Quorum, QuorumAsk, QuorumMember, QuorumResult
 
@@ -91,11 +80,7 @@ GOODBYE_TIMEOUT_S = 2.0
 KILL_EXIT_DELAY_S = 0.1
 
 
-class _ServerGone(Exception):
-    """The manager server shut down while a vote waited for the rest of the group."""
-
-
-class ManagerServer:
+class ManagerServer(InProcessRank):
     """Per-replica-group coordinator; serves ``torchft.ManagerService``.
 
     Connects to the lighthouse and starts serving in the constructor, on a background thread
@@ -274,110 +259,6 @@ class ManagerServer:
         except RuntimeError:  # shut down: nobody to tell
             pass
 
-    def quorum_in_process(self, ask: QuorumAsk) -> QuorumResult:
-        """The ``Quorum`` call of a rank living in this process, without the gRPC round trip.
-
-        Same result and errors as ``ManagerClient._quorum`` called with ``ask``'s fields; the
-        rank joins the same round as the ranks calling over gRPC, and leaves it if
-        ``ask.timeout`` passes first.
-
-        Args:
-            ask: the rank's request.
-
-        Raises:
-            TimeoutError: no quorum within ``ask.timeout``.
-            RuntimeError: the request was rejected, the lighthouse call failed, this group is
-                not in the quorum, or the server is shut down.
-        """
-        timeout_s = to_seconds(ask.timeout)
-        answer = self.start_quorum_in_process(ask)
-        try:
-            return answer.result(timeout_s + IN_PROCESS_GRACE_S)
-        except concurrent.futures.TimeoutError:
-            raise TimeoutError(
-                f"{self._quorum_what} failed: status: Cancelled, message: "
-                f'"Timeout expired" (the server loop did not answer within {timeout_s:g}s)'
-            ) from None
-
-    def start_quorum_in_process(self, ask: QuorumAsk) -> concurrent.futures.Future[QuorumResult]:
-        """:meth:`quorum_in_process` without waiting: the future holds its result or error.
-
-        The request goes to the server's loop from this thread and the answer is settled on
-        the loop thread, with no thread in between (the training thread asks at the start of
-        a step and meets the answer later). Callbacks added to the future run on the loop
-        thread, so they must be quick; a waiter gives up at ``ask.timeout`` plus
-        :data:`~torchheal.coordination.rpc.in_process.IN_PROCESS_GRACE_S` (a stuck loop).
-
-        Args:
-            ask: the rank's request.
-        """
-        timeout_s = to_seconds(ask.timeout)
-        answer = self._quorum_in_process.start(self._join_quorum(ask, timeout_s), timeout_s)
-        out: concurrent.futures.Future[QuorumResult] = concurrent.futures.Future()
-
-        def settle(done: concurrent.futures.Future[QuorumResult]) -> None:
-            try:
-                # Exactly what a gRPC caller gets (fields the protocol lacks do not travel),
-                # so rank 0 and the other ranks see the same result.
-                result = convert.quorum_result_from_pb(convert.quorum_result_to_pb(done.result()))
-            except BaseException as e:
-                out.set_exception(e)
-                return
-            out.set_result(result)
-
-        answer.add_done_callback(settle)
-        return out
-
-    def should_commit_in_process(
-        self, group_rank: int, step: int, should_commit: bool, timeout: timedelta
-    ) -> bool:
-        """The ``ShouldCommit`` vote of a rank living in this process, without gRPC.
-
-        Same arguments, result and errors as ``ManagerClient.should_commit``.
-        """
-        return self.vote_in_process(group_rank, step, should_commit, False, timeout)[0]
-
-    def vote_in_process(
-        self, group_rank: int, step: int, should_commit: bool, salvageable: bool, timeout: timedelta
-    ) -> tuple[bool, bool]:
-        """:meth:`should_commit_in_process` with the salvage: returns ``(commit, redo)``.
-
-        Same arguments, result and errors as ``ManagerClient._vote``.
-
-        Args:
-            group_rank: the caller's index in its replica group.
-            step: the step voted on.
-            should_commit: the caller's vote.
-            salvageable: with a "no": a redo of the step would cure the caller's failure.
-            timeout: deadline of the call (waits for all ranks to vote).
-
-        Raises:
-            TimeoutError: not all ranks voted within ``timeout``.
-            RuntimeError: the vote was rejected, or the server is shut down.
-        """
-        # The vote is cast on this thread; the vote that completes the round (always, in a
-        # group of one rank) has its answer at once, without waiting on the event loop.
-        timeout_s = to_seconds(timeout)
-        what = self._commit_what
-        if self._shut_down:
-            raise status_error(
-                what, grpc.StatusCode.UNAVAILABLE, f"{self._server_name} is shut down"
-            )
-        try:
-            round_ = self._vote.cast(group_rank, step, should_commit, salvageable)
-        except ValueError as e:
-            raise status_error(what, grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
-        try:
-            decision = round_.result(timeout_s)
-            return decision.commit, decision.redo
-        except concurrent.futures.TimeoutError:
-            raise TimeoutError(
-                f'{what} failed: status: Cancelled, message: "Timeout expired" '
-                f"(in-process deadline of {timeout_s:g}s exceeded)"
-            ) from None
-        except _ServerGone as e:
-            raise status_error(what, grpc.StatusCode.UNAVAILABLE, str(e)) from None
-
     # ---------------------------------------------------------------------------------------
     # Lighthouse connection and heartbeats
 
@@ -404,7 +285,7 @@ class ManagerServer:
             ) from None
 
     async def _close_lighthouse(self) -> None:
-        self._vote.abandon(_ServerGone("manager server shut down"))
+        self._vote.abandon(ServerGone("manager server shut down"))
         if self._link is not None:
             await self._link.close()
         if self._lighthouse is not None:
@@ -549,7 +430,7 @@ class ManagerServer:
         # shield: a rank that gives up keeps its vote in the round, as before its deadline.
         try:
             decision = await asyncio.shield(asyncio.wrap_future(round_))
-        except _ServerGone as e:
+        except ServerGone as e:
             raise StatusError(grpc.StatusCode.UNAVAILABLE, str(e)) from None
         return pb.ShouldCommitResponse(should_commit=decision.commit, redo=decision.redo)
 

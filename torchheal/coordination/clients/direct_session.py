@@ -1,7 +1,7 @@
 """A blocking client's session with the lighthouse, on its direct TCP lane.
 
-:class:`DirectSession` is what a :class:`~torchheal.coordination.client.LighthouseClient` talks
-through when the lighthouse is torchheal's: one TCP connection (``lighthouse_tcp.py``) carrying
+:class:`DirectSession` is what a :class:`~torchheal.coordination.clients.lighthouse_client.LighthouseClient` talks
+through when the lighthouse is torchheal's: one TCP connection (``lighthouse/tcp.py``) carrying
 a *detached* session (it speaks for no group, so closing it declares nobody dead; see
 ``session.proto``), on which heartbeats and quorum requests of any replica travel as
 length-delimited ``SessionRequest`` messages and come back answered by id.

@@ -16,7 +16,10 @@ thread that serves them). The page lives in ``static/``; its chart library in
 ``package-lock.json`` beside this file pin it).
 """
 
-from torchheal.coordination.dashboard.recorder import LighthouseRecorder
-from torchheal.coordination.dashboard.server import DEFAULT_DASHBOARD_PORT, DashboardServer
+from torchheal.coordination.lighthouse.dashboard.recorder import LighthouseRecorder
+from torchheal.coordination.lighthouse.dashboard.server import (
+    DEFAULT_DASHBOARD_PORT,
+    DashboardServer,
+)
 
 __all__ = ["DEFAULT_DASHBOARD_PORT", "DashboardServer", "LighthouseRecorder"]

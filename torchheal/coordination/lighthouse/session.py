@@ -13,7 +13,7 @@ requests may wait at once, and its end only withdraws its pending requests.
 
 :class:`SessionProtocol` parses, checks and routes one session's messages, the same for every
 transport; :func:`session_handler` serves it as the ``torchheal.LighthouseSession/Session`` gRPC
-stream (``lighthouse_tcp.py`` serves it on the direct TCP lane). The lighthouse owns the state
+stream (``tcp.py`` serves it on the direct TCP lane). The lighthouse owns the state
 and the decisions. Every message is checked before it touches anything: a session that breaks
 the protocol (bytes that do not parse, a request before the ``Hello``, a second ``Hello``) is
 ended with ``INVALID_ARGUMENT``; a bad request is answered with a ``QuorumFailed`` naming the

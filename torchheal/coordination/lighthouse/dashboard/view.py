@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from torchheal.coordination.dashboard.events import group_name
+from torchheal.coordination.lighthouse.dashboard.events import group_name
 
 __all__ = ["STATUS_VERSION", "build_status", "next_quorum"]
 

@@ -1,6 +1,6 @@
 """The job's history as the dashboard shows it, folded from lighthouse events (pure).
 
-:class:`History` takes :mod:`events <torchheal.coordination.dashboard.events>` in order and
+:class:`History` takes :mod:`events <torchheal.coordination.lighthouse.dashboard.events>` in order and
 keeps, within fixed bounds:
 
 * the quorum history: one row per change of membership or quorum id, with who joined or left,
@@ -28,7 +28,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from torchheal.coordination.dashboard.events import (
+from torchheal.coordination.lighthouse.dashboard.events import (
     Event,
     Expired,
     Joined,

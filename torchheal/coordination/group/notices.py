@@ -19,7 +19,7 @@ from torchheal.coordination.types import Notice, NoticeKind
 
 __all__ = ["NoticeFanout"]
 
-logger: logging.Logger = logging.getLogger("torchheal.coordination.manager_server.notices")
+logger: logging.Logger = logging.getLogger("torchheal.coordination.group.notices")
 
 
 class NoticeFanout:

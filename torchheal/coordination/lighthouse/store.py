@@ -7,7 +7,7 @@ groups already hold, and groups that see "the same id" keep a process group whos
 changed. torchheal groups report their last quorum when their session reopens
 (``Hello.last_quorum``, see ``quorum.restore``), so a lighthouse serving only torchheal groups is
 safe without any store; a store makes it safe for reference peers too (they report nothing), and
-an etcd store lets a standby lighthouse take over (``lighthouse_etcd.py``).
+an etcd store lets a standby lighthouse take over (``etcd.py``).
 
 A :class:`QuorumStore` is two methods, with an in-memory twin for tests:
 

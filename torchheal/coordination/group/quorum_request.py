@@ -23,7 +23,8 @@ import time
 import grpc
 
 from torchheal.coordination import convert
-from torchheal.coordination.lighthouse_link import LighthouseLink, LinkError
+from torchheal.coordination.group.dial import LinkError
+from torchheal.coordination.group.link import LighthouseLink
 from torchheal.coordination.round import GiveUp, RetryPolicy, RoundStart
 from torchheal.coordination.rpc.errors import status_name
 from torchheal.coordination.types import Quorum
@@ -37,7 +38,7 @@ __all__ = [
     "request_quorum",
 ]
 
-logger: logging.Logger = logging.getLogger("torchheal.coordination.manager_server.quorum")
+logger: logging.Logger = logging.getLogger("torchheal.coordination.group.quorum")
 
 # Minimum pause between lighthouse attempts (reference §5).
 MIN_RETRY_SLEEP_S = 0.1
@@ -67,7 +68,7 @@ class LighthouseFailed(Exception):
 # is gone, restarting, or cannot be reached. A lighthouse that answers with a status of its own
 # (even UNAVAILABLE) made a decision, and the retry policy counts it as a failed attempt.
 _UNREACHABLE_DETAILS = (
-    "the lighthouse session",  # lighthouse_link: reopening, or broke under the request
+    "the lighthouse session",  # link.py: reopening, or broke under the request
     "failed to connect",
     "connection refused",
     "connection reset",

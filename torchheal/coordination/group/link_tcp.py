@@ -1,7 +1,7 @@
 """A manager server's session on the lighthouse's direct TCP lane, on its asyncio loop.
 
 :class:`DirectStream` carries one session (the group's own, not detached) to the lighthouse's
-direct lane (``lighthouse_tcp.py``) and offers the few methods of a gRPC stream call that
+direct lane (``lighthouse/tcp.py``) and offers the few methods of a gRPC stream call that
 ``LighthouseLink`` uses (``write``, ``read``, ``done_writing``, ``cancel``), so the link speaks
 the same protocol over either. Messages are length-delimited (``rpc/frames.py``).
 

@@ -3,10 +3,10 @@
 One lighthouse per job collects heartbeats and quorum requests from the replica groups and
 issues quorums (reference §4). It is a shell of three parts, each in its own module:
 
-* ``lighthouse_rounds.py``: the state, the requests waiting for a quorum, the decisions (every
+* ``rounds.py``: the state, the requests waiting for a quorum, the decisions (every
   rule about *who* is in a quorum is the pure ``quorum.py``), answering a round in one pass;
-* ``lighthouse_notices.py``: the groups' live sessions and the ``MemberLost`` notices;
-* ``lighthouse_session.py`` / ``lighthouse_tcp.py``: a torchheal session's protocol, served on
+* ``notices.py``: the groups' live sessions and the ``MemberLost`` notices;
+* ``session.py`` / ``tcp.py``: a torchheal session's protocol, served on
   the ``torchheal.LighthouseSession/Session`` gRPC stream and on the direct TCP lane.
 
 This module wires them to the servers, serves the reference's unary ``Heartbeat``/``Quorum``
@@ -37,17 +37,17 @@ from torchheal._base.security import SecurityEnv
 from torchheal._wire import methods
 from torchheal._wire import session_pb2 as spb
 from torchheal._wire import torchft_pb2 as pb
-from torchheal.coordination.lighthouse_answers import Issued
-from torchheal.coordination.lighthouse_notices import SessionRegistry
-from torchheal.coordination.lighthouse_rounds import QuorumRounds, Waiter
-from torchheal.coordination.lighthouse_session import (
+from torchheal.coordination.lighthouse.answers import Issued
+from torchheal.coordination.lighthouse.notices import SessionRegistry
+from torchheal.coordination.lighthouse.rounds import QuorumRounds, Waiter
+from torchheal.coordination.lighthouse.session import (
     MAX_REPLICA_ID_BYTES,
     Peer,
     session_handler,
     validated_member,
 )
-from torchheal.coordination.lighthouse_state import QuorumStore, StoreError
-from torchheal.coordination.lighthouse_tcp import DirectLane
+from torchheal.coordination.lighthouse.store import QuorumStore, StoreError
+from torchheal.coordination.lighthouse.tcp import DirectLane
 from torchheal.coordination.quorum import LighthouseConfig
 from torchheal.coordination.rpc.addresses import format_target, parse_address
 from torchheal.coordination.rpc.errors import StatusError
@@ -117,7 +117,7 @@ class LighthouseServer:
             (see :class:`LighthouseObserver`); None for none.
         direct_port: TCP port of the direct session lane, on ``bind``'s host (0: any free
             port; None: no direct lane, torchheal peers use the gRPC session stream).
-        store: where the last issued quorum is kept across restarts (``lighthouse_state``:
+        store: where the last issued quorum is kept across restarts (``store.py``:
             a file, etcd); what it holds is restored before serving. None: nowhere (torchheal
             groups still report their last quorum when they reconnect).
         security: job token and TLS settings of both lanes (default: read from the
@@ -333,7 +333,7 @@ class LighthouseServer:
         return spb.Description(protocol=methods.SESSION_PROTOCOL, session_port=self._lane.port)
 
     # ---------------------------------------------------------------------------------------
-    # What the sessions need (loop thread only; see lighthouse_session._Lighthouse)
+    # What the sessions need (loop thread only; see session._Lighthouse)
 
     @property
     def heartbeat_timeout_ms(self) -> int:

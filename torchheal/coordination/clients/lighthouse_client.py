@@ -1,12 +1,10 @@
-"""Blocking clients of the lighthouse and of a replica group's manager server.
+"""The blocking client of the lighthouse, for tools and tests that talk to it directly.
 
-Both connect in the constructor (``RuntimeError`` if the server cannot be reached within
-``connect_timeout``), send every call with its own deadline (the ``grpc-timeout`` header, which
-the servers enforce), and map failures as the reference does: deadline or cancellation ->
+It connects in the constructor (``RuntimeError`` if the server cannot be reached within
+``connect_timeout``), sends every call with its own deadline (the ``grpc-timeout`` header,
+which the server enforces), and maps failures as the reference does: deadline or cancellation ->
 ``TimeoutError``; anything else -> ``RuntimeError`` (:class:`~torchheal.coordination.rpc.errors.RPCError`)
-carrying the server's status and message. They are safe to share between threads.
-Their twin for a caller living in the server's own process (group rank 0 and its
-ManagerServer) is :class:`~torchheal.coordination.rpc.in_process.InProcessCaller`.
+carrying the server's status and message. It is safe to share between threads.
 """
 
 from __future__ import annotations
@@ -17,7 +15,6 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -28,10 +25,7 @@ from torchheal._wire import methods
 from torchheal._wire import session_pb2 as spb
 from torchheal._wire import torchft_pb2 as pb
 from torchheal.coordination import convert
-from torchheal.coordination.rpc.addresses import parse_address
-from torchheal.coordination.rpc.channels import UnaryCaller, connect, serialize
-from torchheal.coordination.rpc.errors import RPCError, rpc_error_to_exception, status_error
-from torchheal.coordination.session_client import (
+from torchheal.coordination.clients.direct_session import (
     DirectSession,
     Refused,
     SessionBroken,
@@ -39,9 +33,12 @@ from torchheal.coordination.session_client import (
     issued_quorum,
     quorum_request,
 )
-from torchheal.coordination.types import Quorum, QuorumAsk, QuorumResult
+from torchheal.coordination.rpc.addresses import parse_address
+from torchheal.coordination.rpc.channels import UnaryCaller, connect
+from torchheal.coordination.rpc.errors import RPCError, status_error
+from torchheal.coordination.types import Quorum
 
-__all__ = ["LighthouseClient", "ManagerClient"]
+__all__ = ["LighthouseClient"]
 
 logger: logging.Logger = logging.getLogger(__name__)
 
@@ -57,7 +54,7 @@ class LighthouseClient:
     """Client of the lighthouse, for tools and tests that talk to it directly.
 
     With a torchheal lighthouse, calls travel on one session over the lighthouse's direct TCP
-    lane (``session_client.py``), several times cheaper than a gRPC call; it is *detached*: it
+    lane (``direct_session.py``), several times cheaper than a gRPC call; it is *detached*: it
     speaks for no replica group, so closing it declares nobody dead, and liveness comes from
     heartbeats exactly as with the reference. A reference lighthouse (or one whose lane cannot
     be reached) is called with the reference's unary ``Heartbeat``/``Quorum``. Either way the
@@ -287,170 +284,3 @@ def _decode_quorum(data: bytes) -> Quorum:
     if all(m.data is None for m in quorum.participants):
         _last_decoded = (data, quorum)
     return quorum
-
-
-class ManagerClient:
-    """Client of a replica group's manager server, used by every rank's ``Manager``.
-
-    Args:
-        addr: the manager server address, ``http://host:port`` or ``host:port``.
-        connect_timeout: how long to keep trying to connect before raising.
-
-    Raises:
-        ValueError: ``addr`` is malformed.
-        RuntimeError: the server could not be reached within ``connect_timeout``.
-    """
-
-    # Built in __new__, as the reference's extension type is: ``patch(..., autospec=True)``
-    # checks calls of a class against its __init__, and the reference's tests reach the
-    # instance mock by calling the class mock with no arguments.
-    def __new__(cls, addr: str, connect_timeout: timedelta) -> ManagerClient:
-        self = super().__new__(cls)
-        self._addr = addr
-        self._channel = connect(addr, connect_timeout)
-        self._quorum_call = UnaryCaller(self._channel, methods.MANAGER_QUORUM, addr)
-        self._metadata_call = UnaryCaller(self._channel, methods.MANAGER_CHECKPOINT_METADATA, addr)
-        self._commit_call = UnaryCaller(self._channel, methods.MANAGER_SHOULD_COMMIT, addr)
-        self._kill_call = UnaryCaller(self._channel, methods.MANAGER_KILL, addr)
-        self._gave_up_call = UnaryCaller(self._channel, methods.MANAGER_GAVE_UP, addr)
-        self._watches: list[Any] = []
-        return self
-
-    def _quorum(
-        self,
-        group_rank: int,
-        step: int,
-        checkpoint_metadata: str,
-        shrink_only: bool,
-        init_sync: bool,
-        commit_failures: int,
-        timeout: timedelta,
-    ) -> QuorumResult:
-        """Join this step's quorum; returns once the whole group has a quorum.
-
-        Args:
-            group_rank: this rank's index in its replica group.
-            step: this rank's current step.
-            checkpoint_metadata: how healers fetch this rank's state (transport metadata).
-            shrink_only: only accept a quorum that drops members.
-            init_sync: heal replicas at step 0 from the primary so all start identical.
-            commit_failures: consecutive failed commits of this rank.
-            timeout: deadline of the whole quorum, also used for the lighthouse call.
-
-        Returns:
-            This rank's view of the quorum.
-
-        Raises:
-            TimeoutError: no quorum within ``timeout``.
-            RuntimeError: the server rejected the request, the lighthouse call failed, or this
-                group is not in the quorum.
-        """
-        ask = QuorumAsk(
-            group_rank, step, checkpoint_metadata, shrink_only, init_sync, commit_failures, timeout
-        )
-        request = convert.quorum_ask_to_pb(ask)
-        return convert.quorum_result_from_pb(self._quorum_call(request, timeout))
-
-    def _checkpoint_metadata(self, rank: int, timeout: timedelta) -> str:
-        """Fetch the checkpoint metadata a group rank last reported to this server.
-
-        Args:
-            rank: the group rank whose metadata is wanted.
-            timeout: deadline of the call.
-
-        Raises:
-            TimeoutError: no answer within ``timeout``.
-            RuntimeError: the rank never reported metadata ("rank not found") or another error.
-        """
-        request = pb.CheckpointMetadataRequest(rank=rank)
-        return self._metadata_call(request, timeout).checkpoint_metadata
-
-    def should_commit(
-        self, group_rank: int, step: int, should_commit: bool, timeout: timedelta
-    ) -> bool:
-        """Vote on committing ``step``; returns True iff every rank of the group voted yes.
-
-        Args:
-            group_rank: this rank's index in its replica group.
-            step: the step voted on.
-            should_commit: this rank's vote.
-            timeout: deadline of the call (waits for all ranks to vote).
-
-        Raises:
-            TimeoutError: not all ranks voted within ``timeout``.
-            RuntimeError: the vote was rejected (e.g. a vote for another step) or another error.
-        """
-        return self._vote(group_rank, step, should_commit, False, timeout)[0]
-
-    def _vote(
-        self, group_rank: int, step: int, should_commit: bool, salvageable: bool, timeout: timedelta
-    ) -> tuple[bool, bool]:
-        """:meth:`should_commit` with torchheal's salvage: returns ``(commit, redo)``.
-
-        ``salvageable`` (with a "no"): a redo of the step would cure this rank's failure;
-        ``redo``: every rank of the group redoes the step and votes again. A reference server
-        ignores the one and never sets the other.
-        """
-        request = pb.ShouldCommitRequest(
-            should_commit=should_commit, group_rank=group_rank, step=step, salvageable=salvageable
-        )
-        response = self._commit_call(request, timeout)
-        return response.should_commit, response.redo
-
-    def _kill(self, msg: str, timeout: timedelta = timedelta(seconds=10)) -> None:
-        """Ask the manager server's process to exit (used by dashboards and launchers).
-
-        Args:
-            msg: reason, logged by the server.
-            timeout: deadline of the call.
-
-        Raises:
-            TimeoutError: no answer within ``timeout``.
-            RuntimeError: the call failed (the process may still have exited).
-        """
-        self._kill_call(pb.KillRequest(msg=msg), timeout)
-
-    def _gave_up(self, quorum_id: int, reason: str, timeout: timedelta) -> None:
-        """Tell the manager server that this rank gave up building quorum ``quorum_id``'s
-        process group; the server tells the lighthouse, which tells the other groups. torchheal
-        only: a reference manager server does not serve it.
-
-        Raises:
-            TimeoutError: no answer within ``timeout``.
-            RuntimeError: the call failed.
-        """
-        self._gave_up_call(spb.GaveUp(quorum_id=quorum_id, reason=reason), timeout)
-
-    def _watch(self, group_rank: int) -> Iterator[spb.MemberLost]:
-        """The lighthouse's lost-member notices, as the manager server forwards them.
-
-        Blocks between notices; ends (``RuntimeError``) when the server goes away. torchheal
-        only: a reference manager server does not serve it.
-
-        Args:
-            group_rank: this rank's index in its replica group.
-
-        Raises:
-            RuntimeError: the stream broke (the server is gone or refused the request).
-        """
-        call = self._channel.unary_stream(
-            methods.MANAGER_WATCH.path,
-            request_serializer=serialize,
-            response_deserializer=spb.Notice.FromString,
-        )(spb.WatchRequest(group_rank=group_rank))
-        self._watches.append(call)
-        try:
-            for notice in call:
-                if notice.WhichOneof("kind") == "lost":
-                    yield notice.lost
-        except grpc.RpcError as e:
-            raise rpc_error_to_exception(e, f"ManagerNotices/Watch to {self._addr}") from None
-        finally:
-            call.cancel()
-            self._watches.remove(call)
-
-    def close(self) -> None:
-        """Close the connection (ending any watch); later calls fail with ``RuntimeError``."""
-        for call in self._watches:
-            call.cancel()
-        self._channel.close()

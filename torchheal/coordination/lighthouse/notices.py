@@ -31,7 +31,7 @@ from typing import Protocol
 
 from torchheal._wire import session_pb2 as spb
 from torchheal._wire import torchft_pb2 as pb
-from torchheal.coordination.lighthouse_rounds import QuorumRounds
+from torchheal.coordination.lighthouse.rounds import QuorumRounds
 from torchheal.coordination.quorum import (
     GAVE_UP_REASON,
     left_out,

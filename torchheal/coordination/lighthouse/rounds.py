@@ -10,7 +10,7 @@ bookkeeping of the requests waiting for a quorum and the delivery of an issued o
   requests answers the ones it includes and puts the others back for the next round (reference
   §4: "not in quorum, retrying"). A session's answer is written straight to its connection.
 * The quorum is serialized once per round, from each member's message serialized when it
-  joined, and each waiter's envelope is built around those bytes (``lighthouse_answers.py``).
+  joined, and each waiter's envelope is built around those bytes (``answers.py``).
 * The decision runs once requests that arrived together have joined (after the reads the
   loop finds ready next), not once per request, which would make a round of N requests
   O(N^2). When a request brings the round to the last quorum's size (usually the round's last
@@ -18,7 +18,7 @@ bookkeeping of the requests waiting for a quorum and the delivery of an issued o
   read (:meth:`QuorumRounds.run_due`) rather than later.
 * A request's timeout timer is only made once it has waited a periodic tick or so (most are
   answered sooner), for the same moment.
-* With a :class:`~torchheal.coordination.lighthouse_state.QuorumStore`, an issued quorum whose id
+* With a :class:`~torchheal.coordination.lighthouse.store.QuorumStore`, an issued quorum whose id
   or members changed is saved before anyone receives it (a quorum that reached a group is always
   on record); a quorum that cannot be saved is not delivered, and its requests wait for the next
   tick, which tries again.
@@ -38,8 +38,8 @@ from collections.abc import Callable
 
 from torchheal._wire import torchft_pb2 as pb
 from torchheal.coordination import convert
-from torchheal.coordination.lighthouse_answers import Issued, member_entry, quorum_bytes
-from torchheal.coordination.lighthouse_state import QuorumStore, StoreError
+from torchheal.coordination.lighthouse.answers import Issued, member_entry, quorum_bytes
+from torchheal.coordination.lighthouse.store import QuorumStore, StoreError
 from torchheal.coordination.quorum import (
     LighthouseConfig,
     LighthouseState,
