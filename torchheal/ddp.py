@@ -33,28 +33,18 @@ class DistributedDataParallel(parallel.DistributedDataParallel):
     """PyTorch DDP whose gradient buckets are reduced across replica groups by the Manager.
 
     DDP runs over a :class:`ProcessGroupDummy`: replicas are brought in sync by the Manager
-    (``init_sync`` and healing), not by DDP, so DDP's own start-up sync (``init_sync``) is off by
-    default. Over a group of one it changes nothing, yet it flattens every parameter and buffer
-    into buckets and copies them back: 2.07 s for a model with a 100 MB buffer (measured), on the
-    path from a restarted group's start to its first commit.
+    (``init_sync`` and healing), not by DDP, so DDP's own start-up sync (``init_sync``), which
+    over a group of one only slows a restarted group's first commit, is off by default.
     ``find_unused_parameters=True`` keeps DDP from rebuilding its buckets after the first step,
-    which would make a recovering replica's buckets differ from its peers'. It stays even though
-    a group restarting into a torchheal job takes its first step alone (the warm-up, during
-    which such a rebuild would happen harmlessly): with a reference lighthouse, or after
-    ``skip_warmup``, there is no warm-up, the flag is the reference's (models with unused
-    parameters keep working), and it costs little (measured on the benchmark's 5M-parameter MLP:
-    forward + backward 20.0-20.6 ms with it, 20.0-20.2 ms without).
+    which would make a recovering replica's buckets differ from its peers' (the reference's flag;
+    it costs little).
 
     ``gradient_as_bucket_view`` defaults to True (torch's and the reference's default is False):
-    each gradient is a view into DDP's bucket instead of a tensor of its own that DDP copies the
-    reduced bucket back into. Stock DDP scales the gradients by ``1/world_size`` while copying
-    them into the bucket; a comm hook cannot, so the average over the participating replicas
-    costs a pass of its own after the sum, and dropping the copy back keeps fault-tolerant DDP
-    at stock DDP's number of passes over the gradients (measured on the benchmark's 5M-parameter
-    MLP, both with views: 0.99x stock DDP's steps/s; without views torchheal makes three
-    passes to stock DDP's two). Gradients are bit-identical either way, and it saves their
-    memory; a view cannot be ``detach_()``-ed. Pass ``gradient_as_bucket_view=False`` for
-    separate gradient tensors.
+    a comm hook cannot scale gradients while DDP copies them into the bucket, so the average
+    costs a pass of its own, and dropping the copy back keeps DDP's number of passes over the
+    gradients. Gradients are bit-identical either way; a view cannot be ``detach_()``-ed. Pass
+    ``gradient_as_bucket_view=False`` for separate gradient tensors. Measurements:
+    ``docs/architecture.md`` (Data parallelism).
 
     Args:
         manager: the Manager of this rank.

@@ -103,9 +103,9 @@ def quorum_global_ranks(
 def dtensor_type() -> type | None:
     """Returns the DTensor class, or None while nothing in this process has imported it.
 
-    No object can be a DTensor before its module is imported, and importing it costs about
-    1.1 s on a 2-core machine (it pulls in sympy): a first checkpoint staged or received in a
-    process without DTensors (a survivor serving its first healer, mid-step) must not pay that.
+    No object can be a DTensor before its module is imported, and importing it is slow (it
+    pulls in sympy): a first checkpoint staged or received in a process without DTensors (a
+    survivor serving its first healer, mid-step) must not pay that.
     """
     module = sys.modules.get("torch.distributed.tensor")
     return getattr(module, "DTensor", None) if module is not None else None

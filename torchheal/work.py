@@ -10,16 +10,14 @@ Failures never escape into the training loop: the first derived future goes thro
 :meth:`_ManagedWork.wait` reports any later error and returns ``False``.
 
 The first continuation runs in one Python callback on the collective's own future when the
-manager hands the work a :class:`StepSink` (its ``wrap_future_then``): the error check of the
-process group's recording work, the continuation (the Manager's averaging) and the manager's
-timeout and swallowing. Each
-callback takes the GIL on the thread that completes the collective (Gloo's), once per gradient
-bucket, while the training thread computes the rest of backward; three of them per bucket were
-three hand-offs of the GIL.
+manager hands the work a :class:`StepSink` (its ``wrap_future_then``): the error check, the
+continuation (the Manager's averaging) and the manager's timeout and swallowing. Each callback
+takes the GIL on the thread that completes the collective, once per gradient bucket, while the
+training thread computes the rest of backward, so one callback is cheaper than three.
 
-Differences from the reference's first version (the published wheel has the same fixes): each
-callback binds its own chain node (a closure over the loop variable ran the wrong callback when
-futures completed late on another thread), and ``wait(timeout)`` passes the timeout through.
+Unlike the reference's first version, each callback binds its own chain node (a closure over
+the loop variable ran the wrong callback when futures completed late), and ``wait(timeout)``
+passes the timeout through.
 """
 
 from __future__ import annotations

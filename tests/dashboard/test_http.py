@@ -149,7 +149,12 @@ def test_page_and_its_assets_are_served_with_a_strict_policy() -> None:
         status, headers, body = http(url)
         assert status == 200 and b"<title>torchheal lighthouse</title>" in body
         assert headers["Content-Security-Policy"].startswith("default-src 'self'")
-        for asset in ("static/app.js", "static/style.css", "static/vendor/uPlot.iife.min.js"):
+        for asset in (
+            "static/app.js",
+            "static/marks.js",
+            "static/style.css",
+            "static/vendor/uPlot.iife.min.js",
+        ):
             assert http(url + asset)[0] == 200, asset
         assert get_json(url + "api/status")["missing_assets"] == []
         assert http(url + "static/..%2Fapp.py")[0] == 404  # dashboard/app.py exists
@@ -158,7 +163,7 @@ def test_page_and_its_assets_are_served_with_a_strict_policy() -> None:
 def test_missing_assets_are_named_not_a_blank_page(tmp_path: Path) -> None:
     partial = tmp_path / "partial"
     partial.mkdir()
-    for name in ("index.html", "app.js", "style.css"):
+    for name in ("index.html", "app.js", "marks.js", "style.css"):
         shutil.copy(STATIC_DIR / name, partial / name)
     with lighthouse_with_dashboard(dashboard={"static_dir": partial}) as (_, _, url):
         doc = get_json(url + "api/status")

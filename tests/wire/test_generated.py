@@ -73,6 +73,7 @@ EXPECTED_FIELDS = {
         "shrink_only": 4,
         "init_sync": 5,
         "commit_failures": 6,
+        "data": 1001,  # torchheal only: group rank 0's guard report
     },
     "ManagerQuorumResponse": {
         "quorum_id": 1,
@@ -102,10 +103,14 @@ EXPECTED_FIELDS = {
 }
 
 
-#: torchheal's own fields in the reference's messages (salvage_step's group vote). The reference
-#: never sets them and skips them as unknown; numbered far above its own, so a field it adds
-#: later cannot take the same number.
-TORCHHEAL_ONLY = {"ShouldCommitRequest": {"salvageable"}, "ShouldCommitResponse": {"redo"}}
+#: torchheal's own fields in the reference's messages (salvage_step's group vote, the group's
+#: data from rank 0). The reference never sets them and skips them as unknown; numbered far
+#: above its own, so a field it adds later cannot take the same number.
+TORCHHEAL_ONLY = {
+    "ShouldCommitRequest": {"salvageable"},
+    "ShouldCommitResponse": {"redo"},
+    "ManagerQuorumRequest": {"data"},
+}
 
 
 def test_torchheal_only_fields_stay_clear_of_the_reference_numbers():

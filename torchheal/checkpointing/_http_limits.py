@@ -3,16 +3,15 @@
 The server (``http_transport``) gives every connection a thread and checks the token once a
 request's head (request line and headers) is complete, so anyone who reaches the port can hold a
 thread and the head it sends. :class:`HttpLimits` bounds that: at most 256 connections
-awaiting a request head; a request head complete within 10 s (of accepting the connection, a TLS handshake included, or of
-the previous answer on a kept-alive connection); a head of at most 64 KiB in all (the standard
-library alone takes a 64 KiB line and 100 header lines of 64 KiB), answered 431 when over.
+awaiting a request head; a request head complete within 10 s (of accepting the connection, a
+TLS handshake included, or of the previous answer on a kept-alive connection); a head of at most
+64 KiB in all, answered 431 when over.
 
 Past the cap a newcomer closes the oldest connection still sending its head. Connections being
-answered (a healer's transfers, one per chunk, up to 1,024; a request waiting for its step) do
-not count and are never closed to make room: honest healers are never turned away. A healer
-opens a fresh connection
-per request and sends its head (a few hundred bytes) at once, so slow clients keep it out only
-by opening connections faster than that.
+answered (a healer's transfers; a request waiting for its step) do not count and are never
+closed to make room: honest healers are never turned away. A healer opens a fresh connection
+per request and sends its small head at once, so slow clients keep it out only by opening
+connections faster than that.
 
 :class:`Gate` decides (plain data and ``now``, no I/O); :class:`LimitedServer` and
 :class:`LimitedHandler`, mixed into the stdlib server and handler, close what it says.

@@ -2,9 +2,8 @@
 
 A freshly allocated buffer has no pages: the first write to each 4 KiB page faults and the
 kernel zeroes it. Receiving a state into fresh memory, or copying one into a fresh staging
-buffer, pays that fault page by page, and on a virtual machine it dominates: measured on the
-project's 2-core VM, touching 160 MB of fresh memory took 438 ms (a second pass 28 ms). Linux's
-``MADV_POPULATE_WRITE`` (5.14+) faults a whole range in one call, 110 ms for the same 160 MB.
+buffer, pays that fault page by page, which dominates on a virtual machine. Linux's
+``MADV_POPULATE_WRITE`` (5.14+) faults a whole range in one call (``docs/failures.md``).
 Where it is missing (older kernels, other systems) buffers are used as they are.
 """
 

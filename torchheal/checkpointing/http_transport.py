@@ -11,11 +11,8 @@ peer. Keys: ``full`` (header, description and all data),
 query, else the server's ``num_chunks``). Bodies are the pickle-free format of
 ``serialization``: raw storage bytes.
 
-What is served: ``send_checkpoint`` copies the small storages (and accelerator ones) and serves
-the large CPU storages from where they lie, checksummed (``live``: no copy up front, so a healer
-starts receiving at once); ``disallow_checkpoint``, which the Manager calls before the state
-changes, copies what the healers have not yet received and returns, and they finish from that
-copy. Buffers are kept for the next heal, so their pages are already there.
+What is served: the large CPU storages from where they lie, until ``disallow_checkpoint``
+copies what the healers have not yet received (``live``); small and accelerator ones as copies.
 
 Client: reads the description, validates it, preallocates every storage and ``readinto``\\ s
 the bytes directly into them (``num_chunks`` parallel connections when > 0), checking each

@@ -1,47 +1,29 @@
 """Serving a checkpoint from the live state, with a copy made only of what is still to be sent.
 
-A healthy replica's parameters and optimizer state do not change between the quorum that asks
-it to heal a peer and its optimizer step: forward and backward only read them. So the HTTP
-transport serves its large storages from where they lie, with no copy up front; the healer
-starts receiving as soon as the checksums are computed (a read of the state, ~20 GB/s with
-ISA-L). When the trainer is about to change the state (``should_commit`` calls
-``disallow_checkpoint``), :meth:`LiveCheckpoint.freeze` copies the blocks that the expected
-healers have not yet received into buffers kept between heals, and returns; the healers finish
-from that copy. A heal that ends within the source's forward and backward pass costs the source
-no copy at all; a slow one costs a copy of the rest only, and never makes the trainer wait for
-a socket.
+A healthy replica's state does not change between the quorum that asks it to heal a peer and
+its optimizer step (forward and backward only read it), so the HTTP transport serves its large
+storages from where they lie and the healer starts receiving once the checksums are computed.
+When the trainer is about to change the state (``should_commit`` calls ``disallow_checkpoint``),
+:meth:`LiveCheckpoint.freeze` copies the blocks the expected healers have not yet received into
+buffers kept between heals, and returns; the healers finish from that copy. A fast heal costs
+the source no copy; a slow one costs a copy of the rest, never a wait on a socket.
 
-Two ways to send a live block:
+A live block is sent either straight from the state (:class:`DirectSend`: the kernel copies
+from the trainer's tensors into the socket one non-blocking ``send`` at a time, each checksummed
+right after, so the freeze never waits for a slow healer; no copy in user space,
+``bench/transport.py``), or through a bounce buffer (TLS and other ``write`` sinks: copied,
+checked against the staging CRC-32, then written).
 
-* **Straight from the state** (a plain TCP connection, :class:`DirectSend`): the kernel copies
-  the bytes out of the trainer's tensors into the socket, one non-blocking ``send`` at a time,
-  and the CRC-32 of what each ``send`` took is computed right after, while it is still in cache.
-  A live read lasts one such call (a copy of at most the socket's free buffer): waiting for the
-  healer to make room happens outside it, so the freeze never waits for a slow healer. This is
-  the fast path: no copy in user space, measured at about twice the bounce path's rate on
-  loopback (``bench/transport.py``).
-* **Through a bounce buffer** (any other ``write``: TLS, whose records must be retried with the
-  same bytes; plain byte sinks in tests): the block is copied into a private buffer, checked
-  against the CRC-32 taken at staging, and only then written.
+Safety: a live block that changed since staging fails its check, ends the transfer, and makes
+:attr:`LiveCheckpoint.unstable` tell the transport to stage private copies from then on; the
+healer checks every block against the staging CRCs, so nothing unverified is loaded. The
+freeze's copy is checksummed as it is made. After the freeze, nothing is read from the live
+state: a block already delivered to every expected healer is refused to further readers, and a
+direct send in the middle of a block goes on from the copy.
 
-Safety, block by block:
-
-* A live block that changed since staging (a large buffer that the forward pass updates in
-  place) fails its check: the transfer ends with an error at that block, and
-  :attr:`LiveCheckpoint.unstable` tells the transport to stage private copies of everything from
-  then on. Through a bounce buffer it is never sent; straight from the state its bytes may have
-  left, and the healer's own check of every block (against the staging CRCs in the
-  description) refuses them: nothing unverified is ever loaded.
-* The copy taken by the freeze is checksummed as it is made; a mismatch marks the checkpoint
-  unstable the same way (the healer's own check then refuses the block).
-* After the freeze, a block that was already delivered to every expected healer (and so was
-  not copied) is refused to any further reader, and a block in the middle of a direct send
-  goes on from the freeze's copy: nothing is ever read from the live state once the trainer may
-  change it.
-
-Small storages and accelerator storages are staged as private copies by ``stage`` (``live_from``)
-and served as they are. Nothing here knows about HTTP: a request is a list of segments, a
-``write`` callable and maybe a :class:`DirectSend`, so this is tested with plain byte sinks.
+Small and accelerator storages are staged as private copies by ``stage`` (``live_from``).
+Nothing here knows about HTTP: a request is a list of segments, a ``write`` callable and maybe a
+:class:`DirectSend`, so this is tested with plain byte sinks.
 """
 
 from __future__ import annotations
@@ -277,9 +259,8 @@ class LiveCheckpoint:
                 if self._delivered[i] >= self._readers:
                     continue
             n = seg.end - seg.start
-            # A block-sized buffer per block still to send, not one per storage: a buffer the
-            # size of a large storage, faulted in for a few of its blocks, cost the trainer
-            # 0.76 s at 1 GB.
+            # A block-sized buffer per block still to send, not one per storage: faulting in a
+            # storage-sized buffer for a few of its blocks costs the trainer far more.
             copy = self._pool.take(self._block_bytes)
             copy[:n].copy_(self.staged.buffers[seg.storage][seg.start : seg.end])
             view = byte_view(copy)[:n]

@@ -28,6 +28,7 @@ from torchheal.coordination.types import (
 __all__ = [
     "data_from_wire",
     "data_to_wire",
+    "group_data",
     "member_from_pb",
     "member_to_pb",
     "notice_from_pb",
@@ -99,6 +100,29 @@ def data_from_wire(text: str) -> dict[str, Any] | None:
     if not isinstance(value, dict):
         raise ValueError(f"QuorumMember.data must be a JSON object, got {type(value).__name__}")
     return value
+
+
+#: The most characters of JSON a manager server passes on as its group's ``data``: the
+#: divergence-guard report takes about 50; more is not ours, and would ride in every request.
+MAX_GROUP_DATA_CHARS = 1024
+
+
+def group_data(data: dict[str, Any] | str | None) -> dict[str, Any] | None:
+    """A rank's ``data`` as its manager server passes it on: bounded, never an error.
+
+    Args:
+        data: the rank's request data (a dict in process, the JSON text over gRPC).
+
+    Returns:
+        the JSON object, or None when there is none, it is not one, or it is too long.
+    """
+    try:
+        text = data if isinstance(data, str) else data_to_wire(data)
+        if len(text) > MAX_GROUP_DATA_CHARS:
+            return None
+        return data_from_wire(text)
+    except (TypeError, ValueError):
+        return None
 
 
 def timestamp_to_pb(ts: Timestamp) -> timestamp_pb2.Timestamp:
@@ -285,6 +309,7 @@ def quorum_ask_to_pb(ask: QuorumAsk) -> pb.ManagerQuorumRequest:
         shrink_only=ask.shrink_only,
         init_sync=ask.init_sync,
         commit_failures=ask.commit_failures,
+        data=data_to_wire(ask.data),
     )
 
 
@@ -303,6 +328,7 @@ def quorum_ask_from_pb(msg: pb.ManagerQuorumRequest, timeout: timedelta) -> Quor
         init_sync=msg.init_sync,
         commit_failures=msg.commit_failures,
         timeout=timeout,
+        data=group_data(msg.data),
     )
 
 

@@ -13,6 +13,8 @@ live here, free of gRPC, threads and clocks (``now`` is passed in, in seconds):
   failed on some ranks only: the reference would then let whichever rank came last decide
   whether the group heals (and may send a rank's stale state to a healer); here the group
   heals again, every rank of it;
+* the group's ``data`` is its rank 0's, whoever came last: rank 0's Manager alone reports the
+  group (its divergence-guard report, ``guard_report.py``);
 * a rank that leaves (its call was cancelled) before the round started is taken out, so its
   stale request cannot complete a later round on its own;
 * :class:`RetryPolicy` says, after a failed lighthouse attempt, whether to try again and after
@@ -39,7 +41,7 @@ class RoundStart:
     Args:
         round_id: the round that started (the one its ranks waited on).
         member: the group's request, as the last rank to arrive made it, at the lowest step of
-            the group's ranks.
+            the group's ranks, with rank 0's ``data``.
         timeout_s: that rank's remaining time, which bounds the lighthouse request.
     """
 
@@ -133,8 +135,9 @@ class QuorumRound:
         if len(self._requests) < self._world_size:
             return Joined(self._round_id)
         lowest = min(request.member.step for request in self._requests.values())
-        if lowest < member.step:
-            member = dataclasses.replace(member, step=lowest)
+        data = self._requests[0].member.data  # (every rank is in, so rank 0 is)
+        if lowest < member.step or data is not member.data:
+            member = dataclasses.replace(member, step=lowest, data=data)
         start = RoundStart(self._round_id, member, remaining)
         self._requests = {}
         self._round_id += 1

@@ -88,6 +88,8 @@ class QuorumAsk:
         init_sync: heal replicas at step 0 from the primary so all start identical.
         commit_failures: consecutive failed commits of the caller.
         timeout: deadline of the whole quorum, also used for the lighthouse call.
+        data: the group's ``QuorumMember.data`` when the caller is group rank 0 (its
+            divergence-guard report, ``guard_report.py``); other ranks' is not sent on.
     """
 
     group_rank: int
@@ -97,6 +99,7 @@ class QuorumAsk:
     init_sync: bool
     commit_failures: int
     timeout: timedelta
+    data: dict[str, Any] | None = None
 
 
 @dataclass

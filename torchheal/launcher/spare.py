@@ -64,7 +64,7 @@ logger = logging.getLogger(__name__)
 #: ``LauncherEnv.warm_spare``).
 WARM_ENV = WARM_SPARE_ENV
 #: What a spare imports by default: torch, its distributed package, its compiler stack (the
-#: first optimizer a script builds imports it: ~1.5 s here), and torchheal's training modules.
+#: first optimizer a script builds imports it), and torchheal's training modules.
 DEFAULT_PRELOAD = (
     "torch",
     "torch.distributed",

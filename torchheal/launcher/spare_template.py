@@ -4,7 +4,7 @@
 
 Started by :class:`torchheal.launcher.spare.SparePool` (its launcher side is
 :mod:`torchheal.launcher.spare_fork`). A warm spare started as a fresh interpreter pays the whole
-``import torch`` again (2-4 s of CPU here) every time the pool refills after a restart: CPU taken
+``import torch`` again every time the pool refills after a restart: CPU taken
 from the groups still training, the moment they are recovering from the failure. The template
 pays it once. It imports the ``--preload`` modules at idle CPU priority (as
 :mod:`~torchheal.launcher.spare_child` does), says ``{"ready": ...}`` on the control socket (a

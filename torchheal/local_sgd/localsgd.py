@@ -47,9 +47,8 @@ class SyncManager(Protocol):
 def is_dtensor(t: torch.Tensor) -> bool:
     """Whether ``t`` is a DTensor.
 
-    Without importing DTensor's module (about 1.1 s on a 2-core machine: it pulls in sympy): no
-    object can be a DTensor while nothing in this process has imported it, so plain models never
-    pay for it.
+    Without importing DTensor's module (slow: it pulls in sympy): no object can be a DTensor
+    while nothing in this process has imported it, so plain models never pay for it.
     """
     dtensor = dtensor_type()
     return dtensor is not None and isinstance(t, dtensor)

@@ -212,6 +212,12 @@ def build_parts(
         min_replica_size=min_replica_size,
         log=logger,
         group_world_size=settings.group_world_size,
+        # Group rank 0 speaks for the group; a group with the guard off has nothing to say.
+        member_data=(
+            telemetry.guard_report
+            if settings.group_rank == 0 and guard_set.interval
+            else lambda: None
+        ),
     )
     ledger = StepLedger(logger, telemetry.error)
     heal = HealStep(

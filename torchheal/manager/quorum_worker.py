@@ -147,6 +147,8 @@ class QuorumWorker:
             a future of its result, or None where only the blocking call exists.
         record_quorum: called with a new quorum's id before its process group is built
             (``GroupEndpoints.record_quorum``: the group's store remembers it across restarts).
+        member_data: returns the ``data`` this rank's quorum requests carry (group rank 0:
+            its divergence guard's report, which the lighthouse's dashboard shows).
     """
 
     def __init__(
@@ -168,7 +170,9 @@ class QuorumWorker:
         send_guard: Callable[[], AbstractContextManager[Any]] = nullcontext,
         quorum_start: Callable[[QuorumAsk], Future[QuorumResult] | None] | None = None,
         record_quorum: Callable[[int], None] = lambda quorum_id: None,
+        member_data: Callable[[], dict[str, Any] | None] = lambda: None,
     ) -> None:
+        self._member_data = member_data
         self._quorum_call = quorum_call
         self._record_quorum = record_quorum
         self._quorum_start = quorum_start
@@ -239,6 +243,7 @@ class QuorumWorker:
             init_sync=self._init_sync,
             commit_failures=request.commit_failures,
             timeout=request.timeout,
+            data=self._member_data(),
         )
 
     @staticmethod

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from torchheal._base.telemetry_env import TelemetryEnv
+from torchheal.coordination.guard_report import GuardReport
 from torchheal.coordination.types import QuorumResult
 from torchheal.metrics.trainer import MetricsServer, TrainerStats, serve_metrics
 
@@ -257,6 +258,16 @@ class Telemetry:
                 self.stats.count_error(allreduce=True)
 
         return on_error
+
+    def guard_report(self) -> dict[str, int]:
+        """The divergence guard's counts as group rank 0 sends them with each quorum request.
+
+        Read on the quorum thread while the training thread counts: a report may be one
+        verdict old, and the next request carries the rest.
+        """
+        s = self.stats
+        report = GuardReport(s.last_verified_step, s.divergence_checks, s.divergence_mismatches)
+        return report.to_data()
 
     def process_group_aborted(self) -> None:
         """The cross-replica process group was aborted."""

@@ -92,9 +92,8 @@ class ProcessGroupGloo(ProcessGroupWrapper):
     """
 
     # Gloo's destructor joins its worker threads, and one blocked in a receive whose peers
-    # closed their connections is not always woken (seen in a group woken from a freeze: 3 of 6
-    # runs of a two-process script waited out the operation's timeout; cutting our own end does
-    # not end it either). Its abort itself returns at once.
+    # closed their connections is not always woken (``docs/failures.md``); its abort returns
+    # at once.
     _releases_elsewhere = True
 
     def __init__(self, timeout: timedelta = timedelta(seconds=60)) -> None:

@@ -1,31 +1,13 @@
 """A Gloo group's TCP connections, found so that aborting the group can cut them.
 
-Gloo's own ``abort()`` does not interrupt an operation in flight: measured with torch 2.13, an
-allreduce blocked on a stopped peer waits out its whole timeout (60 s by default) after
-``abort()`` or ``shutdown()``. Cutting the group's connections does: ``shutdown(SHUT_RDWR)`` on
-each pair socket makes the pending operation fail at once ("Connection closed by peer"), and Gloo
-marks the pair broken, so a stopped peer that resumes later can never complete the old operation
-and write into our buffers. That is what lets survivors abort a collective with a frozen group
-when the lighthouse says it is gone, instead of waiting for the collective's own timeout.
-
-Gloo exposes no handle on its sockets, so they are found from outside (Linux ``/proc/self/fd``
-and each socket's own ``getsockname``/``TCP_INFO``, never ``/proc/net/tcp``, which lists every
-socket of the network namespace and took 11 ms to read here, on the path of every quorum
-change): the sockets that appeared while the group was being built, in state ESTABLISHED, minus
-those that belong to another server of this process (a connection accepted on one of our other listening
-ports, e.g. a healer fetching our checkpoint meanwhile). Gloo builds the whole mesh before its
-constructor returns, one connection per peer, so ``world_size - 1`` are expected. More may be
-found: Gloo's two ends sometimes both connect, and the extra connection is closed a few tens of
-milliseconds after the constructor returns (seen in 1 of 2 builds between two processes here;
-it made a survivor wait out a frozen peer's whole 60 s collective timeout). So the candidates are
-kept and told apart when the group is aborted, by which time such a connection is gone: the
-candidates still open are cut if there are no more of them than expected. Otherwise (or when
-fewer than expected were found) nothing is cut, with a warning, and the operation ends with its
-timeout. Connections this process opens for something else while a group may be built (a
-healer's checkpoint fetch runs beside the build) are marked foreign (:func:`mark_foreign`) and
-never counted: one such fetch, counted, left a healer's collectives uncuttable. The listening
-socket is never touched: shutting it down makes Gloo terminate the process. Sockets are cut
-through a duplicate of the descriptor: the descriptor stays Gloo's.
+Gloo's ``abort()`` does not interrupt an operation in flight; ``shutdown(SHUT_RDWR)`` on each
+pair socket does, and marks the pair broken so a peer that resumes cannot write into our buffers.
+Gloo exposes no handle on its sockets, so they are found from outside: the ESTABLISHED sockets
+that appeared while the group was built, minus those marked foreign (:func:`mark_foreign`). They
+are cut only if no more than ``world_size - 1`` are still open at abort; otherwise nothing is cut,
+with a warning. The listening socket is never touched (shutting it down makes Gloo terminate the
+process), and sockets are cut through a duplicate of the descriptor. Why, with measurements:
+``docs/failures.md`` (Gloo's connections).
 """
 
 from __future__ import annotations

@@ -153,14 +153,11 @@ def _in_attempts(host: str, port: int, timeout: timedelta, abandoned: threading.
 
     Attempts of at most :data:`CONNECT_ATTEMPT_S`, each on a helper thread
     (:func:`_abandonable`) and cut soon after the deadline if the host never answers
-    (:func:`_bounded_client`). c10d's client logs every attempt that finds nothing listening,
-    with a C++ stack (one a second over a 60 s timeout), and may end it seconds late (it tries
-    again after a random pause of up to two seconds). So once an attempt has failed, the next
-    one starts only when the host accepts a plain TCP connection (:func:`_await_listener`),
-    tried quietly every 10-250 ms until the deadline. Not before the first failure: each
-    connection the store accepts costs its single loop a lookup of the peer's name, which a
-    resolver that drops queries makes 5 s long (``docs/failures.md``, slow DNS), so a host that
-    is up is never sent one connection more.
+    (:func:`_bounded_client`). c10d's client logs every failed attempt with a C++ stack and
+    may end it seconds late, so once an attempt has failed, the next one starts only when the
+    host accepts a plain TCP connection (:func:`_await_listener`). Not before the first failure:
+    each connection costs the store's single loop a lookup of the peer's name, slow where DNS
+    drops queries (``docs/failures.md``, slow DNS).
     """
     deadline = time.monotonic() + timeout.total_seconds()
     why = f"the connection to the store at {host}:{port} was abandoned"

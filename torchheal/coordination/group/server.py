@@ -370,7 +370,7 @@ class ManagerServer(InProcessRank):
             step=step,
             world_size=self._world_size,
             shrink_only=ask.shrink_only,
-            data=None,
+            data=convert.group_data(ask.data),  # (the round keeps rank 0's)
             commit_failures=ask.commit_failures,
         )
         joined = self._round.join(rank, member, asyncio.get_running_loop().time(), remaining)

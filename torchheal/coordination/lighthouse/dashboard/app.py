@@ -49,6 +49,7 @@ STATIC_DIR = Path(__file__).parent / "static"
 REQUIRED_ASSETS: tuple[str, ...] = (
     "index.html",
     "app.js",
+    "marks.js",
     "style.css",
     "vendor/uPlot.iife.min.js",
     "vendor/uPlot.min.css",

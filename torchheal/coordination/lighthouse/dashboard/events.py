@@ -10,6 +10,8 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass
 
+from torchheal.coordination.guard_report import GuardReport
+
 __all__ = [
     "Event",
     "Expired",
@@ -52,6 +54,8 @@ class MemberInfo:
         address: its manager server URL.
         commit_failures: consecutive failed commits it reported.
         world_size: ranks in its replica group.
+        guard: its divergence guard's report, from its request's ``data`` (None: it sent
+            none, as a reference group or a group with the guard off).
     """
 
     replica_id: str
@@ -59,6 +63,7 @@ class MemberInfo:
     address: str = ""
     commit_failures: int = 0
     world_size: int = 1
+    guard: GuardReport | None = None
 
 
 @dataclass(frozen=True)

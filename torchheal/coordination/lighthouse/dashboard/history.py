@@ -9,7 +9,9 @@ keeps, within fixed bounds:
 * the recovery timeline: one record per member lost, with when it was noticed, when the
   survivors went on without it, when its group came back and when it had healed, and the job
   time lost to the stall;
-* time series in fixed buckets: committed steps/s of the job and of each group, quorum size.
+* time series in fixed buckets: committed steps/s of the job and of each group, quorum size;
+* each group's last divergence-guard report, and a mark where its mismatches rose
+  (``verified.py``).
 
 Committed steps are counted from the steps members report when they ask to join: a group's
 step grows by one per commit, except when it heals, where it jumps to the job's step. So a
@@ -39,6 +41,7 @@ from torchheal.coordination.lighthouse.dashboard.events import (
     ReasonChanged,
     group_name,
 )
+from torchheal.coordination.lighthouse.dashboard.verified import GuardReports
 
 __all__ = ["History", "HistoryLimits"]
 
@@ -56,6 +59,7 @@ class HistoryLimits:
         buckets: how many buckets are kept (default: one hour of 1 s buckets).
         changes: quorum history rows kept.
         failures: recovery records kept.
+        divergences: mismatch marks kept.
         rate_window_s: the window of the "steps/s now" figures.
     """
 
@@ -63,6 +67,7 @@ class HistoryLimits:
     buckets: int = 3600
     changes: int = 500
     failures: int = 200
+    divergences: int = 200
     rate_window_s: float = 10.0
 
 
@@ -120,6 +125,7 @@ class History:
         self._notices: dict[str, tuple[float, str]] = {}  # replica_id -> (when, cause)
         self._reason = ""
         self._reason_since: float | None = None
+        self._guard = GuardReports(self.limits.divergences)
         self.rounds = 0
 
     # ------------------------------------------------------------------------------------------
@@ -221,6 +227,7 @@ class History:
         joined = [self._rejoined(m, q, job_step) for m in q.members if m.replica_id not in prev_ids]
         if self._recovering:
             self._mark_healed(q, job_step)
+        self._guard.quorum(q.t, q.members)
         if prev is not None:
             self._intervals.append(q.t - prev.t)
 
@@ -317,9 +324,11 @@ class History:
         Returns:
             ``members`` (of the last quorum, with group, healing flag and steps/s),
             ``job_step``, ``job_rate``, ``reason``/``reason_since`` (the latest quorum status),
-            ``changes`` and ``failures`` (newest first), ``rounds``.
+            ``changes`` and ``failures`` (newest first), ``rounds``, ``guard`` (each group's
+            last divergence-guard report) and ``divergences`` (mismatch marks, newest first).
         """
         rates = self._rates(now)
+        guard = self._guard.view()
         members = []
         current = self._current
         if current is not None:
@@ -349,6 +358,8 @@ class History:
             "rounds": self.rounds,
             "changes": list(reversed(self._changes)),
             "failures": [_failure_view(f, now) for f in reversed(self._failures)],
+            "guard": guard["groups"],
+            "divergences": guard["marks"],
         }
 
     def _rates(self, now: float) -> dict[str, Any]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 from collections import deque
 
+from torchheal.coordination.guard_report import from_data
 from torchheal.coordination.lighthouse.dashboard.events import (
     Event,
     Expired,
@@ -101,7 +102,9 @@ class LighthouseRecorder:
     def quorum_issued(self, quorum: Quorum, reason: str, round_s: float, now: float) -> None:
         """Count the round and queue the quorum."""
         members = tuple(
-            MemberInfo(m.replica_id, m.step, m.address, m.commit_failures, m.world_size)
+            MemberInfo(
+                m.replica_id, m.step, m.address, m.commit_failures, m.world_size, from_data(m.data)
+            )
             for m in quorum.participants
         )
         ids = frozenset(m.replica_id for m in members)

@@ -1,7 +1,8 @@
 """The status document as one terminal screen, for ``torchheal status`` (pure).
 
 :func:`render` takes the document ``/api/status`` serves (``view.py``) and returns plain text:
-a summary line, the quorum's members, groups outside it, the last failures and quorum changes.
+a summary line, the quorum's members, each group's divergence-guard report, groups outside it,
+the last failures and quorum changes.
 """
 
 from __future__ import annotations
@@ -54,6 +55,32 @@ def _table(rows: list[list[str]], right: set[int]) -> list[str]:
 
 def _clip(line: str, width: int) -> str:
     return line if len(line) <= width else line[: width - 1] + "…"
+
+
+def _guard_lines(doc: dict[str, Any]) -> list[str]:
+    # Each group's last divergence-guard report; none from a lighthouse older than the report
+    # (.get), a reference group, or a group with the guard off.
+    groups = doc.get("guard") or {}
+    if not groups:
+        return []
+    last_mark = {}
+    for mark in reversed(doc.get("divergences") or []):  # newest last: it wins
+        last_mark[mark["group"]] = mark
+    rows = []
+    for group, report in groups.items():
+        verified = report["verified"]
+        row = [
+            group,
+            f"verified step {verified}" if verified >= 0 else "not verified yet",
+            f"{report['checks']} comparisons",
+        ]
+        n = report["mismatches"]
+        if n:
+            mark = last_mark.get(group)
+            where = f", last at step {mark['step']} ({_clock(mark['t'])})" if mark else ""
+            row.append(f"{n} mismatch{'es' if n > 1 else ''}{where}")
+        rows.append(row + [""] * (4 - len(row)))
+    return ["", "divergence guard:"] + ["  " + line for line in _table(rows, right={2})]
 
 
 def render(doc: dict[str, Any], width: int = 120, failures: int = 5, changes: int = 5) -> str:
@@ -116,6 +143,7 @@ def render(doc: dict[str, Any], width: int = 120, failures: int = 5, changes: in
         lines += _table(rows, right={3, 4, 5, 6, 7})
     else:
         lines.append("no quorum yet")
+    lines += _guard_lines(doc)
     if doc["outside"]:
         lines += ["", "outside the quorum:"]
         rows = [

@@ -77,12 +77,18 @@ def build_status(
     max_step = prev["max_step"] if prev else None
     rates = {m["group"]: m["rate"] for m in history["members"]}
     in_quorum = {m["replica_id"] for m in members_now}
+    guard = history["guard"]
 
     members = []
     for m in members_now:
         rid = m["replica_id"]
         age = ages.get(rid)
         group = group_name(rid)
+        # The group's last guard report, if this start of it sent one (None: no guard report,
+        # as from a reference group or one with the guard off).
+        report = guard.get(group)
+        if report is not None and report["replica_id"] != rid:
+            report = None
         members.append(
             {
                 "replica_id": rid,
@@ -97,6 +103,8 @@ def build_status(
                 "world_size": m["world_size"],
                 "address": m["address"],
                 "store_address": m["store_address"],
+                "verified": report["verified"] if report else None,
+                "mismatches": report["mismatches"] if report else None,
             }
         )
 
@@ -150,4 +158,8 @@ def build_status(
         "job": {"step": max_step, "rate": history["job_rate"], "rounds": history["rounds"]},
         "changes": history["changes"],
         "failures": history["failures"],
+        # Each group's last divergence-guard report (kept after it left the quorum), and where
+        # a group's mismatches rose, newest first.
+        "guard": guard,
+        "divergences": history["divergences"],
     }

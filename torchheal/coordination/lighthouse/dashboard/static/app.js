@@ -59,12 +59,8 @@
     if (r === null || r === undefined) return "–";
     return r < 10 ? r.toFixed(2) : r.toFixed(1);
   }
-  function fmtNum(n) {
-    return n === null || n === undefined ? "–" : Number(n).toLocaleString();
-  }
-  function since(t0, t1) {
-    return t0 && t1 ? "+" + fmtDuration(Math.max(0, t1 - t0)) : "–";
-  }
+  const fmtNum = (n) => (n === null || n === undefined ? "–" : Number(n).toLocaleString());
+  const since = (t0, t1) => (t0 && t1 ? "+" + fmtDuration(Math.max(0, t1 - t0)) : "–");
   function shortReplica(rid, group) {
     const rest = rid.startsWith(group + ":") ? rid.slice(group.length + 1) : rid;
     return rest.length > 12 ? rest.slice(0, 8) + "…" : rest;
@@ -180,10 +176,10 @@
     const timeout = s.config.heartbeat_timeout_ms / 1000;
     syncRows(tbody, s.quorum.members, (m) => m.replica_id, (m) => {
       const row = el("tr", { "data-replica-id": m.replica_id, "data-group": m.group });
-      for (let i = 0; i < 10; i++) row.append(el("td"));
-      for (const i of [3, 4, 5, 6, 7, 8]) row.cells[i].className = "num";
+      for (let i = 0; i < 11; i++) row.append(el("td"));
+      for (const i of [3, 4, 5, 6, 7, 8, 9]) row.cells[i].className = "num";
       row.cells[1].className = "mono";
-      row.cells[9].className = "mono dim";
+      row.cells[10].className = "mono dim";
       const btn = el("button", { class: "kill", text: "kill", title: "ask this group's manager to exit" });
       btn.addEventListener("click", () => onKill(btn, row.dataset.replicaId));
       row.append(el("td", {}, btn));
@@ -204,7 +200,11 @@
       setCell(row.cells[7], m.commit_failures ? String(m.commit_failures) : "0");
       row.cells[7].classList.toggle("minus", m.commit_failures > 0);
       setCell(row.cells[8], String(m.world_size));
-      setCell(row.cells[9], m.address);
+      // The guard's last verified step (–: no report: the guard off, or a reference group).
+      const ver = m.verified === null ? "–" : m.verified < 0 ? "not yet" : fmtNum(m.verified);
+      setCell(row.cells[9], m.mismatches ? `${ver} · ${m.mismatches} mismatch(es)` : ver);
+      row.cells[9].classList.toggle("minus", m.mismatches > 0);
+      setCell(row.cells[10], m.address);
     });
     paintSwatches(tbody);
     $("members-empty").hidden = s.quorum.members.length > 0;
@@ -344,35 +344,6 @@
     };
   }
 
-  // Shaded spans behind the rate chart: red while the job stalled after a failure, amber while
-  // the lost group was down, until it healed.
-  function failureBands() {
-    return {
-      hooks: {
-        drawClear: [(u) => {
-          const s = state.status;
-          if (!s) return;
-          const ctx = u.ctx;
-          const { top, height } = u.bbox;
-          ctx.save();
-          for (const f of s.failures) {
-            const wentOn = f.went_on || s.now;
-            const healed = f.healed || s.now;
-            const spans = [[f.last_in_quorum, wentOn, "rgba(198,47,47,0.22)"], [wentOn, healed, "rgba(184,110,0,0.12)"]];
-            for (const [a, b, fill] of spans) {
-              const x0 = u.valToPos(a, "x", true);
-              const x1 = u.valToPos(b, "x", true);
-              if (!isFinite(x0) || !isFinite(x1) || x1 <= x0) continue;
-              ctx.fillStyle = fill;
-              ctx.fillRect(x0, top, Math.max(1, x1 - x0), height);
-            }
-          }
-          ctx.restore();
-        }],
-      },
-    };
-  }
-
   function chartWidth(node) {
     return Math.max(300, node.clientWidth || 800);
   }
@@ -399,7 +370,7 @@
         // are drawn thin and translucent over it and part from it only around failures.
         ...groups.map((g) => ({ label: g, stroke: color(g), width: 1.5, alpha: 0.7, value: (u, v) => fmtRate(v) })),
       ],
-      plugins: [failureBands()],
+      plugins: [window.torchhealMarks(() => state.status)],
     };
     const sizeOpts = {
       width: chartWidth(sizeEl), height: 130,
