@@ -187,3 +187,54 @@ def test_unsupported_future_api() -> None:
         head = fut
         head.then(lambda f: 1)
         head.then(lambda f: 2)
+
+
+class _TimingSink(_Sink):
+    """A sink that times the first continuation itself (``work.StepSink``), as the Manager."""
+
+    def wrap_future_then(
+        self,
+        fut: torch.futures.Future[Any],
+        then: Any,
+        default: Any,
+        timeout: timedelta | None = None,
+        foreign: bool = False,
+        expiry: Any = None,
+    ) -> torch.futures.Future[Any]:
+        return self.wrap_future(fut.then(then), default, timeout)
+
+    def fail_step(self, e: Exception, how: str) -> None:
+        self.errors.append(e)
+
+
+def test_as_future_hands_on_a_pending_c10d_collective_without_waiting() -> None:
+    # A c10d work's future is torch's C++ Future, not the Python subclass: it must be chained
+    # on, not waited for on the caller's thread (DDP's comm hook would block in backward until
+    # Gloo's timeout, which an abort for a lost peer does not shorten).
+    store = dist.HashStore()
+    groups: list[Any] = [None, None]
+
+    def build(rank: int) -> None:
+        groups[rank] = dist.ProcessGroupGloo(store, rank, 2, timedelta(seconds=30))
+
+    threads = [threading.Thread(target=build, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    tensor = torch.ones(3)
+    work = groups[0].allreduce([tensor])
+    assert not isinstance(work.get_future(), torch.futures.Future)  # the C++ class itself
+    handed: list[torch.futures.Future[Any]] = []
+    sink = _TimingSink()
+    caller = threading.Thread(
+        target=lambda: handed.append(_ManagedWork(sink, work, tensor, step=sink).as_future())
+    )
+    caller.start()
+    caller.join(10)
+    returned = not caller.is_alive()
+    groups[1].allreduce([torch.ones(3)]).wait()  # rank 1 joins: the collective completes
+    caller.join(30)
+    assert returned, "as_future() waited for the collective on the caller's thread"
+    handed[0].wait()
+    assert torch.equal(tensor, torch.full((3,), 2.0))

@@ -279,8 +279,9 @@ class _ManagedWork(dist.Work):
         """``fut``, or for a work whose ``get_future`` gives no torch future (a stand-in, as
         the reference's tests mock process groups) one its ``wait()`` completes: there is
         nothing else to chain on. Waited here, on the caller's thread."""
-        if isinstance(fut, torch.futures.Future):
-            return fut
+        # c10d's works hand out the C++ base class, not the Python subclass: test the base.
+        if isinstance(fut, torch._C.Future):
+            return fut  # type: ignore[return-value]
         work = self._work
         inner = work._work if isinstance(work, _ErrorRecordingWork) else work
         waited: torch.futures.Future[Any] = torch.futures.Future()

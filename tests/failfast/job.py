@@ -258,7 +258,9 @@ class Job:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise AssertionError(
-                        f"timed out after {timeout_s:.0f}s waiting for {what}\n" + self.describe()
+                        f"timed out after {timeout_s:.0f}s waiting for {what}\n"
+                        + self.describe()
+                        + self._stacks()
                     )
                 # Steps come every few ms: look again every 0.1 s rather than on each of them.
                 self._cond.wait(min(left, 0.1))
@@ -271,6 +273,27 @@ class Job:
                     f"g{p.group} incarnation {p.incarnation} rank {p.rank} exited with {code}\n"
                     + self.describe()
                 )
+
+    def _stacks(self) -> str:
+        """Every running worker's thread stacks (faulthandler, on SIGUSR1), for a timeout's
+        message: where a group that stopped making progress waits."""
+        running = [p for p in self.all_procs() if p.popen.poll() is None]
+        sizes = [p.log.stat().st_size for p in running]
+        for p in running:
+            p.popen.send_signal(signal.SIGUSR1)
+        deadline = time.monotonic() + 3.0
+        lines = []
+        for p, size in zip(running, sizes, strict=True):
+            # The dump is written by the worker's own handler; wait (bounded) until it lands.
+            while (
+                time.monotonic() < deadline
+                and "Thread 0x" not in p.log.read_text(errors="replace")[size:]
+            ):
+                self._cond.wait(0.05)
+            dump = p.log.read_text(errors="replace")[size:].splitlines()
+            lines.append(f"--- g{p.group}i{p.incarnation}r{p.rank} stacks")
+            lines += [f"    {t}" for t in dump[:200]]
+        return "\n" + "\n".join(lines)
 
     def describe(self) -> str:
         """Each process's state, last events and log tail (for failure messages)."""

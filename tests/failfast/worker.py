@@ -91,6 +91,7 @@ their first quorum at once would otherwise fail, hold or die one step apart.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import functools
 import importlib
 import json
@@ -307,6 +308,8 @@ def main() -> None:
     p.add_argument("--store-port", type=int, default=0, help="the group's store (--ranks > 1)")
     p.add_argument("--release", help="a FIFO the test writes a line to where we hold")
     args = p.parse_args()
+    # The harness asks for every thread's stack when a wait times out (Job.wait_for).
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     if args.release:
         sys.stdin = open(os.open(args.release, os.O_RDWR), encoding="utf-8")
     if args.ranks > 1 and not args.store_port:
