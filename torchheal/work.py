@@ -1,23 +1,11 @@
 """Fault-tolerant work objects returned by ``Manager.allreduce``.
 
-A :class:`_ManagedWork` wraps the process group's ``Work`` and a lazy chain of callbacks. The
-chain is only built ("materialised") when someone waits: DDP's comm hook and the gradient
-normalisation must run in the order the user attached them and on the thread/stream that waits,
-not on whatever thread happens to complete the collective.
-
-Failures never escape into the training loop: the first derived future goes through
-``manager.wrap_future`` (timeout + error swallowed into ``report_error``), and
-:meth:`_ManagedWork.wait` reports any later error and returns ``False``.
-
-The first continuation runs in one Python callback on the collective's own future when the
-manager hands the work a :class:`StepSink` (its ``wrap_future_then``): the error check, the
-continuation (the Manager's averaging) and the manager's timeout and swallowing. Each callback
-takes the GIL on the thread that completes the collective, once per gradient bucket, while the
-training thread computes the rest of backward, so one callback is cheaper than three.
-
-Unlike the reference's first version, each callback binds its own chain node (a closure over
-the loop variable ran the wrong callback when futures completed late), and ``wait(timeout)``
-passes the timeout through.
+A :class:`_ManagedWork` wraps the process group's ``Work`` and a lazy chain of callbacks, built
+only when someone waits, so DDP's comm hook and the normalisation run in the order attached and
+on the waiting thread, not on whichever thread completes the collective. Failures never escape
+into the training loop: they go to ``report_error`` and :meth:`_ManagedWork.wait` returns
+``False``. With a :class:`StepSink` the first continuation runs as one callback on the
+collective's future, since each callback takes the GIL from the training thread once per bucket.
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 import torchheal.manager
 from torchheal._base.launch_env import TorchrunEnv
+from torchheal._base.security import SecurityEnv
 from torchheal.coordination.clients.manager_client import ManagerClient
 from torchheal.coordination.types import QuorumAsk, QuorumResult
 from torchheal.manager.endpoints import (
@@ -44,6 +45,7 @@ def _open_rank_1(store: dist.TCPStore):
         heartbeat_interval=timedelta(seconds=1),
         connect_timeout=timedelta(seconds=5),
         quorum_retries=0,
+        security=SecurityEnv(),
     )
 
 

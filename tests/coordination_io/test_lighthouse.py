@@ -8,6 +8,7 @@ from datetime import timedelta
 import grpc
 import pytest
 
+from torchheal._base.security import SecurityEnv
 from torchheal._wire import methods
 from torchheal._wire import torchft_pb2 as pb
 from torchheal.coordination import LighthouseClient
@@ -56,7 +57,9 @@ def test_single_replica_gets_quorum_with_data_and_options(make_lighthouse):
 def test_stable_membership_keeps_id_and_commit_failures_bump_it(make_lighthouse):
     server = make_lighthouse(min_replicas=2)
     call = UnaryCaller(
-        connect(loopback(server), timedelta(seconds=5)), methods.LIGHTHOUSE_QUORUM, "lh"
+        connect(loopback(server), timedelta(seconds=5), SecurityEnv()),
+        methods.LIGHTHOUSE_QUORUM,
+        "lh",
     )
 
     def request(replica_id: str, commit_failures: int = 0):
@@ -109,7 +112,9 @@ def test_timeout_maps_to_timeout_error_with_reference_text(make_lighthouse):
 def test_missing_requester_is_invalid_argument(make_lighthouse):
     server = make_lighthouse()
     call = UnaryCaller(
-        connect(loopback(server), timedelta(seconds=5)), methods.LIGHTHOUSE_QUORUM, "lh"
+        connect(loopback(server), timedelta(seconds=5), SecurityEnv()),
+        methods.LIGHTHOUSE_QUORUM,
+        "lh",
     )
     with pytest.raises(RPCError, match="missing requester") as info:
         call(pb.LighthouseQuorumRequest(), T)

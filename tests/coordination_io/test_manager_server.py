@@ -12,6 +12,7 @@ from datetime import timedelta
 import grpc
 import pytest
 
+from torchheal._base.security import SecurityEnv
 from torchheal._wire import methods
 from torchheal._wire import torchft_pb2 as pb
 from torchheal.coordination import ManagerClient, ManagerServer
@@ -198,6 +199,7 @@ class ScriptedLighthouse:
                     "Heartbeat": unary_handler(methods.LIGHTHOUSE_HEARTBEAT, heartbeat_rpc),
                 }
             },
+            security=SecurityEnv(),
         )
 
     def port(self) -> int:

@@ -8,6 +8,7 @@ from datetime import timedelta
 import grpc
 import pytest
 
+from torchheal._base.security import SecurityEnv
 from torchheal._base.timeouts import to_seconds
 from torchheal.coordination import LighthouseServer
 from torchheal.coordination.rpc.addresses import format_target, parse_address, parse_grpc_timeout
@@ -88,7 +89,7 @@ def test_connect_to_nothing_raises_runtime_error():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with pytest.raises(RuntimeError, match="failed to connect"):
-        connect(f"127.0.0.1:{port}", timedelta(milliseconds=300))
+        connect(f"127.0.0.1:{port}", timedelta(milliseconds=300), SecurityEnv())
 
 
 def test_binding_a_taken_port_raises_runtime_error(make_lighthouse):

@@ -14,8 +14,8 @@ from torchheal._wire import session_pb2 as spb
 from torchheal._wire import torchft_pb2 as pb
 from torchheal._wire.splice import int_field
 from torchheal.coordination import Quorum, QuorumMember, Timestamp, convert
-from torchheal.coordination.clients.direct_session import quorum_request
 from torchheal.coordination.lighthouse.answers import member_entry, quorum_bytes
+from torchheal.coordination.session_client import quorum_request
 
 INT64 = st.integers(-(2**63), 2**63 - 1)
 UINT64 = st.integers(0, 2**64 - 1)

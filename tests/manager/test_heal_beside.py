@@ -18,6 +18,7 @@ import torch
 
 from tests.cluster import Replica, lighthouse, new_store, replica, run_parallel, url
 from tests.reference import import_reference
+from torchheal._base.security import SecurityEnv
 from torchheal.checkpointing import HTTPTransport
 from torchheal.local_sgd import LocalSGD
 from torchheal.manager import Manager
@@ -250,7 +251,7 @@ def test_every_rank_of_a_group_warms_up_together() -> None:
 def test_metadata_is_fetched_from_the_sources_server() -> None:
     with lighthouse(min_replicas=1) as lh, replica(lh, "a", weight=3.0) as a:
         _local_step(a, 1.0)  # a reported its metadata with its quorum request
-        fetch = metadata_over_grpc(TIMEOUT)
+        fetch = metadata_over_grpc(TIMEOUT, SecurityEnv())
         address = a.manager._endpoints.server.address()
         assert fetch(address, 0, TIMEOUT) == a.manager._checkpoint_transport.metadata()
         with pytest.raises(RuntimeError, match="rank not found"):

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 
+from torchheal._base.security import SecurityEnv
 from torchheal.checkpointing import CheckpointError, HTTPTransport
 from torchheal.coordination.plan import Participation, WorldSizeMode
 from torchheal.coordination.types import QuorumResult
@@ -281,7 +282,7 @@ def test_a_heal_whose_source_the_lighthouse_says_is_lost_gives_up_its_metadata_r
     from a source the lighthouse already said was lost ends at once."""
     timeout = timedelta(seconds=60)
     network: dict[tuple[str, int], bytes] = {}
-    grpc_fetch = metadata_over_grpc(timeout)
+    grpc_fetch = metadata_over_grpc(timeout, SecurityEnv())
     asked: list[str] = []
 
     def fetch(address: str, rank: int, timeout: timedelta, cancelled: Any = None) -> str:

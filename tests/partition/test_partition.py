@@ -47,7 +47,7 @@ from tests.failfast.replay import CommittedStep, assert_identical, assert_replay
 from tests.failfast.test_kill import START_BOUND_S, all_together
 from tests.partition.netjob import NetnsJob, hub_lighthouse
 from tests.partition.netns import Network
-from torchheal.coordination.group.link_session import SILENT_SESSION_S
+from torchheal.coordination.session_client import SILENT_SESSION_S
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

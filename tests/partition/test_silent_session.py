@@ -20,6 +20,7 @@ import grpc
 import pytest
 
 from bench._chaos_proxy import StallingProxy
+from torchheal._base.security import SecurityEnv
 from torchheal._wire import torchft_pb2 as pb
 from torchheal.coordination import LighthouseServer
 from torchheal.coordination.group.dial import LinkError
@@ -48,9 +49,17 @@ async def _until(predicate, what: str) -> None:
 async def _scenario(lighthouse: LighthouseServer, proxy: StallingProxy) -> None:
     grpc_port = lighthouse.port()
     target = f"http://{proxy.host}:{grpc_port}"
-    channel = await aio_connect(target, 10.0)
+    channel = await aio_connect(target, 10.0, SecurityEnv())
     link = LighthouseLink(
-        channel, "g:1", 0.05, lambda lost: None, target, "[g]", host=proxy.host, silent_s=SILENT_S
+        channel,
+        "g:1",
+        0.05,
+        lambda lost: None,
+        target,
+        "[g]",
+        host=proxy.host,
+        silent_s=SILENT_S,
+        security=SecurityEnv(),
     )
     try:
         await link.start()

@@ -12,6 +12,7 @@ import select
 import socket
 import time
 
+from torchheal._base.security import SecurityEnv
 from torchheal.coordination.rpc.server import SERVER_OPTIONS, AioServerThread
 
 BOUNDS = ("grpc.server_handshake_timeout_ms", "grpc.max_connection_idle_ms")
@@ -46,7 +47,9 @@ def test_connections_without_a_handshake_or_a_call_are_closed() -> None:
     options = [(k, v // 20 if k in BOUNDS else v) for k, v in SERVER_OPTIONS]
     handshake_s = names[BOUNDS[0]] / 20 / 1000
     idle_s = names[BOUNDS[1]] / 20 / 1000
-    server = AioServerThread("idle-test", "127.0.0.1:0", {}, options=options)
+    server = AioServerThread(
+        "idle-test", "127.0.0.1:0", {}, options=options, security=SecurityEnv()
+    )
     try:
         silent = socket.create_connection(("127.0.0.1", server.port), timeout=5)
         partial = socket.create_connection(("127.0.0.1", server.port), timeout=5)

@@ -79,8 +79,13 @@ def checkpoint_token(environ: Mapping[str, str] | None = None) -> str | None:
             cannot be read or holds no valid token; the message names the variable.
     """
     env = source(environ)
+    override = _checkpoint_override(env)
+    return override if override is not None else job_token(env)
+
+
+def _checkpoint_override(env: Mapping[str, str]) -> str | None:
     value = env.get(CHECKPOINT_TOKEN_ENV, "").strip()
-    return _checked_token(CHECKPOINT_TOKEN_ENV, value) if value else job_token(env)
+    return _checked_token(CHECKPOINT_TOKEN_ENV, value) if value else None
 
 
 #: PEM certificate chain a server presents (with :data:`TLS_KEY_ENV`); setting it turns TLS on.
@@ -98,6 +103,8 @@ class SecurityEnv:
     """Who may talk to torchheal's endpoints, and over what: read from the environment.
 
     With nothing set, every endpoint speaks the reference's plain wire (no token, no TLS).
+    Built once at an edge (a CLI command, the ``Manager``, a public server or client
+    constructor given none) and passed down to the I/O code, which takes it as an argument.
 
     Attributes:
         token: the job token every server requires and every client sends (:func:`job_token`).
@@ -106,6 +113,8 @@ class SecurityEnv:
         tls_ca: ``TORCHHEAL_TLS_CA``: the authorities clients verify servers with (PEM path);
             None with TLS on: the system's default authorities.
         metrics_auth: ``TORCHHEAL_METRICS_AUTH``: ``/metrics`` requires the token as well.
+        checkpoint_token: ``TORCHHEAL_CHECKPOINT_TOKEN``: the checkpoint transport's own
+            secret (None: the job token guards it; see :attr:`transport_token`).
     """
 
     token: str | None = None
@@ -113,6 +122,12 @@ class SecurityEnv:
     tls_key: str | None = None
     tls_ca: str | None = None
     metrics_auth: bool = False
+    checkpoint_token: str | None = None
+
+    @property
+    def transport_token(self) -> str | None:
+        """The HTTP checkpoint transport's secret: its own, else the job token."""
+        return self.checkpoint_token if self.checkpoint_token is not None else self.token
 
     @property
     def tls(self) -> bool:
@@ -146,6 +161,7 @@ class SecurityEnv:
         return cls(
             token=job_token(env),
             metrics_auth=env.get(METRICS_AUTH_ENV, "").strip().lower() not in OFF,
+            checkpoint_token=_checkpoint_override(env),
             **paths,
         )
 

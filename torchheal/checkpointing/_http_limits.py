@@ -1,19 +1,13 @@
 """What a client can make the HTTP checkpoint server hold before its request has been read.
 
-The server (``http_transport``) gives every connection a thread and checks the token once a
-request's head (request line and headers) is complete, so anyone who reaches the port can hold a
-thread and the head it sends. :class:`HttpLimits` bounds that: at most 256 connections
-awaiting a request head; a request head complete within 10 s (of accepting the connection, a
-TLS handshake included, or of the previous answer on a kept-alive connection); a head of at most
-64 KiB in all, answered 431 when over.
+The server gives every connection a thread and checks the token only once a request's head is
+complete, so anyone reaching the port can hold a thread. :class:`HttpLimits` bounds that: at most
+256 connections awaiting a head, each head complete within 10 s and at most 64 KiB (431 when
+over). Past the cap a newcomer closes the oldest connection still sending its head; connections
+being answered never count, so honest healers (a fresh connection, a small head sent at once)
+are never turned away.
 
-Past the cap a newcomer closes the oldest connection still sending its head. Connections being
-answered (a healer's transfers; a request waiting for its step) do not count and are never
-closed to make room: honest healers are never turned away. A healer opens a fresh connection
-per request and sends its small head at once, so slow clients keep it out only by opening
-connections faster than that.
-
-:class:`Gate` decides (plain data and ``now``, no I/O); :class:`LimitedServer` and
+:class:`Gate` decides (plain data and ``now``); :class:`LimitedServer` and
 :class:`LimitedHandler`, mixed into the stdlib server and handler, close what it says.
 """
 

@@ -18,9 +18,9 @@ Client: reads the description, validates it, preallocates every storage and ``re
 the bytes directly into them (``num_chunks`` parallel connections when > 0), checking each
 block's CRC before anything is returned.
 
-Access control (``docs/security.md``): with a token (argument, else
-``TORCHHEAL_CHECKPOINT_TOKEN``, else the job token ``TORCHHEAL_TOKEN``/``TORCHHEAL_TOKEN_FILE``)
-every request must carry ``Authorization: Bearer <token>``: a missing or wrong one is answered
+Access control (``docs/security.md``): with a token (argument, else the ``security`` settings'
+``transport_token``: ``TORCHHEAL_CHECKPOINT_TOKEN``, else the job token
+``TORCHHEAL_TOKEN``/``TORCHHEAL_TOKEN_FILE``) every request must carry ``Authorization: Bearer <token>``: a missing or wrong one is answered
 401 (and logged), nothing served. With TLS configured (``TORCHHEAL_TLS_*``) the server speaks
 HTTPS only, publishes an ``https://`` address, and the client verifies the server's certificate;
 a TLS client refuses to fetch from a plain ``http://`` peer. What a client can make the server
@@ -39,7 +39,7 @@ from socketserver import TCPServer
 from typing import Any, TypeVar
 from urllib.parse import parse_qs, urlsplit
 
-from torchheal._base.security import SecurityEnv, checkpoint_token
+from torchheal._base.security import SecurityEnv
 from torchheal._base.timeouts import to_seconds
 from torchheal.checkpointing._direct_send import SocketDirectSend
 from torchheal.checkpointing._http_errors import receive_error
@@ -235,11 +235,13 @@ class HTTPTransport(CheckpointTransport[T]):
         timeout: bound on every lock wait and socket operation (``timedelta`` or seconds).
         num_chunks: 0 fetches one stream; ``n > 0`` fetches ``n`` byte-balanced chunks over
             parallel connections.
-        token: shared secret required on every request (both directions); defaults to
-            ``TORCHHEAL_CHECKPOINT_TOKEN``, else the job token; ``None``/empty disables it.
+        token: shared secret required on every request (both directions); None: the
+            settings' ``transport_token`` (``TORCHHEAL_CHECKPOINT_TOKEN``, else the job
+            token); empty disables it.
         hostname: name published in ``metadata()``; defaults to ``socket.gethostname()``.
-        security: TLS settings (default: read from the environment); with TLS on the server
-            speaks HTTPS and the client verifies its peers.
+        security: token and TLS settings (None: read from the environment here, as a
+            transport built directly is an edge; the Manager passes its own); with TLS on the
+            server speaks HTTPS and the client verifies its peers.
     """
 
     def __init__(
@@ -256,8 +258,8 @@ class HTTPTransport(CheckpointTransport[T]):
             raise ValueError(f"num_chunks must be in [0, {_MAX_CHUNKS}], got {num_chunks}")
         self._timeout = to_seconds(timeout)
         self._num_chunks = num_chunks
-        self._token = (token if token is not None else checkpoint_token()) or None
         security = SecurityEnv.from_env() if security is None else security
+        self._token = (token if token is not None else security.transport_token) or None
         self._client_context: ssl.SSLContext | None = None
         server_context: ssl.SSLContext | None = None
         if security.tls:

@@ -1,29 +1,16 @@
 """Serving a checkpoint from the live state, with a copy made only of what is still to be sent.
 
-A healthy replica's state does not change between the quorum that asks it to heal a peer and
-its optimizer step (forward and backward only read it), so the HTTP transport serves its large
-storages from where they lie and the healer starts receiving once the checksums are computed.
-When the trainer is about to change the state (``should_commit`` calls ``disallow_checkpoint``),
-:meth:`LiveCheckpoint.freeze` copies the blocks the expected healers have not yet received into
-buffers kept between heals, and returns; the healers finish from that copy. A fast heal costs
-the source no copy; a slow one costs a copy of the rest, never a wait on a socket.
+A healthy replica's state does not change between the quorum that asks it to heal a peer and its
+optimizer step, so its large storages are served from where they lie. When the trainer is about
+to change them (``disallow_checkpoint``), :meth:`LiveCheckpoint.freeze` copies only the blocks
+the expected healers have not received yet, so a heal never makes the source wait on a socket.
+A live block is sent straight from the state (:class:`DirectSend`) or through a bounce buffer
+(TLS and other ``write`` sinks).
 
-A live block is sent either straight from the state (:class:`DirectSend`: the kernel copies
-from the trainer's tensors into the socket one non-blocking ``send`` at a time, each checksummed
-right after, so the freeze never waits for a slow healer; no copy in user space,
-``bench/transport.py``), or through a bounce buffer (TLS and other ``write`` sinks: copied,
-checked against the staging CRC-32, then written).
-
-Safety: a live block that changed since staging fails its check, ends the transfer, and makes
-:attr:`LiveCheckpoint.unstable` tell the transport to stage private copies from then on; the
-healer checks every block against the staging CRCs, so nothing unverified is loaded. The
-freeze's copy is checksummed as it is made. After the freeze, nothing is read from the live
-state: a block already delivered to every expected healer is refused to further readers, and a
-direct send in the middle of a block goes on from the copy.
-
-Small and accelerator storages are staged as private copies by ``stage`` (``live_from``).
-Nothing here knows about HTTP: a request is a list of segments, a ``write`` callable and maybe a
-:class:`DirectSend`, so this is tested with plain byte sinks.
+Safety: a live block that changed since staging fails its CRC check, ends the transfer and
+makes :attr:`LiveCheckpoint.unstable` switch the transport to private copies; the healer checks
+every block, so nothing unverified is loaded. After the freeze nothing is read from the live
+state. Nothing here knows about HTTP, so it is tested with plain byte sinks.
 """
 
 from __future__ import annotations
@@ -304,8 +291,7 @@ class LiveCheckpoint:
 
     def retire(self) -> None:
         """No request opens this checkpoint any more; its buffers go back to the pool now, or
-        when the last request still reading it ends (a healer that stalled mid-transfer, its
-        host frozen or gone: nobody waits for it, and it reads on from buffers nothing reuses).
+        when the last request still reading it ends (nobody waits for a stalled healer).
 
         Called once the state may change or has changed; a checkpoint never frozen is frozen
         first if a request still reads it, so that request never reads a changed state.

@@ -1,21 +1,13 @@
 """Pickle-free checkpoint encoding: a JSON description plus raw tensor bytes, verified.
 
-Sending (``stage``): the state dict (nested dict / OrderedDict / list / tuple of tensors and
-plain values) becomes
+Sending (``stage``): the state dict becomes a JSON *description* (the tree, one entry per tensor,
+one per distinct storage with a CRC-32 per block) and the raw bytes of each distinct storage as
+a 1-D ``uint8`` CPU tensor; tensors sharing a storage share it on the wire, and, as in the
+reference, a view sends its whole storage. Receiving lives in ``deserialization`` (re-exported
+here): nothing received is unpickled.
 
-* a JSON *description*: the tree (plain values inline, tensors as indices), one entry per
-  tensor (storage index, dtype, shape, stride, storage offset; DTensors also their mesh and
-  placements) and one per distinct storage (byte size and a CRC-32 per block);
-* the raw bytes of each distinct storage as a 1-D ``uint8`` CPU tensor. Tensors sharing a
-  storage (tied weights, views of a flat buffer) share it on the wire too; like the
-  reference, a view sends its whole storage.
-
-Receiving lives in ``deserialization`` (re-exported here): nothing received is unpickled.
-
-Why CRC-32 per block: ISA-L's CRC-32 (``isal``, the very checksum of ``zlib.crc32``, which
-is the fallback) runs at ~20 GB/s per core (zlib's at ~3-4), so checking costs little next to
-the wire; it runs in parallel threads and on each block while it is still in cache; blocks
-also let a transfer be split over parallel connections without combining checksums. It
+CRC-32 per block because it is cheap next to the wire (ISA-L's, with ``zlib.crc32`` as the
+fallback), runs in parallel on cached blocks, and lets a transfer be split over connections. It
 detects corruption and truncation, not tampering: use the transport token (and TLS) for that.
 """
 
@@ -95,10 +87,8 @@ _FUSED_BYTES = 1 << 20
 class StagingPool:
     """Reusable CPU byte buffers, by size, for the private copies a sender stages.
 
-    A sender that heals peers more than once copies into the same, already touched, pages
-    instead of fresh ones (a fresh page costs a fault and zeroing, more than the copy into
-    it): the copy runs at the memory's speed. The buffers are kept between heals (about one
-    state's worth of host memory on a replica that has served once).
+    Fresh pages cost a fault and zeroing, more than the copy into them, so a sender reuses its
+    buffers between heals (about one state's worth of host memory once it has served).
     """
 
     def __init__(self) -> None:

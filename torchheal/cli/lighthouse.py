@@ -18,6 +18,7 @@ serve gRPC and the dashboard over TLS.
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import signal
 import sys
@@ -145,6 +146,7 @@ def run(args: argparse.Namespace) -> int:
     # Imported here so that building the parser (for --help) stays cheap.
     from torchheal.cli.security_flags import security_settings
     from torchheal.coordination.lighthouse.dashboard import DashboardServer, LighthouseRecorder
+    from torchheal.coordination.lighthouse.dashboard.server import kill_replica
     from torchheal.coordination.lighthouse.server import LighthouseServer
     from torchheal.coordination.rpc.addresses import parse_address
 
@@ -195,6 +197,8 @@ def run(args: argparse.Namespace) -> int:
                 token=security.token,
                 metrics_auth=security.metrics_auth,
                 ssl_context=server_ssl_context(security, "dashboard") if security.tls else None,
+                # The flags' settings are not in this process's environment: pass them on.
+                kill=functools.partial(kill_replica, security=security),
             )
         except RuntimeError as e:
             server.shutdown()

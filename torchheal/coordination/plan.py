@@ -166,12 +166,10 @@ def participation(
 ) -> Participation:
     """Who contributes to this step, seen from the replica that received ``result``.
 
-    Which replicas count depends on when a healing replica gets its state. An asynchronous
-    quorum heals during the forward pass, too late for the healer's gradients to be right, so
-    only the replicas already at ``max_step`` count (the healer sends zeros); so it is when
-    healing is off for this step. A synchronous quorum heals before the forward pass, so every
-    member of the quorum counts. With spares, the divisor is capped at ``min_replica_size`` and
-    whoever ranks beyond it sends zeros.
+    An asynchronous quorum heals too late for the healer's gradients to be right, so then (and
+    when healing is off) only replicas at ``max_step`` count and healers send zeros; a
+    synchronous one heals before the forward pass, so every member counts. With spares the
+    divisor is capped at ``min_replica_size`` and those ranked beyond it send zeros.
 
     Args:
         result: this rank's quorum result.

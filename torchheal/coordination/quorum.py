@@ -172,9 +172,8 @@ def quorum_compute(
             )
 
     if not candidates:
-        # Deliberate difference: only reachable when shrink_only filtered out every healthy
-        # requester. The reference would issue an empty quorum (no one receives it) and then
-        # loop on a vacuous fast path; we wait instead, so prev_quorum is never empty.
+        # Deliberate difference: the reference would issue an empty quorum here (all filtered
+        # out by shrink_only); we wait, so prev_quorum is never empty.
         return None, (
             f"New quorum not ready, no candidates left after shrink_only filtering {metadata}"
         )
@@ -185,10 +184,7 @@ def quorum_compute(
 _EPSILON_S = 1e-9
 
 #: How many of the first member's steps a late member known to be alive is waited for (see
-#: :func:`_straggler_grace_s`). One was measured too few on a busy host: with 3-4 groups on 2
-#: cores, a group's step now and then took 2-2.5x the fastest one's (the scheduler, not the
-#: group), it was dropped, and the drop cost two process-group rebuilds and a heal (6% of the
-#: run's commits without it). Two covers that, and a frozen member costs one more step once.
+#: :func:`_straggler_grace_s`); one was too few on a busy host (docs/failures.md).
 STRAGGLER_GRACE_STEPS: float = 2.0
 
 
@@ -196,12 +192,9 @@ STRAGGLER_GRACE_STEPS: float = 2.0
 #: behind than that heals anyway.
 REDONE_KEPT: int = 4096
 
-#: How long a member of the last quorum that may have committed a step the candidates would
-#: train again is waited for while its torchheal session lasts (see :func:`_live_holders_ahead`):
-#: the session proves it alive, so it is merely busy. Bounded, so that a training thread that
-#: hangs while its session lives cannot stop the job; 60 s is the reference's default quorum and
-#: collective timeout, past which the waiting groups' own requests fail anyway. Members without a
-#: session are waited for up to the heartbeat timeout.
+#: How long a live member of the last quorum that may have committed a step the candidates
+#: would train again is waited for (see :func:`_live_holders_ahead`). Bounded so a hung training
+#: thread cannot stop the job; 60 s is the reference's default quorum and collective timeout.
 LIVE_HOLDER_WAIT_S: float = 60.0
 
 
@@ -210,14 +203,9 @@ def _straggler_window_start(
 ) -> float:
     """When the wait for stragglers began: the first request of a member of the last quorum.
 
-    Deliberate difference from the reference, which counts from the earliest request of any
-    participant. A group that was left out of the last quorum (or is new) asked long before
-    the members of that quorum come back from their step; counting from its request means the
-    window has already expired when the first member returns, so the next quorum is issued
-    without the last member to arrive, which is then left out in its turn: groups take turns
-    instead of training together. Members of the last quorum return together from a step they
-    took together, so their first request is when the wait for the rest of them should begin.
-    With no member of the last quorum asking yet (or no last quorum), every requester counts.
+    Deliberate difference from the reference (which counts from any participant's request), so
+    that a group left out of the last quorum does not make groups take turns instead of training
+    together (docs/failures.md). With no member of the last quorum asking, every requester counts.
     """
     prev_ids = {m.replica_id for m in prev.participants} if prev is not None else set()
     joins = [joined for rid, (joined, _) in healthy_participants.items() if rid in prev_ids]
@@ -234,23 +222,11 @@ def _straggler_grace_s(
 ) -> float:
     """How long to wait for a late member of the last quorum known to be alive (0.0: none).
 
-    Deliberate difference from the reference, whose join timeout (100 ms by default) drops any
-    member that comes back later than that, however short the drop makes the job's life: the
-    member heals in the next round (a transfer everyone waits for, and a reconfiguration
-    twice), so dropping a member that is alive costs far more than waiting a fraction of a step
-    for it. Two kinds of members are waited for :data:`STRAGGLER_GRACE_STEPS` times as long as
-    the last step took the first member to come back (from the quorum's issue to its next
-    request), which scales with the step and stays bounded (a member that never comes back is
-    dropped two steps later):
-
-    * a member that healed in the last quorum: it loads the received state on its training
-      thread after the round's allreduce, and its first step on new tensors is slower, so it
-      is late by design; dropped, it would heal again next round and be late again forever;
-    * a member with a live torchheal session: the lighthouse knows it is alive (its death ends
-      the stream at once, so a dead member is not waited for at all), so it is merely slow
-      this step (a busy host, a pause). Members without a session (reference peers) keep the
-      reference's join timeout: for them, late and dead look the same until the heartbeat
-      timeout.
+    Deliberate difference from the reference: dropping a member that is alive costs a heal and
+    two rebuilds, far more than waiting a fraction of a step. A member that healed in the last
+    quorum (late by design) or has a live session (merely slow) is waited for
+    :data:`STRAGGLER_GRACE_STEPS` times the first member's last step; reference peers keep the
+    join timeout, since for them late and dead look the same.
     """
     prev = state.prev_quorum
     if prev is None or state.prev_quorum_at is None:
@@ -276,17 +252,9 @@ def _live_holders_ahead(
 ) -> list[str]:
     """Members of the last quorum that may hold a step the candidates would train again (sorted).
 
-    Deliberate difference from the reference, which issues the quorum of whoever asks once the
-    join timeout has passed. A member of the last quorum that is alive but not asking may have
-    committed that quorum's step: its collectives completed while the others failed theirs, and
-    it is busy (an eval, a checkpoint save, a process-group build) before it asks again. Unless
-    a candidate is past that step, the new quorum would commit the step a second time with other
-    contents, and the member would come back level with the others or ahead of them: either its
-    commit is silently lost (it heals over to the older history) or, at an equal step, nobody
-    heals and the groups hold different weights for the rest of the job (issue 40). So every
-    such member is waited for; :func:`quorum_compute` bounds the wait. A member whose session
-    ended or whose heartbeat expired is not waited for: the lighthouse's evidence says its
-    state died with it.
+    Deliberate difference from the reference: such a member, alive but busy, may have committed
+    that step, and training it again would silently fork the groups' weights (docs/failures.md).
+    :func:`quorum_compute` bounds the wait; a member the lighthouse knows is gone is not waited for.
     """
     if prev is None or not prev.participants:
         return []
@@ -318,11 +286,9 @@ def propose(
 ) -> tuple[Quorum | None, str]:
     """The quorum :func:`tick` would issue now, with the id it would take; changes nothing.
 
-    The id moves when the membership (the ordered replica ids) changed or any member reports
-    failed commits. A lighthouse that records each quorum before delivering it proposes,
-    saves, and only then calls :func:`issue`: a quorum that could not be saved leaves the state
-    as it was (its requests keep waiting, no id is spent, the last quorum is still the one the
-    groups hold), so notices and the wait for late members keep speaking of quorums that exist.
+    The id moves when the membership changed or any member reports failed commits. A
+    lighthouse that records each quorum proposes, saves, then calls :func:`issue`, so a quorum
+    that could not be saved leaves the state as it was.
 
     Args:
         state: the lighthouse state (not changed).
@@ -382,10 +348,8 @@ def _healing_if_superseded(
 ) -> list[QuorumMember]:
     """The candidates as issued: a superseded member with a source is issued below it.
 
-    The recovery plan heals a member whose step in the quorum is below the quorum's highest
-    step, so the member's step is issued one below the step it can heal to from its sources
-    (its own, or the sources' highest if lower): it receives the current history and its
-    superseded commit is dropped. Its request is otherwise issued as it came.
+    The member's step is issued one below the step it can heal to, so the recovery plan heals
+    it and its superseded commit is dropped.
     """
     issued = []
     for member in candidates:

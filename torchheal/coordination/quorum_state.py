@@ -114,15 +114,14 @@ def join(state: LighthouseState, member: QuorumMember, now: float, lineage: int 
     """Register a quorum request; it also counts as a heartbeat.
 
     A second request from the same replica overwrites the first and resets its join time, as in
-    the reference (the newest step/commit_failures are what the replica reports now).
+    the reference.
 
     Args:
         state: the lighthouse state to update.
         member: the requester as it presents itself.
         now: monotonic time in seconds.
-        lineage: the id of the quorum whose history the group holds: it last committed, or
-            healed, in it (its session's request says it; 0: unknown, as for a reference peer,
-            which is never judged).
+        lineage: the id of the quorum the group last committed or healed in (0: unknown, as
+            for a reference peer, which is never judged).
     """
     state.heartbeats[member.replica_id] = now
     state.participants[member.replica_id] = (now, member)
@@ -132,13 +131,9 @@ def join(state: LighthouseState, member: QuorumMember, now: float, lineage: int 
 def superseded(state: LighthouseState, member: QuorumMember) -> bool:
     """Whether ``member`` holds a commit that a later quorum trained again without it.
 
-    A group that committed step ``s`` in quorum ``q`` and was then declared lost (frozen past
-    the heartbeat timeout: a host stall, a pause that held the interpreter) may come back at
-    step ``s + 1`` after the others trained step ``s`` again in a newer quorum. Its step says
-    nothing wrong, and at an equal step nobody would heal: the groups would hold different
-    weights for the rest of the job (issue 40). Its history is known superseded when a quorum
-    newer than ``q`` was issued to train step ``s``. Only torchheal groups say in which quorum
-    they committed; a reference peer is never judged.
+    A group that committed step ``s`` in quorum ``q``, then was declared lost while the others
+    trained ``s`` again in a newer quorum, comes back level with them but with different
+    weights; its step alone cannot tell (see docs/failures.md). Reference peers are never judged.
     """
     lineage = state.lineages.get(member.replica_id, 0)
     return lineage > 0 and state.redone.get(member.step - 1, 0) > lineage
@@ -159,10 +154,9 @@ def session_opened(state: LighthouseState, replica_id: str, now: float) -> None:
 def session_ended(state: LighthouseState, replica_id: str) -> bool:
     """A replica group's session ended: the group is gone now, not when its heartbeat expires.
 
-    The end of the stream is the lighthouse's own evidence (the group's process died, or it left
-    and said so), never a peer's claim, so the split-brain guard stays sound: a group that is in
-    fact alive (a network blip) opens a new session, heartbeats again and rejoins at the next
-    round, healing if it fell behind. Its pending request, if any, is dropped.
+    The end of the stream is the lighthouse's own evidence, never a peer's claim, so the
+    split-brain guard stays sound: a group still alive opens a new session and rejoins. Its
+    pending request, if any, is dropped.
 
     Args:
         state: the lighthouse state to update.
@@ -181,28 +175,11 @@ def session_ended(state: LighthouseState, replica_id: str) -> bool:
 def restore(state: LighthouseState, quorum: Quorum, now: float) -> bool:
     """Learn of a quorum issued before this lighthouse (re)started; adopt it if it is newer.
 
-    A restarted lighthouse starts from nothing, while the groups still hold the quorum they got
-    from its previous life (each torchheal group reports its last one in its session's Hello; a
-    state file or etcd remembers it for groups that do not). Two rules keep a restart safe:
-
-    * **Ids never go backwards, and never repeat.** The next issued quorum takes an id above
-      every reported one, even with the same members: a group only rebuilds its process group
-      when the id changes, so an id it already holds must never name a different quorum.
-    * **The restored quorum is waited for as the last quorum would have been.** Its members
-      that have not come back yet count as heard from now, so the first quorum after the
-      restart is not issued to the first group that reconnects while the others are still
-      reopening their sessions: the split-brain guard and the straggler wait treat them as
-      they would have without the restart, until their heartbeat timeout (a member that died
-      with the lighthouse is then dropped, as it would have been).
-
-    A quorum with no members carries only an id: a group that restarted, with its lighthouse,
-    reports the last id its replica group's store records (the store still holds the process
-    groups' keys under ``/torchft/{id}/``, so no id it used may name a new quorum); only the
-    id moves.
-
-    A quorum older than the latest known one changes nothing (every ordinary reconnection
-    reports one): the lighthouse never adopts an older past. A newer one arriving after this
-    lighthouse already issued quorums (a group that was slow to reconnect) only moves the id.
+    Two rules keep a restart safe. Ids never go backwards or repeat, since a group rebuilds its
+    process group only when the id changes. And the restored quorum's members count as heard
+    from now, so the first quorum after the restart is not issued to whichever group reconnects
+    first. A quorum with no members moves only the id; an older one changes nothing; a newer
+    one arriving after this lighthouse issued quorums only moves the id.
 
     Args:
         state: the lighthouse state to update.
@@ -253,21 +230,15 @@ def lost_members(state: LighthouseState, config: LighthouseConfig, now: float) -
 
 
 #: How the reason of a ``MemberLost`` notice about a group that gave up building its quorum's
-#: process group (``SessionRequest.gave_up``) begins, for the logs; the notice says so in its
-#: ``gave_up`` field. The group is alive: its own ranks abort their group for that quorum like
-#: any other rank, and its vote needs no doubt (the rank that gave up votes no).
+#: process group begins, for the logs (the notice's ``gave_up`` field says so too).
 GAVE_UP_REASON = "gave up building its process group"
 
 
 def left_out(state: LighthouseState, before: Quorum | None, issued: Quorum) -> list[str]:
     """Members of ``before`` that ``issued`` left out while they are alive and not asking.
 
-    Such a member is still at work in ``before`` (a long step, or a process-group build that
-    waits for a peer's address), but its peers have left that quorum for ``issued``: nothing it
-    waits on there will ever complete, and without a word it would wait for its own timeout. A
-    member is alive while its torchheal session lasts; one that is asking (a request the issue
-    put back) already left ``before`` and will be answered the next quorum. A reference peer
-    has no session and is never told (the reference tells nobody anything).
+    Such a member still waits on ``before``, where nothing will complete any more: told, it
+    need not wait for its own timeout. Reference peers have no session and are never told.
 
     Call it after ``issued`` was delivered (its left-out requesters put back).
 
@@ -294,8 +265,7 @@ def left_out(state: LighthouseState, before: Quorum | None, issued: Quorum) -> l
 def requeue(state: LighthouseState, member: QuorumMember, joined_at: float) -> None:
     """Put back a requester that an issued quorum left out, without counting a heartbeat.
 
-    The server calls this for each waiting request that was not in the quorum it received
-    (reference §4 step 3: "not in quorum, retrying"); the request keeps waiting for the next one.
+    As the reference's "not in quorum, retrying": the request waits for the next quorum.
 
     Args:
         state: the lighthouse state to update.
@@ -333,11 +303,8 @@ def forget_stale_heartbeats(
 ) -> list[str]:
     """Drop heartbeat entries at least ``older_than_s`` old, so the map stays bounded.
 
-    The reference never removes heartbeats, so a long-lived lighthouse grows without bound as
-    replicas come and go. A missing heartbeat and an expired one mean the same thing to
-    :func:`quorum_compute` (not healthy), so dropping entries older than the heartbeat timeout
-    changes no decision. The caller must therefore pass ``older_than_s`` >= the heartbeat
-    timeout; give ``config`` to have that checked.
+    A missing heartbeat and an expired one mean the same (not healthy), so dropping entries
+    older than the heartbeat timeout changes no decision; give ``config`` to have that checked.
 
     Args:
         state: the lighthouse state to prune.

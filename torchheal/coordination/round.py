@@ -1,27 +1,18 @@
 """One replica group's quorum round inside its manager server, as plain data (reference §5).
 
-Every rank of a replica group asks its manager server for a quorum each step; the server makes
-one lighthouse request for the whole group once all ranks have asked. The rules of that round
-live here, free of gRPC, threads and clocks (``now`` is passed in, in seconds):
+Every rank of a group asks its manager server for a quorum each step; the server makes one
+lighthouse request for the group once all ranks have asked. The rules, free of gRPC, threads
+and clocks (``now`` in seconds):
 
-* who is in the round: each rank's latest request, until its deadline passes or it leaves;
-* a rank whose deadline has passed no longer counts, even if its cancellation has not
-  arrived yet (counting it would start a round without the request that replaces it);
-* the round starts when every rank of the group is in; the *last* rank to arrive speaks for
-  the group (its ``shrink_only`` and ``commit_failures``), as in the reference, but the group's
-  step is its lowest rank's. The ranks of a group share their step, except after a heal that
-  failed on some ranks only: the reference would then let whichever rank came last decide
-  whether the group heals (and may send a rank's stale state to a healer); here the group
-  heals again, every rank of it;
-* the group's ``data`` is its rank 0's, whoever came last: rank 0's Manager alone reports the
-  group (its divergence-guard report, ``guard_report.py``);
-* a rank that leaves (its call was cancelled) before the round started is taken out, so its
-  stale request cannot complete a later round on its own;
-* :class:`RetryPolicy` says, after a failed lighthouse attempt, whether to try again and after
-  how long, or to give up and with which message.
+* each rank's latest request counts until its deadline passes or it leaves (a stale request
+  must not start or complete a round on its own);
+* the round starts when every rank is in; the last rank speaks for the group's ``shrink_only``
+  and ``commit_failures``, as in the reference, but the group's step is its lowest rank's, so a
+  heal that failed on some ranks makes the whole group heal again;
+* the group's ``data`` is its rank 0's (rank 0's Manager alone reports the group);
+* :class:`RetryPolicy` says, after a failed lighthouse attempt, whether and when to retry.
 
-The server (``group/server.py``) only carries requests, cancellations, time and lighthouse
-answers to these objects and delivers what they decide.
+The server (``group/server.py``) only carries requests, time and answers to these objects.
 """
 
 from __future__ import annotations

@@ -1,34 +1,18 @@
 """Whether the lighthouse may have dropped this group during its step, judged from inside.
 
-The lighthouse drops a group whose heartbeats stop for its heartbeat timeout, or whose session
-ends, and tells the other groups at once; they abort their collectives with it and redo the step
-without it. A group that was frozen (a stopped process, a stalled host, a long pause of its
-interpreter) does not know this when it wakes. Its collective may even complete, because its
-peers sent their data before it froze, and it would then commit a step that its peers redid
-without it. The reference has the same hole, reached after its 60 s collective timeout; failing
-fast makes it reachable after the heartbeat timeout.
+A group that was frozen past its heartbeat timeout does not know, when it wakes, that its peers
+redid the step without it; its collective may still complete, and it would commit a step they
+redid. :class:`Standing` keeps what the group saw since it last asked for a quorum, and
+:meth:`Standing.doubt` says whether it may have been dropped: a gap of at least ``limit_s`` (half
+the heartbeat timeout, leaving room for network delay) between two ticks of the loop that sends
+its heartbeats, such a gap still open now, or the lighthouse's own notice that it is lost.
 
-:class:`Standing` keeps what the group itself saw since it last asked the lighthouse for a
-quorum, and :meth:`Standing.doubt` says whether that is enough to have been dropped:
+Not counted: the lighthouse being unreachable, or the session ending with it. That is no stall
+of the group (its peers' collectives complete as its own does), and counting it would make every
+group heal at every lighthouse failover.
 
-* a gap of at least ``limit_s`` between two ticks of the event loop that sends the group's
-  heartbeats: the process (or its loop) was stalled, and its heartbeats with it. The limit is
-  half the lighthouse's heartbeat timeout, so that network delay cannot turn a shorter gap into
-  an expiry;
-* the same gap still open now: the process has just woken, and its loop has not run yet;
-* the lighthouse's own notice that this group is lost, unless it comes after the group asked
-  again (a notice the group missed while it had no session is told after its next Welcome).
-
-What is not counted: the lighthouse being unreachable (it restarts, a standby takes over, the
-network fails), and the group's session ending with it. Such an outage is not a stall of the
-group: its data reached its peers as early as theirs reached it, so their collectives complete
-as its own does, and a lighthouse that died has told nobody anything. Counting it would make
-every group of a job heal, or fail its step, at every failover of the lighthouse.
-
-The manager server asks at the commit vote and overrules a "commit" when there is doubt: the
-group does not commit the step, and at its next quorum it is behind and heals. A doubt that was
-not a drop costs that group one heal; a drop that was not doubted could cost the job a split in
-its weights. Plain data: the caller passes the time in, in seconds, and holds any lock.
+A doubt costs one heal; a drop not doubted could split the job's weights. Plain data: the caller
+passes the time in, in seconds, and holds any lock.
 """
 
 from __future__ import annotations

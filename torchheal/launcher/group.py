@@ -1,15 +1,10 @@
 """One start of one replica group: a torchrun-like job of K ranks on this machine.
 
-Each start (an *incarnation*) gets what torchrun's agent would give it: a fresh TCPStore on a
-free port, hosted here (``TORCHELASTIC_USE_AGENT_STORE=True``, so the ranks' own
-``init_process_group`` and torchheal's Manager both connect to it as clients), and per rank the
-variables torchrun sets (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``LOCAL_RANK``,
-``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ...), plus what torchheal needs (``TORCHHEAL_LIGHTHOUSE``,
-``REPLICA_GROUP_ID``, ``NUM_REPLICA_GROUPS``). A fresh store per start matters: a restarted
-group must not find the previous start's keys (its manager address, its replica id) there.
-
-The ranks' output is read line by line on one thread per rank and handed to the launcher
-through a queue, tagged with the group, the incarnation and the rank.
+Each start (an *incarnation*) gets what torchrun's agent would give it: a fresh TCPStore hosted
+here (``TORCHELASTIC_USE_AGENT_STORE=True``) and torchrun's per-rank variables, plus
+``TORCHHEAL_LIGHTHOUSE``, ``REPLICA_GROUP_ID`` and ``NUM_REPLICA_GROUPS``. The store is fresh so
+a restarted group never finds the previous start's keys. The ranks' output is read by one
+thread per rank and queued to the launcher, tagged with group, incarnation and rank.
 """
 
 from __future__ import annotations

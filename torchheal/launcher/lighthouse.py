@@ -8,6 +8,7 @@ reads the dashboard's status document for its progress line and its report.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from torchheal._base.security import SecurityEnv
@@ -17,6 +18,7 @@ from torchheal.coordination.lighthouse.dashboard import (
     DashboardServer,
     LighthouseRecorder,
 )
+from torchheal.coordination.lighthouse.dashboard.server import kill_replica
 from torchheal.launcher.progress import fetch_status
 
 __all__ = ["LocalLighthouse"]
@@ -34,8 +36,8 @@ class LocalLighthouse:
         token: the job token the dashboard's kill action needs (None: open).
         host: the address both listen on (loopback by default: the dashboard's kill action is
             open unless a token is set).
-        security: the lighthouse's job token and TLS settings (default: read from the
-            environment).
+        security: the job token and TLS settings of the lighthouse and of the dashboard's kill
+            calls (None: read from the environment here, once).
 
     Raises:
         RuntimeError: a port could not be bound.
@@ -51,6 +53,10 @@ class LocalLighthouse:
         host: str = "127.0.0.1",
         security: SecurityEnv | None = None,
     ) -> None:
+        security = SecurityEnv.from_env() if security is None else security
+        # The kill action calls managers with the lighthouse's settings, which a command's
+        # flags may have given without ever being in this process's environment.
+        self._kill = functools.partial(kill_replica, security=security)
         self._recorder = LighthouseRecorder()
         self.server = LighthouseServer(
             bind=f"{host}:0",
@@ -70,14 +76,17 @@ class LocalLighthouse:
         self._fetch = fetch_status(self.dashboard_url)
 
     def _dashboard(self, host: str, port: int | None, token: str | None) -> DashboardServer:
-        if port is not None:
-            return DashboardServer(self.server, self._recorder, host=host, port=port, token=token)
-        try:
+        def serve(port: int) -> DashboardServer:
             return DashboardServer(
-                self.server, self._recorder, host=host, port=DEFAULT_DASHBOARD_PORT, token=token
+                self.server, self._recorder, host=host, port=port, token=token, kill=self._kill
             )
+
+        if port is not None:
+            return serve(port)
+        try:
+            return serve(DEFAULT_DASHBOARD_PORT)
         except RuntimeError:  # 29511 is taken (another lighthouse, another demo): any port
-            return DashboardServer(self.server, self._recorder, host=host, port=0, token=token)
+            return serve(0)
 
     def status(self) -> dict[str, Any] | None:
         """The dashboard's status document (None when it cannot be read)."""

@@ -1,19 +1,12 @@
 """Local launcher: run N replica groups of K ranks, inject failures, restart the dead.
 
-This is what ``torchheal launch`` and ``torchheal demo`` use. Each replica group is a
-torchrun-like job of K ranks (``group.py``: a fresh TCPStore per start, torchrun's variables per
-rank, plus ``TORCHHEAL_LIGHTHOUSE``, ``REPLICA_GROUP_ID``, ``NUM_REPLICA_GROUPS``). The launcher
-reads every rank's output line by line; when any rank of a group dies, it ends the rest of the
-group (every process they started, see ``proctree.py``) and starts the group again, the way
-torchrun's ``--max_restarts`` would on a real cluster. Failures are injected with SIGKILL to the
-whole group, the harshest kind: no cleanup, sockets torn down by the kernel.
-
-A group that dies on its own before committing its first step, several starts in a row, is
-crash-looping (a typo, a missing variable, an unreachable lighthouse): the launcher stops and
-reports the cause with the group's last output lines instead of restarting it forever. A start
-has committed a step when it reports one (the ``@torchheal`` event lines of ``events.py``) or
-when the lighthouse's status shows it at a higher step than it first joined with (the status
-source is optional; without one, a start that stayed up ``startup_grace_s`` counts as started).
+Used by ``torchheal launch`` and ``torchheal demo``. Each group is a torchrun-like job of K ranks
+(``group.py``). When any rank dies the launcher ends the whole group (``proctree.py``) and starts
+it again, as torchrun's ``--max_restarts`` would; failures are injected as SIGKILL to the whole
+group. A group that dies before committing its first step several starts in a row is
+crash-looping: the launcher stops and reports its last output lines. A start has committed once
+it reports a step (``events.py``) or the lighthouse's status shows it past its first step
+(without a status source, once it stayed up ``startup_grace_s``).
 """
 
 from __future__ import annotations

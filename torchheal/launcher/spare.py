@@ -1,29 +1,16 @@
 """Warm spares: processes that have already imported torch, waiting to become a restarted rank.
 
-A restarted replica group loses seconds before its library code runs at all: the interpreter
-starts, ``import torch`` and the library's imports run, the first optimizer pulls in torch's
-compiler stack. No library code can shorten that, but a launcher can pay it *before* the
-failure. :class:`SparePool` keeps ``size`` spare processes started ahead of time
-(``python -m torchheal.launcher.spare_child``) that import the ``preload`` modules and then wait.
-When a rank must be (re)started, :meth:`SparePool.spawn` hands one of them the rank's identity
-(its argv, environment and working directory, as one JSON line on the spare's stdin); the spare
-takes it on and runs the script as ``__main__`` at once. The handle returned is the spare's own
-:class:`subprocess.Popen`: its pid is the rank's, ``wait()`` returns the script's exit status,
-``kill()`` ends the script, ``stdout`` carries its output. Without a usable spare (none started
-yet, it died, the command is not a Python script, or the environment differs where a spare
-cannot follow) :meth:`SparePool.spawn` starts the command cold, with the same pipes.
+A restarted group loses seconds to interpreter start and imports before any library code runs;
+a launcher can pay that before the failure. :class:`SparePool` keeps ``size`` spares
+(``python -m torchheal.launcher.spare_child``) that import the ``preload`` modules and wait.
+:meth:`SparePool.spawn` hands one the rank's argv, environment and working directory (one JSON
+line on its stdin) and returns the spare's own :class:`subprocess.Popen`, which from then on is
+the rank. Without a usable spare (``spare_command.py`` says when) it starts the command cold.
 
-Start the pool with the same base environment as the ranks, so that only per-rank variables
-(``RANK``, ``MASTER_PORT``, ``REPLICA_GROUP_ID``...) differ: a rank whose command or start-up
-variables a spare cannot take on starts cold (``spare_command.py`` says which). A taken spare's
-environment also carries ``TORCHHEAL_WARM_SPARE=1``, so a script (or a benchmark) can tell it
-started warm. The spare's process, fresh or forked, and its ready line are ``spare_process.py``.
-
-Where the platform allows (Linux), the pool does not start each spare as a fresh interpreter:
-it starts one *template* that preloads once, and forks spares from it
-(:mod:`~torchheal.launcher.spare_template`, :mod:`~torchheal.launcher.spare_fork`), so that a
-refill costs milliseconds of CPU instead of the seconds of ``import torch`` taken from the
-groups still training. A forked spare is handed its rank exactly as a fresh one is.
+Start the pool with the ranks' base environment, so only per-rank variables differ. A taken
+spare's environment carries ``TORCHHEAL_WARM_SPARE=1``. On Linux spares are forked from one
+preloaded *template* (:mod:`~torchheal.launcher.spare_template`,
+:mod:`~torchheal.launcher.spare_fork`), so a refill costs milliseconds, not an ``import torch``.
 
 Standard library only; nothing is pickled (JSON on a pipe).
 """

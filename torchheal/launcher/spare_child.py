@@ -2,26 +2,17 @@
 
     python [options] -m torchheal.launcher.spare_child --ready-fd N [--preload MOD ...]
 
-Started by :class:`torchheal.launcher.spare.SparePool` before it is needed. It imports the
-``--preload`` modules (torch, torchheal, the user's), writes one JSON line on file descriptor
-``N`` (``{"ready": true, "missing": [...], "s": seconds}``) and closes it, then blocks reading
-one JSON line from its stdin: the hand-over ``{"kind": "path"|"module", "target": ...,
-"argv": [...], "env": {...}, "cwd": ...}``. It then takes that identity, in this order: the
-working directory, the environment (``os.environ`` is replaced, so the script and every process
-it starts see exactly the group's variables), stdin (``/dev/null``, as a cold start's),
-``sys.argv`` and ``sys.path[0]`` (as the interpreter would have set them), and runs the script
-as ``__main__`` with :mod:`runpy`. From there it *is* the rank: same pid, the exit status is the
-script's, a signal ends it as it would end the script, its output goes to the pipe the launcher
-already reads.
+Started by :class:`torchheal.launcher.spare.SparePool`. It imports the ``--preload`` modules,
+writes one JSON line on file descriptor ``N`` (``{"ready": true, "missing": [...], "s":
+seconds}``), then reads the hand-over from stdin (``{"kind": "path"|"module", "target": ...,
+"argv": [...], "env": {...}, "cwd": ...}``), takes on the working directory, environment, stdin
+(``/dev/null``), ``sys.argv`` and ``sys.path[0]``, and runs the script as ``__main__``. From
+there it *is* the rank: same pid, same exit status, same output pipe.
 
-Only JSON crosses the pipe (nothing is unpickled); ``-c CODE`` is never handed over (running it
-would mean ``exec``), such commands start cold.
-
-The preload runs at idle CPU priority where the spare may take its normal priority back
-(:mod:`torchheal.launcher.spare_priority`). As soon as a hand-over (or the pool's end) is
-readable on stdin every thread of the process is set back to ``SCHED_OTHER``, by a small thread
-that waits for just that: a spare taken before it finished preloading finishes at full
-priority, instead of starving at idle.
+Only JSON crosses the pipe; ``-c CODE`` is never handed over (it would mean ``exec``). The
+preload runs at idle CPU priority (:mod:`torchheal.launcher.spare_priority`); a small thread
+restores normal priority as soon as a hand-over is readable, so a spare taken early does not
+starve.
 """
 
 from __future__ import annotations

@@ -1,16 +1,11 @@
 """Which ranks a warm spare can become: the command as Python reads it, and start-up variables.
 
-A spare runs the rank's script or module (never ``-c CODE``: that would take ``exec``) in an
-interpreter started earlier, so the rank must run the same interpreter with the same options
-(:func:`parse_python_command`, :func:`resolve_interpreter`). Some variables are read once, when
-the interpreter starts or a preloaded module is imported, and changing ``os.environ`` later has
-no effect: Python's own (``PYTHON*``: ``PYTHONPATH``, ``PYTHONUNBUFFERED``,
-``PYTHONHASHSEED``...), the locale (``LANG``, ``LC_*``), the dynamic loader's (``LD_*``), the
-thread pools' (``OMP_*``, ``MKL_*``, ``KMP_*``, ``GOMP_*``, ``OPENBLAS_*``: ``OMP_NUM_THREADS``
-above all) and a few of torch's (``TORCH_LOGS``, ``TORCH_CPP_LOG_LEVEL``,
-``TORCH_SHOW_CPP_STACKTRACES``). A rank whose environment differs from the spare's in any of
-those (:func:`startup_differences`) is started cold rather than wrongly. Variables read lazily
-(``CUDA_VISIBLE_DEVICES`` before CUDA is first used, ``NCCL_*``, ``TORCHHEAL_*``) are taken on.
+A spare runs the rank's script or module (never ``-c CODE``) in an interpreter started earlier,
+so the rank must use the same interpreter and options (:func:`parse_python_command`,
+:func:`resolve_interpreter`). Variables read once at start-up or import (``PYTHON*``, the locale,
+``LD_*``, the thread pools' ``OMP_*``/``MKL_*``/..., a few of torch's) cannot be changed later,
+so a rank whose environment differs in any of them (:func:`startup_differences`) starts cold.
+Variables read lazily (``CUDA_VISIBLE_DEVICES``, ``NCCL_*``, ``TORCHHEAL_*``) are taken on.
 """
 
 from __future__ import annotations

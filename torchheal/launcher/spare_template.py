@@ -2,30 +2,22 @@
 
     python [options] -m torchheal.launcher.spare_template --control-fd N [--preload MOD ...]
 
-Started by :class:`torchheal.launcher.spare.SparePool` (its launcher side is
-:mod:`torchheal.launcher.spare_fork`). A warm spare started as a fresh interpreter pays the whole
-``import torch`` again every time the pool refills after a restart: CPU taken
-from the groups still training, the moment they are recovering from the failure. The template
-pays it once. It imports the ``--preload`` modules at idle CPU priority (as
-:mod:`~torchheal.launcher.spare_child` does), says ``{"ready": ...}`` on the control socket (a
-``SOCK_SEQPACKET`` Unix socket, one JSON object per message), and then serves. When a fork of it
-would not be what a fresh spare is (the preload started a thread, or initialized CUDA), its ready
-message says why (``"unforkable"``) and it exits instead; the pool then starts spares fresh.
-Otherwise it serves:
+Started by :class:`torchheal.launcher.spare.SparePool` (launcher side:
+:mod:`torchheal.launcher.spare_fork`), so that refilling the pool does not pay ``import torch``
+again while groups recover. It preloads at idle CPU priority and says ``{"ready": ...}`` on the
+control socket (``SOCK_SEQPACKET``, one JSON object per message); if a fork would not be a
+faithful spare (the preload started a thread or initialized CUDA) it says ``"unforkable"`` and
+exits. Otherwise it serves:
 
-* ``{"fork": {"session": bool}}`` with three file descriptors (the spare's stdin, stdout and
-  stderr): forks a child that takes them as 0, 1 and 2, starts a session of its own when asked,
-  and is from then on exactly a spare that finished preloading: it waits for the hand-over on
-  its stdin and becomes the rank (:func:`torchheal.launcher.spare_child.serve`). The template
-  answers ``{"pid": P}``, or ``{"error": "..."}`` when it could not fork.
-* Each child's end as ``{"exit": P, "code": C}`` (``C`` as :attr:`subprocess.Popen.returncode`
-  reads it: negative for a signal), since only the template, their parent, can collect it.
+* ``{"fork": {"session": bool}}`` with three file descriptors (stdin, stdout, stderr): forks a
+  spare that waits for its hand-over (:func:`torchheal.launcher.spare_child.serve`); answers
+  ``{"pid": P}`` or ``{"error": "..."}``.
+* Each child's end as ``{"exit": P, "code": C}`` (``C`` as ``Popen.returncode``), since only the
+  template, their parent, can collect it.
 
-When the pool closes its end, the template forks nothing more; it exits once its last child
-ended (a rank that runs keeps its parent, and its exit status, until then). The template never
-starts a thread of its own: a fork copies only the thread that calls it.
-
-Only JSON crosses the socket (nothing is unpickled); file descriptors travel as ``SCM_RIGHTS``.
+When the pool closes its end it forks nothing more and exits after its last child. It never
+starts a thread (a fork copies only the calling thread). Only JSON crosses the socket; file
+descriptors travel as ``SCM_RIGHTS``.
 """
 
 from __future__ import annotations

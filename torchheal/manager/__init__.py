@@ -1,11 +1,7 @@
 """``torchheal.manager``: the per-step fault-tolerance lifecycle (the reference's public module).
 
-One step is ``start_quorum`` -> forward/backward with ``allreduce`` -> ``should_commit``:
-``start_quorum`` asks the replica group's manager server for a quorum (in the background when
-``use_async_quorum``), rebuilds the cross-replica process group when the quorum changed, and
-sends or receives the live state of a replica that is behind; ``allreduce`` sums over the
-participating replicas and divides by their count, recording a failure instead of raising it;
-``should_commit`` is the replica group's vote (any error anywhere in the group: nobody steps).
+One step is ``start_quorum`` -> forward/backward with ``allreduce`` -> ``should_commit`` (the
+replica group's vote: any error anywhere in the group, nobody steps).
 
 Where each job lives:
 
@@ -26,10 +22,8 @@ Where each job lives:
 * ``telemetry.py`` - the metrics and structured records the Manager reports.
 * ``log.py`` - the per-rank log prefix.
 
-This module keeps the reference's public names importable from ``torchheal.manager``, and the
-two its tests reach for: ``ManagerClient`` (patching ``torchheal.manager.ManagerClient``
-replaces the client every rank builds: ``endpoints.py`` looks the class up here) and
-``_ManagedWork`` (it lives in ``torchheal.work``).
+``ManagerClient`` is looked up here by ``endpoints.py`` so that tests can patch it, and
+``_ManagedWork`` (from ``torchheal.work``) is re-exported for the reference's tests.
 """
 
 from __future__ import annotations

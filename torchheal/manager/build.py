@@ -1,19 +1,11 @@
 """Wiring the Manager's parts: endpoints, logger, telemetry and the quorum thread's worker.
 
-:func:`build_parts` opens the replica group's endpoints (its store, manager server on group
-rank 0, client) and builds what talks to them, in the one order that cleans up after itself:
-if telemetry cannot start (a metrics port taken, OpenTelemetry missing), the endpoints already
-opened are closed before the error propagates. It also makes the two decisions that depend on
-what the lighthouse said at hello (the Manager only reads them):
-
-* heal beside the step's collectives (see :mod:`torchheal.manager.heal`): only with an
-  asynchronous quorum, a transport that says it ``runs_beside_collectives``, and a torchheal
-  lighthouse; a reference lighthouse drops a member that is late for the next round (its join
-  timeout), and a healer that loads after the round's allreduce is late by design;
-* warm up first: only with an asynchronous quorum (a synchronous one heals before computing
-  anyway) and when this group joined a job that was already running.
-
-Transports are duck-typed (any object with the methods), so their flags are read with
+:func:`build_parts` opens the group's endpoints and builds what talks to them, closing what it
+opened if a later part (telemetry) fails to start. It also makes the two decisions that depend on
+the lighthouse's hello, which the Manager only reads: heal beside the step's collectives (an
+asynchronous quorum, a transport that ``runs_beside_collectives`` and a torchheal lighthouse,
+since a reference one drops a healer that is late by design), and warm up first (an asynchronous
+quorum, joining a job already running). Transports are duck-typed, so their flags are read with
 ``getattr``.
 """
 
@@ -165,6 +157,7 @@ def build_parts(
         connect_timeout=timeouts.connect_timeout,
         quorum_retries=timeouts.quorum_retries,
         id_suffix=advertise(guard_set, uuid.uuid4().int),
+        security=settings.security,
     )
     machine = StepMachine(
         min_replica_size=min_replica_size,
@@ -182,7 +175,7 @@ def build_parts(
         endpoints.close()
         raise
     copies = needs_no_snapshot(transport)
-    fetch_metadata = metadata_over_grpc(timeouts.connect_timeout)
+    fetch_metadata = metadata_over_grpc(timeouts.connect_timeout, settings.security)
     if endpoints.reference_client:
         fetch_metadata = metadata_through(client_class(), timeouts.connect_timeout)
     recovery = Recovery(

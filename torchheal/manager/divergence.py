@@ -1,43 +1,22 @@
 """Whether the replica groups hold the same state, and who repairs when not: the guard (pure).
 
-Every participant of a quorum fingerprints the state it would send a healer (the shell,
-:mod:`torchheal.manager.fingerprint`) and the participants exchange their fingerprints in one
-small collective on the cross-replica process group (:mod:`torchheal.manager.guard`). This
-module decides everything around that exchange from plain data, with no torch, threads or
-clocks: when an exchange is due, the layout of the exchanged words, and the verdict.
+Participants fingerprint the state they would send a healer (:mod:`torchheal.manager.fingerprint`)
+and exchange fingerprints in one small collective (:mod:`torchheal.manager.guard`). This module
+decides, from plain data, when an exchange is due, the layout of its words, and the verdict.
 
-**When.** A collective hangs unless every member of the process group runs it, so the rule
-uses only what every member of the quorum knows alike (its id, its step, whether anyone heals
-in it, its members' replica ids) and never the outcome of a member's own exchange:
+**When.** A collective hangs unless every member runs it, so the rule uses only what every member
+of the quorum knows alike. An exchange runs only when every participant advertises the same
+settings in its replica id (:func:`advertise`, :func:`agreed`; a reference group advertises
+nothing), never in a step where someone heals (everyone would wait for the transfer), and then on
+the first step of each quorum id, the first step after a heal, and every ``interval``-th step.
 
-* only when every participant *advertises* the same settings: each Manager carries its
-  interval, policy and fingerprint format (:data:`FORMAT`) in the uuid part of its replica id
-  (:func:`advertise`), which every rank of every group receives with each quorum, through either
-  lighthouse and either manager server. A reference (torchft) group's replica id advertises
-  nothing, so a quorum with one, or with a group built with other settings (the guard off
-  included), runs no exchange at all: nobody is ever asked to join a collective its peers do
-  not run (:func:`agreed`);
-* never in a step where someone heals: the healer receives its state beside the step's
-  collectives, and an exchange would make every other member wait for its transfer;
-* the first step of every quorum id where nobody heals (a newcomer's state, or a heal in the
-  previous quorum, is compared at once);
-* the first step after a heal (the healer's first commit on its new state), and every
-  ``interval``-th step.
+**Who.** Members at the quorum's step that could read their state; each rank compares its shard
+with the same rank of the other groups.
 
-**Who is compared.** A member whose step is the quorum's step after its heal (so not a healer
-whose load failed, not a torn one) and that could read its state. Ranks of a group compare
-their own shard with the same rank of the other groups (the process group connects those).
-
-**The verdict.** Members with equal fingerprints form classes. The reference class is the
-largest; among classes of equal size (two groups that disagree, or no majority at all), the
-one whose members healed least recently (never healed counts as oldest), then the one with the
-lowest participating rank. So with two groups the group that healed most recently yields to
-the other (its heal is the likeliest cause), and with neither healed the higher rank yields.
-Every member computes the same verdict from the same words. Members outside the reference
-class *repair* (``repair``: they vote no on the step that takes the verdict, the next one, since
-the exchange runs beside it; they fall one step behind, and the next quorum heals them from a
-member at the quorum's step, which the reference class holds), or every member that sees the
-mismatch stops (``stop``), or it is only reported (``warn``).
+**The verdict.** The largest class of equal fingerprints is the reference; ties go to the class
+that healed least recently (its heal is the likeliest cause), then to the lowest rank. Members
+outside it ``repair`` (vote no on the next step and heal from the reference class), ``stop``, or
+only ``warn``.
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ from datetime import timedelta
 
 from torch.distributed import TCPStore
 
+from torchheal._base.security import SecurityEnv
 from torchheal.coordination.clients.manager_client import ManagerClient
 from torchheal.coordination.convert import notice_from_pb
 from torchheal.coordination.group.server import ManagerServer
@@ -51,10 +52,8 @@ REPLICA_ID_KEY: str = "replica_id"
 #: ``"{session}{joined_running}"`` as two "0"/"1" characters, published by group rank 0 so every
 #: rank of the group takes the same decisions (background transfers, a warm-up step).
 LIGHTHOUSE_MODE_KEY: str = "torchheal_lighthouse_mode"
-#: The last quorum id the group built a process group for, kept in its store (which torchrun
-#: keeps across restarts of the group, with the builds' keys under ``/torchft/{id}/``): a
-#: restarted group reports it, so a lighthouse restarted without a record of its own never
-#: issues one of those ids again (issue 40, bug 3).
+#: The last quorum id the group built a process group for, kept in its store (which outlives
+#: restarts of the group): reported so a restarted lighthouse never issues one of those ids again.
 LAST_QUORUM_KEY: str = "torchheal_last_quorum_id"
 
 
@@ -170,10 +169,8 @@ class GroupEndpoints:
         """Calls ``listener(notice)`` for every lost-member notice, decoded as this group hears
         it (``convert.notice_from_pb``).
 
-        The lighthouse sends a notice when a group of the current quorum is gone (its session
-        ended, or its heartbeat expired). Group rank 0 hears it in-process from its server;
-        the other ranks watch the server over gRPC on a daemon thread, which watches again
-        after a break until :meth:`close`. Nothing arrives with a reference lighthouse.
+        Group rank 0 hears notices in-process; other ranks watch the server over gRPC on a
+        daemon thread until :meth:`close`. Nothing arrives with a reference lighthouse.
 
         Args:
             group_rank: this rank's index in the group.
@@ -265,6 +262,7 @@ def open_endpoints(
     connect_timeout: timedelta,
     quorum_retries: int,
     id_suffix: str | None = None,
+    security: SecurityEnv,
 ) -> GroupEndpoints:
     """Connects to the group's store; group rank 0 starts the manager server; all connect to it.
 
@@ -284,6 +282,8 @@ def open_endpoints(
         id_suffix: the uuid appended to the name (group rank 0; a fresh ``uuid4`` when None):
             the Manager's carries its divergence guard settings
             (:func:`~torchheal.manager.divergence.advertise`).
+        security: the Manager's job token and TLS settings, for its server and its client
+            (a replaced client class is built as the reference's, without them).
 
     Raises:
         ValueError: group rank 0 has no lighthouse address.
@@ -314,6 +314,7 @@ def open_endpoints(
             connect_timeout=connect_timeout,
             quorum_retries=quorum_retries,
             last_quorum_id=last_quorum_id,
+            security=security,
         )
         mode = f"{int(server.session_mode)}{int(server.joined_running_job)}"
         store.set(LIGHTHOUSE_MODE_KEY, mode)  # before the address, which the others wait for
@@ -322,7 +323,10 @@ def open_endpoints(
     client_cls = client_class()
     try:
         address = store.get(MANAGER_ADDR_KEY).decode("utf-8")
-        client = client_cls(address, connect_timeout=connect_timeout)
+        if client_cls is ManagerClient:
+            client = ManagerClient(address, connect_timeout=connect_timeout, security=security)
+        else:  # the reference's signature: a replacement may not take torchheal's settings
+            client = client_cls(address, connect_timeout=connect_timeout)
         replica_id = store.get(REPLICA_ID_KEY).decode("utf-8")
         # A torchheal rank 0 sets the mode before the address, so it is there by now; a
         # reference rank 0 never sets it (its group runs as the reference's would).

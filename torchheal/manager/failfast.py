@@ -1,19 +1,12 @@
 """Failing fast: abort the cross-replica process group the moment a group it connects is lost.
 
 What each lighthouse notice does is decided in :class:`~torchheal.manager.machine.Connection`;
-:class:`ConnectedQuorum` does it. Without it a collective blocked on a frozen or dead group
-would fail only at its timeout: the abort fails it now (and with it the step), a later
-collective of the step fails without being sent, and the next quorum rebuilds the group. A
-step whose collectives had all completed still commits (its results include the lost group's
-contribution, the same on every survivor). The abort also ends whatever is still pending in
-that configuration (:attr:`ConnectedQuorum.expiry`): Gloo does not always wake a receive of a
-group woken from a freeze when its peer's connection closes.
-
-A notice during a build (the lost group died before publishing its rendezvous address) cuts the
-build's connection to the rendezvous store and tells the process group to give up that
-connection (``abandon_configure``): the lost group may host the store, frozen, and c10d's
-client retries a cut connection until its timeout. A build that fails on its own is reported
-(``gave_up``): the lighthouse tells the other groups, whose builds then end the same way.
+:class:`ConnectedQuorum` does it. Without it a collective blocked on a lost group fails only at
+its timeout; the abort fails it now, and ends whatever is still pending in that configuration
+(:attr:`ConnectedQuorum.expiry`), since Gloo does not always wake such a receive. A step whose
+collectives all completed still commits. A notice during a build cuts the build's store
+connection (``abandon_configure``: the lost group may host the store, frozen); a build that
+fails on its own is reported (``gave_up``) so the other groups' builds end too.
 """
 
 from __future__ import annotations

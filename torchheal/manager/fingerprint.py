@@ -1,24 +1,13 @@
 """Fingerprints of the state a healer would receive: per key, per tensor, on the tensor's device.
 
-A tensor's fingerprint is two integers modulo 2**64 over its bytes read as integer words (signed
-int64 where its size allows, else int32, int16, or unsigned bytes; which depends on its size
-only, not on where it lies in memory): their sum, and the sum of its blocks of
-:data:`BLOCK` words weighted by odd numbers (``2i + 1`` for block ``i``). Flipping bit ``k`` of
-one word changes the word by ``±2**k`` and so both sums by a non-zero amount (an odd weight
-times ``2**k`` is never a multiple of ``2**64``): any single flipped bit is caught, which a
-float sum would not guarantee (``x + tiny`` rounds back). The weighted sum also catches blocks
-moved or swapped; words permuted within one block are not caught (the price of one pass over
-the tensor instead of two).
+A tensor's fingerprint is two integers modulo 2**64 over its bytes read as integer words (the
+word size depends on its size only): their sum, and the sum of its :data:`BLOCK`-word blocks
+weighted by odd numbers. Any single flipped bit changes both (an odd weight times ``2**k`` is
+never a multiple of ``2**64``), which a float sum would not guarantee; moved blocks are caught
+too, words permuted within a block are not. The work is fused over all tensors of a device (one
+pass over their bytes), so a model with many tensors does not pay many small operations each.
 
-The work is fused over all the tensors of one device, so its cost is one pass over their bytes
-plus a few operations, not a dozen small operations per tensor (a model with a thousand tensors
-would pay them a thousand times, in Python on a CPU and in kernel launches on a GPU): each
-tensor's block sums are written straight into one shared vector (one reduction per tensor, no
-copy of the tensor), then one multiplication by the cached odd weights and two indexed sums give
-every tensor's pair, and one small vector is copied to the host.
-
-Plain values (an optimizer's learning rate, a scheduler's counters, strings) are hashed from
-their ``repr``. A sharded ``DTensor`` is fingerprinted by its local shard.
+Plain values are hashed from their ``repr``; a sharded ``DTensor`` by its local shard.
 """
 
 from __future__ import annotations

@@ -1,23 +1,13 @@
 """The divergence guard's shell: fingerprints the state, moves the words, does the verdict.
 
 What to compare, when, and who repairs is decided in :mod:`torchheal.manager.divergence`
-(pure); this module runs on the training thread in ``should_commit`` before the vote (every
-member of the quorum is at the quorum's step then, a healer's state loaded), and
-
-* runs only when every participant of the quorum advertises the same settings in its replica
-  id (:func:`~torchheal.manager.divergence.agreed`: a reference group, or a group with other
-  settings or the guard off, turns it off for that quorum before any collective),
-* fingerprints the state a healer would receive (:mod:`torchheal.manager.fingerprint`),
-* exchanges it in one SUM allreduce of a fixed-size int64 vector on the cross-replica process
-  group, each member writing its words in its own slot (its index in the group) and zeros
-  elsewhere: nothing new on any wire, so it works with either lighthouse. The exchange runs
-  beside the next step, whose vote takes its verdict: no group waits for the slower one at a
-  compared step (the price: a group that differs votes no one step later),
-* reports a mismatch (an ERROR line naming groups, step and keys; counters) and does what the
-  policy says: under ``repair`` a rank outside the reference class fails the step that takes
-  the verdict like a torn replica (``StepMachine.must_repair``), so its group falls one step
-  behind and the next quorum heals it; under ``stop`` every rank that sees the mismatch raises
-  after its vote.
+(pure). This module runs on the training thread in ``should_commit`` before the vote, when every
+member is at the quorum's step. It fingerprints the state (:mod:`torchheal.manager.fingerprint`)
+and exchanges it in one SUM allreduce of a fixed-size int64 vector (each member in its own slot),
+so nothing new crosses any wire. The exchange runs beside the next step, whose vote takes its
+verdict, so no group waits at a compared step. A mismatch is logged and counted; under
+``repair`` a rank outside the reference class fails the next step (``StepMachine.must_repair``)
+and heals, under ``stop`` it raises after its vote.
 """
 
 from __future__ import annotations
@@ -156,9 +146,8 @@ class DivergenceGuard:
         """Training thread, before the vote: takes the verdict of the last exchange and acts on
         it, then starts this step's exchange when one is due.
 
-        The exchange runs beside the next step (its verdict is taken at the next step's vote,
-        when it has long arrived): waiting for it here would make the faster group wait for the
-        slower at every compared step. So a group that differs votes no one step later.
+        The exchange runs beside the next step, so the faster group never waits for the slower;
+        a group that differs votes no one step later.
 
         Args:
             pg_errored: the process group reported an error this step (it is not asked again).

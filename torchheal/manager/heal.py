@@ -1,39 +1,19 @@
 """A replica's heal, on the training thread's side: what arrived, when to load it, the warm-up.
 
-The quorum thread works out who heals and moves the state
-(:class:`~torchheal.manager.quorum_worker.QuorumWorker`); :class:`HealStep` keeps the result
-until the training thread can use it. The user's ``load_state_dict`` runs only on the training
-thread (a deliberate difference from the reference, whose quorum thread loads during the forward
-pass and breaks FSDP2/DTensor models): with a synchronous quorum it is loaded in
-``start_quorum``, with an asynchronous one in ``should_commit``.
+The quorum thread decides who heals and moves the state
+(:class:`~torchheal.manager.quorum_worker.QuorumWorker`); :class:`HealStep` keeps the result until
+the training thread loads it, in ``start_quorum`` or (asynchronous quorum) ``should_commit``.
+Loading only on the training thread is a deliberate difference from the reference, whose quorum
+thread loads during the forward pass and breaks FSDP2/DTensor models.
 
-Healing beside the step's collectives (with a torchheal lighthouse and a transport that does
-not use the process group, HTTP by default): a healer contributes zeros to its heal step's
-reductions, so its transfer runs on a transfer thread while the collectives go on, and
-``should_commit`` waits for it (:meth:`HealStep.settle`) before loading. A transfer that
-outlives the manager's timeout fails the step; what it delivers later is dropped.
+A healer may receive beside the step's collectives (contributing zeros); ``should_commit`` waits
+for the transfer (:meth:`HealStep.settle`). A replica at step 0 that never committed receives
+straight into its own tensors; if that fails part way it is *torn* (``StepMachine.torn``) until a
+later heal succeeds. A group that (re)starts into a running job takes its first, slowest step
+alone (the warm-up), so the others do not wait for it in the collectives.
 
-Receiving in place: a replica at step 0 that has never committed (a restarted group) holds
-nothing worth keeping, so its heal receives straight into its own tensors (no fresh memory, no
-copy when loading; ``StepRequest.heal_in_place``). If that receive fails part way, its tensors
-hold a mix of old and unverified bytes: the replica is *torn* (``StepMachine.torn``) until a
-later heal succeeds. A torn replica never commits a step it did not heal in, except when the
-plan makes it the source at step 0 (its source died mid-transfer, so every survivor is torn):
-its state becomes the job's initial state.
-
-The warm-up: a group that (re)starts into a running job takes its first step alone. A restarted
-process's first iteration is its slowest (allocations, autograd and DDP warm-up); taken inside a
-quorum, every other group would wait for it in the step's collectives. So that step joins no
-quorum: its collectives are local no-ops, it counts no participant, and ``should_commit``
-returns False without voting (nothing is applied, the step counter stays). The next step joins
-the quorum and heals at full speed. It is decided once, from the lighthouse's welcome (a
-torchheal lighthouse that had issued a quorum before this group said hello), so it is the same
-on every rank of the group.
-
-What a heal decides (healing, torn, the warm-up, the counters) is the step machine's
-(:class:`~torchheal.manager.machine.StepMachine`); :class:`HealStep` does the waiting and the
-loading. It knows nothing of servers or process groups; it is tested with plain futures and a
-small host (``tests/manager/test_heal_unit.py``).
+The decisions are the step machine's (:class:`~torchheal.manager.machine.StepMachine`);
+:class:`HealStep` only waits and loads.
 """
 
 from __future__ import annotations

@@ -153,9 +153,9 @@ class StepMachine:
         """The step's quorum is known, with this replica's part and whether it heals.
 
         Returns:
-            True when a torn replica became the source at step 0: nothing trained yet, its
-            state is as good an initial state as any and the others sync to it (refusing would
-            bring the same plan back every round: issue 40, bug 2). It is no longer torn.
+            True when a torn replica became the source at step 0: nothing trained yet, so its
+            state is as good as any (refusing would bring the same plan back every round). It
+            is no longer torn.
         """
         self.participation = participation
         untorn = self.torn and not healing and max_step == 0
@@ -316,19 +316,14 @@ class Connection:
     def on_notice(self, notice: Notice, step: int = 0) -> list[Action]:
         """What a lighthouse notice does (the one place), to a rank at ``step``.
 
-        * ``lost`` (or a rank of ours gave that build up): a heal from that group ends; a build
-          of that quorum with it is abandoned, and a group built for it is aborted: ours will
-          never run with the others (they abandon theirs too).
-        * ``dropped`` (this group, frozen past its heartbeat timeout or its session ended): the
-          peers redid the step without it, so its build for that quorum is abandoned and its
-          group aborted; none of its collectives there can count.
-        * ``superseded`` (left out of a newer quorum while at work in this one): a build of
-          that quorum is abandoned, but a group already built is kept: its peers completed the
-          step with it before moving on, so its collectives complete and its step commits.
-        * ``lost`` by a goodbye between steps, after committing the step this rank is in
-          (``steps_done > step``): its data of that step was sent, so the group is kept too and
-          the step completes as it would have (a group whose job ends first does not fail its
-          peers' last step).
+        * ``lost`` (or a rank of ours gave that build up): a heal from that group ends, a build
+          of that quorum is abandoned and a group built for it aborted.
+        * ``dropped`` (this group): the peers redid the step without it, so its build is
+          abandoned and its group aborted.
+        * ``superseded``: a build is abandoned, but a built group is kept (its peers completed
+          the step with it).
+        * ``lost`` by a goodbye after committing this rank's step (``steps_done > step``): the
+          group is kept, so a group whose job ends first does not fail its peers' last step.
         """
         kind, replica, quorum = notice.kind, notice.replica_id, notice.quorum_id
         self._remember_lost(replica, quorum)  # a build of that quorum that starts later fails

@@ -140,7 +140,9 @@ class Manager(ManagerCollectives, ManagerUserState, ReferenceViews):
         self._use_async_quorum = use_async_quorum
 
         if checkpoint_transport is None:
-            checkpoint_transport = HTTPTransport(timeout=self._timeout, num_chunks=0)
+            checkpoint_transport = HTTPTransport(
+                timeout=self._timeout, num_chunks=0, security=settings.security
+            )
 
         self._pg = pg
         parts = build_parts(

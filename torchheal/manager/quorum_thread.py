@@ -1,21 +1,13 @@
 """The thread a step's quorum runs on, and the future the training loop waits on.
 
-With an asynchronous quorum, ``start_quorum`` hands the step's quorum to the background and
-returns; the training loop meets the result in ``wait_quorum`` (directly, or through a
-collective or a participation query). A quorum error is raised to the training loop exactly
-once: either when something waits for it, or else at the next ``start_quorum``, so an error
-nobody waited for is not lost and one already seen is not raised twice.
+With an asynchronous quorum, ``start_quorum`` hands the quorum to the background and the loop
+meets the result in ``wait_quorum``. A quorum error is raised exactly once: when something waits
+for it, or else at the next ``start_quorum``.
 
-Where the quorum can be asked for without waiting (group rank 0, whose manager server lives in
-its process: :meth:`QuorumWorker.start <torchheal.manager.quorum_worker.QuorumWorker.start>`),
-the training thread sends the request itself and no thread stands between it and the answer:
-a step whose quorum is the last one again, with nobody to heal, is finished where the answer
-lands (the server's loop thread: working out the participation, a few dozen microseconds).
-Only a step with work that may wait (rebuilding the process group, moving state) goes on to
-the quorum thread. Every Python thread that wakes up during the forward pass takes the GIL
-from the training thread; on a busy machine each hand-off can cost a scheduling slice, and
-the two hand-offs of the quorum thread per step were measurable. Other ranks ask over gRPC,
-on the quorum thread (:meth:`QuorumWorker.run`), as before.
+On group rank 0, whose manager server is in-process, the training thread sends the request
+itself (:meth:`QuorumWorker.start <torchheal.manager.quorum_worker.QuorumWorker.start>`) and a
+step with nothing to rebuild or move is finished where the answer lands: every thread hand-off
+takes the GIL from the training thread. Other ranks ask over gRPC on the quorum thread.
 """
 
 from __future__ import annotations

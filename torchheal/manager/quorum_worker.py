@@ -1,21 +1,14 @@
 """What the quorum thread does for one step, returned as data for the Manager to apply.
 
-:meth:`QuorumWorker.run` joins the replica group's quorum round, works out this replica's part
-in the step (:func:`~torchheal.coordination.plan.participation`), rebuilds the cross-replica
-process group when the quorum changed, and sends or receives state through
-:class:`~torchheal.manager.recovery.Recovery`. It writes nothing of the Manager's: it returns
-a :class:`QuorumOutcome` (the quorum, the participation, whether the group was rebuilt, what
-arrived, what failed), and the Manager alone updates its step, quorum id and healing status
-from it. A quorum RPC error is raised (the training loop must see it); every other failure is
-collected in the outcome (it makes the step not commit).
+:meth:`QuorumWorker.run` joins the group's quorum round, works out this replica's part
+(:func:`~torchheal.coordination.plan.participation`), rebuilds the process group when the quorum
+changed, and moves state through :class:`~torchheal.manager.recovery.Recovery`. It writes
+nothing of the Manager's: it returns a :class:`QuorumOutcome`, which the Manager alone applies.
+A quorum RPC error is raised; every other failure is collected in the outcome.
 
-The transfer runs either inside the quorum work (the step's collectives wait for it, as in the
-reference) or, when the request says ``background``, beside the step's collectives on a
-transfer thread: the outcome then carries a future of its :class:`Transfer`, which the Manager
-waits for in ``should_commit``. A healer contributes zeros to the step's reductions either way,
-so its peers need not wait for its transfer; and a source stages a private copy, so its own
-collectives need not wait for the copy either. The healer's source's metadata is fetched while
-the process group is being rebuilt.
+With ``background`` the transfer runs beside the step's collectives on a transfer thread (the
+outcome carries its future, awaited in ``should_commit``); a healer contributes zeros either way,
+so its peers need not wait for its transfer.
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ from typing import Any
 
 import grpc
 
+from torchheal._base.security import SecurityEnv
 from torchheal._wire import methods
 from torchheal._wire import torchft_pb2 as pb
 from torchheal.checkpointing import CheckpointTransport
@@ -42,16 +43,15 @@ class SourceLostError(RuntimeError):
     """The source of a heal was lost while its metadata was being fetched."""
 
 
-def metadata_over_grpc(connect_timeout: timedelta) -> MetadataFetcher:
+def metadata_over_grpc(connect_timeout: timedelta, security: SecurityEnv) -> MetadataFetcher:
     """A fetcher that asks the source's ManagerServer (a fresh channel per heal, closed after).
 
-    The call runs on grpc's asyncio stack, on an event loop of its own: the first call of a
-    fresh blocking channel completes through grpc's channel-spin thread, which in a busy
-    process (training, a process group being rebuilt) was measured handing the answer over
-    ~200 ms after it had arrived, its polling period. The asyncio call has no such hand-over.
+    The call runs on grpc's asyncio stack, on an event loop of its own: a fresh blocking
+    channel's first answer can arrive a polling period late in a busy process (docs/failures.md).
 
     Args:
         connect_timeout: how long to try to reach the source's server.
+        security: the job token and TLS settings of the channel (the Manager's).
     """
 
     def fetch(
@@ -60,7 +60,7 @@ def metadata_over_grpc(connect_timeout: timedelta) -> MetadataFetcher:
         timeout: timedelta,
         cancelled: threading.Event | None = None,
     ) -> str:
-        request = _fetch_metadata(address, group_rank, timeout, connect_timeout)
+        request = _fetch_metadata(address, group_rank, timeout, connect_timeout, security)
         if cancelled is None:
             return asyncio.run(request)
         return asyncio.run(_unless(request, cancelled, address))
@@ -95,10 +95,14 @@ async def _unless(request: Any, cancelled: threading.Event, address: str) -> str
 
 
 async def _fetch_metadata(
-    address: str, group_rank: int, timeout: timedelta, connect_timeout: timedelta
+    address: str,
+    group_rank: int,
+    timeout: timedelta,
+    connect_timeout: timedelta,
+    security: SecurityEnv,
 ) -> str:
     method = methods.MANAGER_CHECKPOINT_METADATA
-    channel = await aio_connect(address, connect_timeout)
+    channel = await aio_connect(address, connect_timeout, security)
     try:
         call = channel.unary_unary(
             method.path,

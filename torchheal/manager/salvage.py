@@ -1,37 +1,15 @@
 """Salvaging the step in flight when a replica group dies during its collectives.
 
-Without salvage, a group lost in the middle of a step costs every survivor that step: the
-fail-fast abort makes its allreduces fail, the step does not commit, and the forward and
-backward pass it took are thrown away (the reference's "skip the step in flight"). With it,
-each allreduce's input is kept (a copy into a buffer reused from step to step), and a step
-whose process group was aborted for a lost group is not given up: ``should_commit`` asks for a
-new quorum of the same step (shrink only: nobody joins), which the lighthouse forms without the
-lost group at once, and the step's allreduces run again from their kept inputs, into the same
-tensors, averaged over the new quorum's participants. The step then commits as if the lost
-group had not been in it.
+Without salvage, survivors throw away the step a lost group was in. With it, each allreduce's
+input is kept (one copy, reused from step to step), and a step aborted for a lost group asks
+for a shrink-only quorum of the same step and runs its allreduces again from the kept inputs,
+then commits as if the lost group had not been in it. The training loop must read allreduced
+tensors only after ``should_commit``, as torchheal's DDP wrappers do; otherwise leave it off.
 
-What it costs: a copy of every allreduced tensor per step (on an accelerator, a device copy;
-on a CPU, a pass over the gradients), and the memory of one copy. What it asks of the training
-loop: every tensor given to ``allreduce`` is read only after ``should_commit`` (the optimizer
-reads the gradients in place), as torchheal's ``DistributedDataParallel`` (with its default
-``gradient_as_bucket_view=True``) and ``PureDistributedDataParallel`` do. A loop that copies a
-reduced tensor elsewhere before voting would read the failed step's garbage: leave salvage off.
-
-Consistency with survivors that did not need it: a survivor whose collectives all completed
-before the loss commits the step as usual (with the lost group's contribution) and asks for
-the next step's quorum. A salvaging survivor in the same quorum is then behind it, so the
-quorum makes it heal from that survivor: its collectives run again as a healer's (zeros), it
-loads the healthy survivor's state and commits the step the others are at. Either way every
-survivor ends the step with the same state.
-
-In a replica group of several ranks, every rank redoes the step or none does: a rank whose
-step failed salvageably votes "no, but a redo would cure it" (a torchheal-only field of the
-group's vote), and when every "no" of the round says so, the manager server answers "redo" to
-all the group's ranks, which redo the step together (those whose own step went well too, from
-their kept inputs) and vote again. A group of one rank goes the same way (its own vote
-decides). :func:`~torchheal.manager.machine.salvage_refusal` is the rule, in the step machine. Only the lighthouse's word
-that a group is lost (the process group's fail-fast abort) starts a salvage, never a
-collective's error alone: a new quorum cures a lost group, not a flaky link.
+A survivor that completed the step before the loss commits it as usual; a salvaging survivor in
+the same quorum is then behind and heals from it, so all end with the same state. All ranks of
+a group redo the step or none does (:func:`~torchheal.manager.machine.salvage_refusal`). Only
+the lighthouse's word that a group is lost starts a salvage, never a collective's error alone.
 """
 
 from __future__ import annotations

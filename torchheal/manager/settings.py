@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 from torchheal._base.launch_env import TorchrunEnv
@@ -20,6 +20,7 @@ from torchheal._base.manager_timeouts import (
     TimeoutBudgetWarning,
     timeout_budget_problems,
 )
+from torchheal._base.security import SecurityEnv
 
 __all__ = ["ManagerSettings"]
 
@@ -36,6 +37,9 @@ class ManagerSettings:
         store_port: its port.
         lighthouse_addr: the lighthouse (only group rank 0 needs it).
         port: group rank 0's manager server port (0: ephemeral).
+        security: the job token and TLS settings of every endpoint this rank opens or calls
+            (its manager server and client, heal metadata requests, the default checkpoint
+            transport).
     """
 
     timeouts: ManagerTimeouts
@@ -45,6 +49,7 @@ class ManagerSettings:
     store_port: int
     lighthouse_addr: str | None
     port: int
+    security: SecurityEnv = field(default_factory=SecurityEnv)
 
     @classmethod
     def resolve(
@@ -107,4 +112,5 @@ class ManagerSettings:
             store_port=int(store_port or torchrun.require("master_port", "store_port")),
             lighthouse_addr=lighthouse_addr or env.lighthouse,
             port=port if port is not None else (env.manager_port or 0),
+            security=SecurityEnv.from_env(environ),
         )

@@ -1,21 +1,12 @@
 """What a Manager reports about itself: Prometheus counters and the reference's log records.
 
-The Manager calls a :class:`Telemetry` at a few points of the step: a quorum was applied, the
-commit vote was decided, the training thread waited for the quorum, an error was reported, an
-allreduce failed, the process group was aborted; heals and sends are timed by wrapping the
-recovery part (:meth:`Telemetry.recovery`). From these it
-
-* updates :class:`~torchheal.metrics.trainer.TrainerStats` (served on ``/metrics`` by group
-  rank 0 when ``TORCHHEAL_METRICS_PORT`` is set; nothing is served by default), and
-* writes the reference's structured records, same logger names and fields, empty message:
-  ``torchft_quorums`` (job_id, replica_id, rank, quorum_id, step) on every new quorum id, and
-  ``torchft_commits`` (job_id, replica_id, rank, quorum_id, step, commit_result) on every
-  vote. (``torchft_errors`` is written by the process group when it aborts, as in the
-  reference.) With ``TORCHFT_USE_OTEL`` on, the records are exported by :mod:`torchheal.otel`.
-
-Per step this costs a few integer additions, a histogram bucket and one ``isEnabledFor``
-check per record (cached by ``logging``): the record's fields are built only when someone
-listens.
+The Manager calls a :class:`Telemetry` at a few points of the step (quorum applied, vote
+decided, errors, aborts; heals timed through :meth:`Telemetry.recovery`). It updates
+:class:`~torchheal.metrics.trainer.TrainerStats` (served on ``/metrics`` by group rank 0 when
+``TORCHHEAL_METRICS_PORT`` is set) and writes the reference's structured records with the same
+logger names and fields: ``torchft_quorums`` on every new quorum id and ``torchft_commits`` on
+every vote (exported by :mod:`torchheal.otel` with ``TORCHFT_USE_OTEL``). A record's fields are
+built only when someone listens.
 """
 
 from __future__ import annotations

@@ -188,12 +188,8 @@ class ProcessGroup(dist.ProcessGroup):
     def abandon_configure(self) -> None:
         """Gives up the store connection of a :meth:`configure` in progress on another thread.
 
-        A member of the quorum being built is lost, and it may host the rendezvous store frozen:
-        the connection would wait for it until the group's timeout. Once its connection is cut
-        (``manager.failfast`` does that), the configure then fails at once instead of trying
-        again. A configure that is connected already goes on (its rendezvous fails on the cut);
-        Gloo's, past its rendezvous, also stops waiting for peers that gave the build up
-        (``gloo_sockets.end_pair_connects``).
+        A lost member may host the rendezvous store, frozen; once ``manager.failfast`` cuts the
+        connection, the configure fails at once instead of trying again until its timeout.
         Safe from any thread; a no-op in the base, and when no configure is in progress.
         """
 

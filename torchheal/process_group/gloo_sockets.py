@@ -146,20 +146,12 @@ def new_listeners(before: frozenset[int]) -> list[tuple[str, int]]:
 def end_pair_connects(listeners: list[tuple[str, int]], world_size: int) -> None:
     """Ends at once the waits of a Gloo group being built for peers that will not connect.
 
-    Of the two ranks of a pair, Gloo makes the one with the lower address listen and the other
-    connect and write a sequence number the listener told it (through the store), by which the
-    listener hands the connection to the pair that waits for it. A listening pair waits for its
-    peer until Gloo's connect timeout (five times the group's timeout, measured with torch 2.13:
-    20 s for a group of 4 s, so 300 s for the Manager's 60 s), and nothing else ends that wait:
-    cutting connections cannot, there is none yet. Its peer may never come: it gave the build up
-    (its store connection was cut) or died after it published its address.
-
-    So, for a build being given up, this process connects to each of the build's listening
-    sockets (:func:`new_listeners`), writes every sequence number the group can use (Gloo's are
-    below ``world_size``) and hangs up at once. Each waiting pair is handed a connection its
-    "peer" closed: its wait ends, and the build fails ("Connection closed by peer") or completes
-    with a broken group, which the caller must then refuse. A pair that starts waiting later is
-    handed a closed one too. Never for a build that is to go on.
+    A listening pair waits for its peer until Gloo's connect timeout (five times the group's,
+    see docs/failures.md), and with no connection yet nothing can be cut. So this connects to
+    each listening socket (:func:`new_listeners`), writes every sequence number the group can
+    use (below ``world_size``) and hangs up: each waiting pair is handed a closed connection, and
+    the build fails or completes broken, which the caller must refuse. Only for a build being
+    given up.
 
     Args:
         listeners: the build's listening sockets, each handled once.

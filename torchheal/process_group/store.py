@@ -107,20 +107,13 @@ def create_store_client(
     Args:
         store_addr: ``"host:port/prefix"`` (``"[v6addr]:port/prefix"`` for IPv6).
         timeout: connect and per-operation timeout of the store client.
-        abandoned: set from another thread to give the connection up. A host that accepts
-            and never answers (a frozen process: its kernel accepts) holds an attempt until its
-            connection is cut, and c10d's client then tries again until its timeout; a
-            connection cut while c10d validates it is tried again after a random pause of up
-            to a second, in C++, where nothing can wake it. So with this event the connection
-            is made in attempts of at most :data:`CONNECT_ATTEMPT_S`, each on a helper thread,
-            and the call raises as soon as the event is set: the attempt under way ends on its
-            own (its connection, if it made one, is closed).
+        abandoned: set from another thread to give the connection up. c10d's client retries a
+            frozen host (whose kernel accepts) until its timeout, from C++ where nothing can wake
+            it, so with this event the connection is made in attempts of at most
+            :data:`CONNECT_ATTEMPT_S` on a helper thread, and the call raises once it is set.
 
-    Whatever the host does, the call ends within about ``timeout`` (plus
-    :data:`OVERRUN_CUT_S`): an attempt still waiting for the host's first answer then has its
-    connection cut, which c10d's client does not do. With ``abandoned``, a host found refusing
-    connections (down, or not listening yet) is then waited for quietly, until it listens or
-    the timeout has passed; without it, c10d's client tries it again itself.
+    Whatever the host does, the call ends within about ``timeout`` (plus :data:`OVERRUN_CUT_S`).
+    With ``abandoned``, a host refusing connections is then waited for quietly until it listens.
 
     Returns:
         ``PrefixStore(prefix, TCPStore(host, port, is_master=False, ...))``.
@@ -300,11 +293,9 @@ def _abandonable(connect: Callable[[], TCPStore], abandoned: threading.Event, wh
 def _bounded_client(host: str, port: int, timeout_s: float, deadline: float) -> TCPStore:
     """A c10d client of ``host:port`` (one attempt of ``timeout_s``), cut soon after ``deadline``.
 
-    A watchdog thread cuts the connections to ``port`` that this process opened since the
-    attempt began (only the attempt's own, then) once the attempt has outlasted the connection's
-    ``deadline`` (monotonic) by :data:`OVERRUN_CUT_S`, and again until it ends: the client then
-    fails, and being past its own timeout, does not try again. Nothing but that Python thread is
-    left running, and it ends with the attempt.
+    A watchdog thread cuts the attempt's own connections to ``port`` once it has outlasted
+    ``deadline`` (monotonic) by :data:`OVERRUN_CUT_S`: the client then fails and, past its own
+    timeout, does not try again.
 
     Raises:
         torch.distributed.DistNetworkError: no connection within ``timeout_s``, or (naming the

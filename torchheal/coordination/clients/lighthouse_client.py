@@ -20,6 +20,7 @@ from typing import Any
 
 import grpc
 
+from torchheal._base.security import SecurityEnv
 from torchheal._base.timeouts import to_seconds
 from torchheal._wire import methods
 from torchheal._wire import session_pb2 as spb
@@ -65,16 +66,21 @@ class LighthouseClient:
     Args:
         addr: the lighthouse address, ``http://host:port`` or ``host:port``.
         connect_timeout: how long to keep trying to connect before raising.
+        security: job token and TLS settings of both lanes (keyword-only, torchheal's; None:
+            read from the environment here, as a client built directly is an edge).
 
     Raises:
-        ValueError: ``addr`` is malformed.
+        ValueError: ``addr`` or the security settings are malformed.
         RuntimeError: the lighthouse could not be reached within ``connect_timeout``.
     """
 
-    def __init__(self, addr: str, connect_timeout: timedelta) -> None:
+    def __init__(
+        self, addr: str, connect_timeout: timedelta, *, security: SecurityEnv | None = None
+    ) -> None:
         self._addr = addr
         started = time.monotonic()
-        self._channel = connect(addr, connect_timeout)
+        self._security = SecurityEnv.from_env() if security is None else security
+        self._channel = connect(addr, connect_timeout, self._security)
         self._quorum = UnaryCaller(self._channel, methods.LIGHTHOUSE_QUORUM, addr)
         self._heartbeat = UnaryCaller(self._channel, methods.LIGHTHOUSE_HEARTBEAT, addr)
         self._quorum_what = f"LighthouseService/Quorum to {addr}"
@@ -213,6 +219,7 @@ class LighthouseClient:
                     self._direct_port,
                     f"client:{socket.gethostname()}:{os.getpid()}",
                     min(self._connect_s, DIRECT_CONNECT_TIMEOUT_S),
+                    self._security,
                 )
             except (OSError, SessionBroken) as e:
                 # A lane the network does not let through (a firewall, a port not exposed):

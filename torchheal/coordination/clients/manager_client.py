@@ -17,6 +17,7 @@ from typing import Any
 
 import grpc
 
+from torchheal._base.security import SecurityEnv
 from torchheal._wire import methods
 from torchheal._wire import session_pb2 as spb
 from torchheal._wire import torchft_pb2 as pb
@@ -34,19 +35,24 @@ class ManagerClient:
     Args:
         addr: the manager server address, ``http://host:port`` or ``host:port``.
         connect_timeout: how long to keep trying to connect before raising.
+        security: job token and TLS settings (keyword-only, torchheal's; None: read from the
+            environment here, as a client built directly is an edge).
 
     Raises:
-        ValueError: ``addr`` is malformed.
+        ValueError: ``addr`` or the security settings are malformed.
         RuntimeError: the server could not be reached within ``connect_timeout``.
     """
 
     # Built in __new__, as the reference's extension type is: ``patch(..., autospec=True)``
     # checks calls of a class against its __init__, and the reference's tests reach the
     # instance mock by calling the class mock with no arguments.
-    def __new__(cls, addr: str, connect_timeout: timedelta) -> ManagerClient:
+    def __new__(
+        cls, addr: str, connect_timeout: timedelta, *, security: SecurityEnv | None = None
+    ) -> ManagerClient:
         self = super().__new__(cls)
         self._addr = addr
-        self._channel = connect(addr, connect_timeout)
+        security = SecurityEnv.from_env() if security is None else security
+        self._channel = connect(addr, connect_timeout, security)
         self._quorum_call = UnaryCaller(self._channel, methods.MANAGER_QUORUM, addr)
         self._metadata_call = UnaryCaller(self._channel, methods.MANAGER_CHECKPOINT_METADATA, addr)
         self._commit_call = UnaryCaller(self._channel, methods.MANAGER_SHOULD_COMMIT, addr)

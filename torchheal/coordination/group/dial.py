@@ -13,10 +13,11 @@ from datetime import timedelta
 import grpc
 import grpc.aio
 
+from torchheal._base.security import SecurityEnv
 from torchheal.coordination.rpc.addresses import parse_address
 from torchheal.coordination.rpc.channels import aio_connect
 
-__all__ = ["LinkError", "connect_first", "split_addresses", "status_code"]
+__all__ = ["LinkError", "connect_first", "split_addresses"]
 
 
 def split_addresses(addr: str) -> list[str]:
@@ -37,7 +38,7 @@ def split_addresses(addr: str) -> list[str]:
 
 
 async def connect_first(
-    addresses: Sequence[str], connect_timeout: timedelta | float
+    addresses: Sequence[str], connect_timeout: timedelta | float, security: SecurityEnv
 ) -> tuple[grpc.aio.Channel, str]:
     """A channel to the first of ``addresses`` that answers within ``connect_timeout``.
 
@@ -48,8 +49,8 @@ async def connect_first(
         RuntimeError: none answered.
     """
     if len(addresses) == 1:
-        return await aio_connect(addresses[0], connect_timeout), addresses[0]
-    tasks = {asyncio.ensure_future(aio_connect(a, connect_timeout)): a for a in addresses}
+        return await aio_connect(addresses[0], connect_timeout, security), addresses[0]
+    tasks = {asyncio.ensure_future(aio_connect(a, connect_timeout, security)): a for a in addresses}
     pending = set(tasks)
     errors = []
     chosen: tuple[grpc.aio.Channel, str] | None = None
@@ -84,11 +85,3 @@ class LinkError(Exception):
         self.code = code
         self.details = details
         self.local = local
-
-
-def status_code(code: int) -> grpc.StatusCode:
-    """The gRPC status whose number is ``code`` (``UNKNOWN`` for none)."""
-    for status in grpc.StatusCode:
-        if status.value[0] == code:
-            return status
-    return grpc.StatusCode.UNKNOWN

@@ -8,7 +8,8 @@ request in flight when the session broke fails with ``UNAVAILABLE`` and the mana
 retry policy decides what happens next. Everything here runs on the manager server's event loop.
 
 This module holds the link's life cycle and its requests; its parts: ``link_session.py`` (the
-session stream, reopened when broken or silent), ``link_unary.py`` (the reference's calls),
+session stream, reopened when broken or silent; the protocol's rules are the transport-free
+``coordination/session_client.py``'s), ``link_unary.py`` (the reference's calls),
 ``link_standing.py`` (what the group saw of its standing) and ``dial.py`` (reaching the first
 lighthouse of a highly available job's list; a session that cannot be reopened on one moves on
 to the next, so the group follows the leader wherever it is).
@@ -17,7 +18,6 @@ to the next, so the group follows the leader wherever it is).
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import threading
 import time
@@ -28,16 +28,18 @@ import grpc
 import grpc.aio
 
 from torchheal._base.manager_timeouts import DEFAULT_LIGHTHOUSE_HEARTBEAT_TIMEOUT
+from torchheal._base.security import SecurityEnv
 from torchheal._wire import methods
 from torchheal._wire import session_pb2 as spb
 from torchheal._wire import torchft_pb2 as pb
 from torchheal.coordination.group.dial import LinkError
-from torchheal.coordination.group.link_session import SILENT_SESSION_S, SessionStream
+from torchheal.coordination.group.link_session import SessionStream
 from torchheal.coordination.group.link_standing import StandingWatch
 from torchheal.coordination.group.link_tcp import StreamClosed
 from torchheal.coordination.group.link_unary import HEARTBEAT_CALL_TIMEOUT_S, UnaryLink
 from torchheal.coordination.rpc.addresses import parse_address
 from torchheal.coordination.rpc.channels import aio_connect, serialize
+from torchheal.coordination.session_client import SILENT_SESSION_S, SessionClient
 from torchheal.coordination.standing import Standing, limit_for
 
 __all__ = ["LighthouseLink"]
@@ -69,6 +71,7 @@ class LighthouseLink(SessionStream, StandingWatch, UnaryLink):
             and reopened (see :data:`SILENT_SESSION_S`).
         last_quorum_id: the last quorum id the group's store records from an earlier process
             of this group (0: none), told to the lighthouse in the Hello until a quorum comes.
+        security: the job token and TLS settings of every connection it opens (its server's).
     """
 
     def __init__(
@@ -83,14 +86,16 @@ class LighthouseLink(SessionStream, StandingWatch, UnaryLink):
         addresses: Sequence[str] = (),
         silent_s: float = SILENT_SESSION_S,
         last_quorum_id: int = 0,
+        *,
+        security: SecurityEnv,
     ) -> None:
-        if not silent_s > 0:
-            raise ValueError(f"silent_s must be > 0, got {silent_s!r}")
-        self._silent_s = silent_s
-        # Loop time of the live session's latest event (its welcome, at first).
-        self._heard_at = 0.0
-        self._replica_id = replica_id
+        # The session's protocol state, kept across reopenings and fail-overs (its last quorum,
+        # the history the group holds, its pending requests); loop thread only.
+        self._session: SessionClient[asyncio.Future[pb.Quorum]] = SessionClient(
+            replica_id, silent_s=silent_s, last_quorum_id=last_quorum_id
+        )
         self._interval_s = heartbeat_interval_s
+        self._security = security
         # What this group saw of its own standing with the lighthouse (standing.py), judged
         # by the default heartbeat timeout until a welcome tells the lighthouse's own. Read
         # from the thread that decides a commit vote, hence the lock.
@@ -109,57 +114,35 @@ class LighthouseLink(SessionStream, StandingWatch, UnaryLink):
         self.direct = False
         # None until start() knows; then True (session) or False (reference lighthouse).
         self.session_mode: bool | None = None
-        # The lighthouse's latest quorum id when our first session opened (None: no session):
-        # above 0, the job was already running when this group (re)started.
-        self.first_welcome_quorum_id: int | None = None
-        #: The job was already running when our first session opened (see group/server.py).
-        self.joined_running = False
-        # The last quorum the lighthouse gave us, told to it again in every Hello: a restarted
-        # lighthouse must never issue an id that goes backwards or repeats (quorum.restore).
-        self._last_quorum: pb.Quorum | None = (
-            pb.Quorum(quorum_id=last_quorum_id) if last_quorum_id > 0 else None
-        )
-        # The id of the quorum whose history the group holds (it last committed or healed in
-        # it), told with every request so a lighthouse can tell a history it superseded
-        # (quorum.superseded). Any thread.
-        self._lineage = 0
-        # The steps committed while the group is between two steps (0: in a step), said in the
-        # goodbye so that peers still in the step it finished keep their collectives with it.
-        self._steps_done = 0
         self._call: Any = None  # the live session stream, or None while it is (re)opening
         self._opened = asyncio.Event()  # set while there is a live session
-        self._protocol = 0  # the session protocol of the lighthouse's last welcome
-        self._pending: dict[int, asyncio.Future[pb.Quorum]] = {}
-        self._ids = itertools.count(1)
         self._closing = False
         # One writer at a time on the stream (heartbeats and requests share it).
         self._write_lock: asyncio.Lock | None = None
+
+    @property
+    def joined_running(self) -> bool:
+        """The job was already running when our first session opened (see group/server.py)."""
+        return bool(self._session.joined_running)
 
     def _bind(self, channel: grpc.aio.Channel, describe: str, host: str | None) -> None:
         """Talk to the lighthouse behind ``channel`` from now on."""
         self._channel = channel
         self._describe = describe
         self._host = host
-        self._unary_quorum = channel.unary_unary(
-            methods.LIGHTHOUSE_QUORUM.path,
-            request_serializer=serialize,
-            response_deserializer=pb.LighthouseQuorumResponse.FromString,
-        )
-        self._unary_heartbeat = channel.unary_unary(
-            methods.LIGHTHOUSE_HEARTBEAT.path,
-            request_serializer=serialize,
-            response_deserializer=pb.LighthouseHeartbeatResponse.FromString,
-        )
-        self._open_stream = channel.stream_stream(
-            methods.LIGHTHOUSE_SESSION.path,
-            request_serializer=serialize,
-            response_deserializer=spb.SessionEvent.FromString,
-        )
-        self._describe_call = channel.unary_unary(
-            methods.LIGHTHOUSE_DESCRIBE.path,
-            request_serializer=serialize,
-            response_deserializer=spb.Description.FromString,
-        )
+
+        def unary(method: methods.Method) -> Any:
+            return channel.unary_unary(
+                method.path,
+                request_serializer=serialize,
+                response_deserializer=method.response.FromString,
+            )
+
+        self._unary_quorum = unary(methods.LIGHTHOUSE_QUORUM)
+        self._unary_heartbeat = unary(methods.LIGHTHOUSE_HEARTBEAT)
+        self._describe_call = unary(methods.LIGHTHOUSE_DESCRIBE)
+        # Bytes both ways: the session core builds and reads the session's messages.
+        self._open_stream = channel.stream_stream(methods.LIGHTHOUSE_SESSION.path)
 
     async def _fail_over(self) -> None:
         """Move on to the next lighthouse of the list (a standby may lead now).
@@ -171,7 +154,7 @@ class LighthouseLink(SessionStream, StandingWatch, UnaryLink):
         index = addresses.index(self._describe) if self._describe in addresses else -1
         target = addresses[(index + 1) % len(addresses)]
         try:
-            channel = await aio_connect(target, FAILOVER_CONNECT_TIMEOUT_S)
+            channel = await aio_connect(target, FAILOVER_CONNECT_TIMEOUT_S, self._security)
         except RuntimeError as e:
             # Remember where we are, so the next attempt moves past this one too.
             self._describe = target
@@ -183,12 +166,6 @@ class LighthouseLink(SessionStream, StandingWatch, UnaryLink):
             self._own_channels.remove(old)
             await old.close()
         self._own_channels.append(channel)
-
-    async def _write(self, call: Any, request: spb.SessionRequest) -> None:
-        if self._write_lock is None:
-            self._write_lock = asyncio.Lock()
-        async with self._write_lock:
-            await call.write(request)
 
     # ------------------------------------------------------------------------------------------
     # Life cycle
@@ -223,7 +200,7 @@ class LighthouseLink(SessionStream, StandingWatch, UnaryLink):
             # Not a clear "unknown method": serve in the reference's way only if it answers so.
             try:
                 await self._unary_heartbeat(
-                    pb.LighthouseHeartbeatRequest(replica_id=self._replica_id),
+                    pb.LighthouseHeartbeatRequest(replica_id=self._session.label),
                     timeout=HEARTBEAT_CALL_TIMEOUT_S,
                 )
             except grpc.aio.AioRpcError:
@@ -262,8 +239,7 @@ class LighthouseLink(SessionStream, StandingWatch, UnaryLink):
         self._opened.clear()
         if call is not None:
             try:
-                goodbye = spb.Goodbye(reason=reason, steps_done=self._steps_done)
-                await self._write(call, spb.SessionRequest(goodbye=goodbye))
+                await self._write(call, self._session.goodbye(reason))
                 await call.done_writing()
             except (grpc.aio.AioRpcError, asyncio.InvalidStateError, RuntimeError):
                 pass
@@ -290,7 +266,7 @@ class LighthouseLink(SessionStream, StandingWatch, UnaryLink):
         """
         with self._standing_lock:
             self._standing.asked()
-        self._steps_done = 0  # in a step now: a goodbye says nothing of its collectives
+        self._session.asked()
         if not self.session_mode:
             return await self._unary_quorum_call(requester, timeout_s)
         call = self._call
@@ -305,25 +281,12 @@ class LighthouseLink(SessionStream, StandingWatch, UnaryLink):
             call = self._call
         if call is None:
             raise LinkError(grpc.StatusCode.UNAVAILABLE, "the lighthouse session is reopening")
-        request_id = next(self._ids)
         future: asyncio.Future[pb.Quorum] = asyncio.get_running_loop().create_future()
-        self._pending[request_id] = future
+        request_id, request = self._session.quorum_request(requester, timeout_s, future)
         try:
-            await self._write(
-                call,
-                spb.SessionRequest(
-                    quorum=spb.QuorumRequest(
-                        request_id=request_id,
-                        requester=requester,
-                        timeout_ms=max(1, int(timeout_s * 1000)),
-                        lineage=self._lineage,
-                    )
-                ),
-            )
+            await self._write(call, request)
             # The lighthouse answers a timed-out request itself; our timer is the backstop.
             quorum = await asyncio.wait_for(asyncio.shield(future), timeout_s + 1.0)
-            if self._last_quorum is None or quorum.quorum_id >= self._last_quorum.quorum_id:
-                self._last_quorum = quorum
             with self._standing_lock:
                 self._standing.received()
             return quorum
@@ -336,7 +299,7 @@ class LighthouseLink(SessionStream, StandingWatch, UnaryLink):
                 grpc.StatusCode.UNAVAILABLE, f"the lighthouse session broke: {e}"
             ) from None
         finally:
-            self._pending.pop(request_id, None)
+            self._session.withdraw(request_id)
 
     async def gave_up(self, quorum_id: int, reason: str) -> bool:
         """Tell the lighthouse that the group gave up building quorum ``quorum_id``'s process
@@ -349,12 +312,11 @@ class LighthouseLink(SessionStream, StandingWatch, UnaryLink):
             Whether it was sent.
         """
         call = self._call
-        if not self.session_mode or call is None or self._protocol < 2:
+        request = self._session.gave_up(quorum_id, reason)
+        if not self.session_mode or call is None or request is None:
             return False
         try:
-            await self._write(
-                call, spb.SessionRequest(gave_up=spb.GaveUp(quorum_id=quorum_id, reason=reason))
-            )
+            await self._write(call, request)
         except (grpc.aio.AioRpcError, StreamClosed, RuntimeError) as e:
             logger.info(
                 "%s could not tell the lighthouse of the given-up build: %s", self._prefix, e

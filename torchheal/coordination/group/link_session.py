@@ -6,27 +6,27 @@ The session travels on the lighthouse's direct TCP lane when it announces one
 session is reopened with backoff, on the next lighthouse of the list when there are several; a
 session that went *silent* (a partition drops packets without a FIN or RST) counts as broken
 too: a heartbeat asks for an acknowledgement once the lighthouse has said nothing for a while,
-and a session silent for :data:`SILENT_SESSION_S` is hung up and reopened.
+and a session silent for ``silent_s`` is hung up and reopened. What each event means, which
+request it settles and when the session is silent are the session core's
+(``coordination/session_client.py``); this module moves bytes and completes futures.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 from typing import Any
 
 import grpc
 import grpc.aio
 
-from torchheal._wire import methods
 from torchheal._wire import session_pb2 as spb
-from torchheal._wire import torchft_pb2 as pb
-from torchheal.coordination.group.dial import LinkError, status_code
+from torchheal.coordination.group.dial import LinkError
 from torchheal.coordination.group.link_tcp import DirectStream, StreamClosed
+from torchheal.coordination.session_client import Answer, Ended, Lost, Refused, Welcomed
 from torchheal.coordination.standing import limit_for
 
-__all__ = ["SILENT_SESSION_S", "SessionStream"]
+__all__ = ["SessionStream"]
 
 logger: logging.Logger = logging.getLogger("torchheal.coordination.group.link")
 
@@ -35,17 +35,13 @@ REOPEN_BACKOFF_S = (0.05, 2.0, 2.0)
 # Asking the lighthouse what it offers, and reaching its direct lane.
 DESCRIBE_TIMEOUT_S = 5.0
 DIRECT_CONNECT_TIMEOUT_S = 5.0
-# A session that has carried no event (answer, notice, heartbeat acknowledgement) for this long
-# is taken for dead and reopened: the reference's heartbeat timeout, after which the lighthouse
-# has given the group up anyway. Heartbeats ask for an acknowledgement after a quarter of it.
-SILENT_SESSION_S = 5.0
 
 
 class SessionStream:
     """The session half of :class:`~torchheal.coordination.group.link.LighthouseLink` (a mixin:
     its state is set by the link's constructor)."""
 
-    async def _write(self, call: Any, request: spb.SessionRequest) -> None:
+    async def _write(self, call: Any, request: bytes) -> None:
         if self._write_lock is None:
             self._write_lock = asyncio.Lock()
         async with self._write_lock:
@@ -58,25 +54,18 @@ class SessionStream:
         self.direct = call is not None
         if call is None:
             call = self._open_stream()
+        session = self._session
+        loop = asyncio.get_running_loop()
         try:
-            await self._write(
-                call,
-                spb.SessionRequest(
-                    hello=spb.Hello(
-                        replica_id=self._replica_id,
-                        protocol=methods.SESSION_PROTOCOL,
-                        last_quorum=self._last_quorum,
-                    )
-                ),
-            )
+            await self._write(call, session.hello(loop.time(), call.token if self.direct else ""))
             # A lighthouse that accepts the connection but never welcomes us (the path
             # stalled again) must not hold the reopening forever.
-            event = await asyncio.wait_for(call.read(), self._silent_s)
+            event = await asyncio.wait_for(call.read(), session.silent_s)
         except asyncio.TimeoutError:
             call.cancel()
             raise LinkError(
                 grpc.StatusCode.UNAVAILABLE,
-                f"the lighthouse session got no welcome within {self._silent_s:.1f}s",
+                f"the lighthouse session got no welcome within {session.silent_s:.1f}s",
             ) from None
         except StreamClosed as e:
             call.cancel()
@@ -92,25 +81,15 @@ class SessionStream:
                 pass
             call.cancel()
             raise LinkError(code, details) from None
-        if event is grpc.aio.EOF and getattr(call, "closed", None) is not None:
-            closed = call.closed  # the lighthouse said why (direct lane)
-            raise LinkError(status_code(closed.code), closed.message)
-        if event is grpc.aio.EOF or event.WhichOneof("kind") != "welcome":
+        said = None if event is grpc.aio.EOF else session.receive(event, loop.time())
+        if not isinstance(said, Welcomed):
             call.cancel()
+            if isinstance(said, Ended):  # the lighthouse said why (direct lane)
+                raise LinkError(said.code, said.message)
             raise LinkError(grpc.StatusCode.INTERNAL, f"expected a welcome, got {event!r}")
-        self._protocol = event.welcome.protocol
-        if self.first_welcome_quorum_id is None:
-            self.first_welcome_quorum_id = event.welcome.quorum_id
-            # Any id: the job was running, or restarted with its groups, which then each warm
-            # up one step too (the id a restarted group reports is adopted before the welcome,
-            # and a job whose peers have not yet formed their next quorum says the same).
-            self.joined_running = event.welcome.quorum_id > 0
-        if event.welcome.heartbeat_timeout_ms > 0:
+        if session.heartbeat_timeout_s is not None:
             with self._standing_lock:
-                self._standing.limit_s = limit_for(
-                    event.welcome.heartbeat_timeout_ms / 1000.0, self._interval_s
-                )
-        self._heard_at = asyncio.get_running_loop().time()
+                self._standing.limit_s = limit_for(session.heartbeat_timeout_s, self._interval_s)
         self._call = call
         self._opened.set()
 
@@ -137,7 +116,9 @@ class SessionStream:
         if not port:
             return None
         try:
-            return await DirectStream.open(self._host, port, DIRECT_CONNECT_TIMEOUT_S)
+            return await DirectStream.open(
+                self._host, port, DIRECT_CONNECT_TIMEOUT_S, self._security
+            )
         except OSError as e:
             logger.warning(
                 "%s the direct session lane of lighthouse %s (port %d) cannot be reached (%s); "
@@ -191,16 +172,18 @@ class SessionStream:
             logger.warning("%s lighthouse session with %s broke", self._prefix, self._describe)
             self._call = None
             self._opened.clear()
-            self._fail_pending("the lighthouse session broke")
+            why = "the lighthouse session broke"
+            for future in self._session.end(why):
+                if not future.done():
+                    future.set_exception(LinkError(grpc.StatusCode.UNAVAILABLE, why))
 
     async def _session_heartbeats(self, call: Any) -> None:
-        beat = spb.SessionRequest(heartbeat=spb.Heartbeat())
         loop = asyncio.get_running_loop()
-        acks = itertools.count(1)
+        session = self._session
         try:
             while True:
-                silent_s = loop.time() - self._heard_at
-                if silent_s >= self._silent_s:
+                silent_s = session.silence(loop.time())
+                if silent_s is not None:
                     # No FIN, no RST, no answer: a partition (or a frozen lighthouse). The
                     # lighthouse has given this group up by now; a fresh connection gets
                     # through as soon as the network does, unlike this one's backed-off
@@ -213,18 +196,13 @@ class SessionStream:
                     )
                     call.cancel()  # the reader sees the end and reopens
                     return
-                if silent_s >= self._silent_s / 4:
-                    # Quiet for a while (no quorum round in flight): ask for a sign of life.
-                    await self._write(
-                        call, spb.SessionRequest(heartbeat=spb.Heartbeat(ack=next(acks)))
-                    )
-                else:
-                    await self._write(call, beat)
-                await asyncio.sleep(min(self._interval_s, self._silent_s / 4))
+                await self._write(call, session.heartbeat(loop.time()))
+                await asyncio.sleep(min(self._interval_s, session.silent_s / 4))
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError, RuntimeError):
             call.cancel()  # the reader sees the end and reopens
 
     async def _read_events(self, call: Any) -> None:
+        loop = asyncio.get_running_loop()
         while True:
             try:
                 event = await call.read()
@@ -234,34 +212,20 @@ class SessionStream:
                 return
             if event is grpc.aio.EOF:
                 return
-            self._heard_at = asyncio.get_running_loop().time()
-            kind = event.WhichOneof("kind")
-            if kind == "quorum":
-                self._settle(event.quorum.request_id, result=event.quorum.quorum)
-            elif kind == "failed":
-                failed = event.failed
-                code = status_code(failed.code)
-                self._settle(failed.request_id, error=LinkError(code, failed.message))
-            elif kind == "lost":
-                if event.lost.replica_id == self._replica_id:
-                    self._dropped(event.lost)
+            said = self._session.receive(event, loop.time())
+            if isinstance(said, Answer) and not said.waiter.done():
+                if isinstance(said.value, Refused):
+                    said.waiter.set_exception(LinkError(said.value.code, said.value.message))
+                else:
+                    said.waiter.set_result(said.value)
+            elif isinstance(said, Lost):
+                if said.ours:
+                    self._dropped(said.notice)
                 try:
-                    self._on_lost(event.lost)
+                    self._on_lost(said.notice)
                 except Exception:
                     logger.exception("%s handling a lost-member notice failed", self._prefix)
-
-    def _settle(
-        self, request_id: int, result: pb.Quorum | None = None, error: LinkError | None = None
-    ) -> None:
-        future = self._pending.get(request_id)
-        if future is None or future.done():
-            return  # an answer to a request nobody waits for any more
-        if error is not None:
-            future.set_exception(error)
-        else:
-            future.set_result(result)
-
-    def _fail_pending(self, why: str) -> None:
-        for future in self._pending.values():
-            if not future.done():
-                future.set_exception(LinkError(grpc.StatusCode.UNAVAILABLE, why))
+            elif isinstance(said, Ended):
+                logger.warning("%s %s; hanging up", self._prefix, said.reason)
+                call.cancel()
+                return

@@ -25,11 +25,8 @@ class StandingWatch:
     def holds_last_quorum(self, steps_done: int = 0) -> None:
         """The group holds the history of the last quorum it received: it committed a step in
         it (``steps_done``: the steps committed then), or healed in it from a peer that holds
-        it (any thread)."""
-        self._steps_done = steps_done  # said in a goodbye until the group asks again
-        last = self._last_quorum
-        if last is not None and last.participants:
-            self._lineage = last.quorum_id
+        it (any thread: plain assignments, read by the loop when it next sends)."""
+        self._session.holds_last_quorum(steps_done)
 
     def doubt(self) -> str | None:
         """Why the lighthouse may have dropped this group since its last quorum request, or
@@ -56,7 +53,7 @@ class StandingWatch:
     def _dropped(self, lost: spb.MemberLost) -> None:
         """The lighthouse says this group is lost (its heartbeat expired while it was frozen),
         or was left out of a newer quorum (``superseded_by``) while it had not asked."""
-        last = self._last_quorum
+        last = self._session.last_quorum
         if last is not None and lost.quorum_id < last.quorum_id:
             return  # about a quorum before the one we now train in
         if lost.superseded_by:

@@ -3,17 +3,15 @@
 :class:`DirectStream` carries one session (the group's own, not detached) to the lighthouse's
 direct lane (``lighthouse/tcp.py``) and offers the few methods of a gRPC stream call that
 ``LighthouseLink`` uses (``write``, ``read``, ``done_writing``, ``cancel``), so the link speaks
-the same protocol over either. Messages are length-delimited (``rpc/frames.py``).
+the same protocol over either: serialized messages, length-delimited here (``rpc/frames.py``).
 
 Failures read as the link expects: a write on a broken connection raises
 :class:`StreamClosed` (a ``RuntimeError``); a read returns ``grpc.aio.EOF`` once the
-connection is over, whether the lighthouse closed it, the network broke it, or the lighthouse
-ended the session with a ``SessionClosed`` event (its status is then :attr:`DirectStream.closed`).
-The connection's end is what the lighthouse takes for this group's death, as with the stream.
+connection is over, whether the lighthouse closed it or the network broke it. The connection's
+end is what the lighthouse takes for this group's death, as with the stream.
 
-The job token (``docs/security.md``): the link writes the same ``Hello`` on either lane; on
-this one :meth:`DirectStream.write` puts the token in it (a gRPC stream carries it as call
-metadata), so the link need not know which lane it speaks on.
+The job token (``docs/security.md``) travels in the hello on this lane (a gRPC stream carries
+it as call metadata): :attr:`DirectStream.token` is what the link puts there.
 """
 
 from __future__ import annotations
@@ -24,18 +22,15 @@ import socket
 from typing import Any
 
 import grpc.aio
-from google.protobuf.message import DecodeError, Message
 
 from torchheal._base.security import SecurityEnv
-from torchheal._wire import session_pb2 as spb
 from torchheal.coordination.rpc.frames import FrameError, FrameReader, frame
+from torchheal.coordination.session_client import MAX_EVENT_BYTES
 
 __all__ = ["DirectStream", "StreamClosed"]
 
 logger: logging.Logger = logging.getLogger(__name__)
 
-# A quorum event carries every member of the job.
-MAX_EVENT_BYTES = 256 * 1024 * 1024
 # The most one read takes, into the connection's own buffer (a buffered protocol): asyncio's
 # plain protocols read with recv(256 KiB), and allocating that much is an mmap/munmap pair per
 # read (17-40 us measured here, more than the rest of handling an event).
@@ -88,14 +83,13 @@ class DirectStream:
     ) -> None:
         self._transport = transport
         self._protocol = protocol
-        self._token = token
+        #: The job token, for the hello (``""``: none).
+        self.token = token or ""
         self._cancelled = False
-        #: The status the lighthouse ended the session with, if it said (``SessionClosed``).
-        self.closed: spb.SessionClosed | None = None
 
     @classmethod
     async def open(
-        cls, host: str, port: int, timeout_s: float, security: SecurityEnv | None = None
+        cls, host: str, port: int, timeout_s: float, security: SecurityEnv
     ) -> DirectStream:
         """Connect to the lane at ``host:port``.
 
@@ -103,13 +97,13 @@ class DirectStream:
             host: the lighthouse's host.
             port: its direct lane's port.
             timeout_s: how long connecting may take.
-            security: the job token to send in the hello (default: read from the environment).
+            security: the job token to send in the hello.
 
         Raises:
             ValueError: the security settings are malformed.
             OSError: the lane could not be reached within ``timeout_s`` (``TimeoutError``).
         """
-        token = (SecurityEnv.from_env() if security is None else security).token
+        token = security.token
         loop = asyncio.get_running_loop()
         transport, protocol = await asyncio.wait_for(
             loop.create_connection(_Protocol, host, port), timeout_s
@@ -120,50 +114,25 @@ class DirectStream:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return cls(transport, protocol, token)
 
-    async def write(self, request: Message | bytes) -> None:
-        """Send one ``SessionRequest``.
+    async def write(self, request: bytes) -> None:
+        """Send one serialized ``SessionRequest``.
 
         Raises:
             StreamClosed: the connection is over.
         """
         if self._transport.is_closing():
             raise StreamClosed("the direct session is closed")
-        if (
-            self._token is not None
-            and isinstance(request, spb.SessionRequest)
-            and request.WhichOneof("kind") == "hello"
-        ):
-            stamped = spb.SessionRequest()
-            stamped.CopyFrom(request)  # the caller's message stays as it was
-            stamped.hello.token = self._token
-            request = stamped
-        data = request if isinstance(request, bytes) else request.SerializeToString()
-        self._transport.write(frame(data))
+        self._transport.write(frame(request))
 
     async def read(self) -> Any:
-        """The next ``SessionEvent``, or ``grpc.aio.EOF`` once the session is over."""
+        """The next serialized ``SessionEvent``, or ``grpc.aio.EOF`` once the session is over."""
         if self._protocol.lost is not None and self._protocol.events.empty():
             return grpc.aio.EOF
         message = await self._protocol.events.get()
         if message is None:
             self._protocol.events.put_nowait(None)  # later reads see the end too
             return grpc.aio.EOF
-        try:
-            event = spb.SessionEvent.FromString(message)
-        except DecodeError as e:
-            logger.warning("the lighthouse sent an event that does not parse (%s); hanging up", e)
-            self.cancel()
-            return grpc.aio.EOF
-        if event.WhichOneof("kind") == "closed":
-            self.closed = event.closed
-            logger.warning(
-                "the lighthouse ended the session: code %d: %s",
-                event.closed.code,
-                event.closed.message,
-            )
-            self.cancel()
-            return grpc.aio.EOF
-        return event
+        return message
 
     async def done_writing(self) -> None:
         """Half-close: nothing more will be sent."""

@@ -49,7 +49,7 @@ class UnaryLink:
     async def _run_unary_heartbeats(self) -> None:
         # The channel reconnects by itself after a lighthouse restart, so unlike the reference
         # there is no client to rebuild; we only report the outage once and its end once.
-        request = pb.LighthouseHeartbeatRequest(replica_id=self._replica_id)
+        request = pb.LighthouseHeartbeatRequest(replica_id=self._session.label)
         failing = False
         while not self._closing:
             try:

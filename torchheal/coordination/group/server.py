@@ -47,6 +47,7 @@ from typing import Any
 import grpc
 import grpc.aio
 
+from torchheal._base.security import SecurityEnv
 from torchheal._base.timeouts import to_seconds
 from torchheal._wire import methods
 from torchheal._wire import session_pb2 as spb
@@ -99,6 +100,9 @@ class ManagerServer(InProcessRank):
         last_quorum_id: the last quorum id an earlier process of this group configured (its
             store's record, 0: none); a torchheal lighthouse that restarted without a record
             of its own numbers its quorums above it.
+        security: job token and TLS settings of the server (torchheal's; None: read from the
+            environment here, as a server built directly is an edge; the Manager passes its
+            own). The lighthouse link still reads them itself (``dial.py``, ``link*.py``).
 
     Raises:
         ValueError: an option is out of range or an address is malformed.
@@ -119,7 +123,9 @@ class ManagerServer(InProcessRank):
         quorum_retries: int = 0,
         *,
         last_quorum_id: int = 0,
+        security: SecurityEnv | None = None,
     ) -> None:
+        self._security = SecurityEnv.from_env() if security is None else security
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
         if isinstance(quorum_retries, bool) or not isinstance(quorum_retries, int):
@@ -178,6 +184,7 @@ class ManagerServer(InProcessRank):
             },
             startup=self._connect_lighthouse,
             cleanup=self._close_lighthouse,
+            security=self._security,
         )
         self._server.submit(self._start_heartbeat()).result()
         # Group rank 0 lives in this process: its calls run the handlers' coroutines directly.
@@ -265,7 +272,9 @@ class ManagerServer(InProcessRank):
     async def _connect_lighthouse(self) -> None:
         # Several comma-separated addresses: the lighthouses of a highly available job.
         addresses = split_addresses(self._lighthouse_addr)
-        self._lighthouse, first = await connect_first(addresses, self._connect_timeout)
+        self._lighthouse, first = await connect_first(
+            addresses, self._connect_timeout, self._security
+        )
         self._link = LighthouseLink(
             self._lighthouse,
             self._replica_id,
@@ -276,6 +285,7 @@ class ManagerServer(InProcessRank):
             host=parse_address(first)[0],
             addresses=addresses,
             last_quorum_id=self._last_quorum_id,
+            security=self._security,
         )
         try:
             await self._link.start()

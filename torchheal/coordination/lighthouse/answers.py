@@ -1,13 +1,11 @@
 """An issued quorum as the lighthouse sends it: its bytes, made once per round from pieces.
 
 Every waiting group receives the same quorum, so it is serialized once per round and each
-answer's envelope is built around those bytes (``_wire/splice.py``): inside a ``SessionEvent``
-with the session's request id, or inside a ``LighthouseQuorumResponse`` for the reference's
-unary callers. The quorum's bytes are themselves assembled from pieces made as its requests
-arrived: each member's message as received, serialized once when it joins
-(:func:`member_entry`), so that a round does not build a ``torchft.Quorum`` message of N copied
-members (400-900 us at N=256 measured here, against ~35 us for the pieces). Tests check every
-piece against the generated classes' own bytes.
+answer's envelope (a ``SessionEvent`` or a reference ``LighthouseQuorumResponse``) is built
+around those bytes (``_wire/splice.py``). The quorum's bytes are assembled from each member's
+message, serialized once when it joins (:func:`member_entry`), which is far cheaper than building
+a message of N copied members (docs/failures.md). Tests check every piece against the generated
+classes' own bytes.
 """
 
 from __future__ import annotations

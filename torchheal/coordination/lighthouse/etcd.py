@@ -1,26 +1,16 @@
 """High availability: the lighthouse's record in etcd, written only by the lighthouse that leads.
 
-Several lighthouses of one job are started with the same etcd endpoints and key prefix. Each
-asks for a lease and tries to create ``{prefix}/leader`` bound to it; the one that succeeds leads
-(builds its ``LighthouseServer`` and serves), the others stand by, trying again as long as the key
-exists. The leader keeps its lease alive; if it dies, the lease expires after ``lease_s``, etcd
-deletes the key and a standby takes over, starting from the record the leader left:
+Lighthouses sharing etcd endpoints and a key prefix compete to create ``{prefix}/leader`` under
+a lease; the winner serves, the others stand by and take over when the lease expires. Safety:
 
-* ``{prefix}/quorum`` holds the last issued quorum (``store.encode``), written by a
-  transaction that succeeds only while ``{prefix}/leader`` is still this lighthouse's (its value
-  is a random token of this process): a deposed leader can never write, and a quorum that cannot
-  be written is never delivered (``QuorumRounds``). A new leader therefore starts above every id
-  any leader ever delivered, and waits for the members of that quorum (``quorum.restore``).
-* A leader that cannot renew its lease (etcd unreachable for the lease time, or the lease gone)
-  stops serving at once: ``on_lost`` is called (the CLI ends the process), so two lighthouses
+* ``{prefix}/quorum`` (the last issued quorum) is written by a transaction that succeeds only
+  while the leader key is still this process's token, so a deposed leader never writes, and an
+  unwritten quorum is never delivered; a new leader starts above every delivered id.
+* A leader that cannot renew its lease stops serving at once (``on_lost``), so two lighthouses
   never serve one job for longer than it takes the lost one to notice.
-* A standby rides out etcd outages (an etcd election, a network blip, one that never ends): it
-  polls again with a bounded backoff and logs when an outage starts and ends (:class:`Outage`),
-  so it is still there to take over when the leader dies later.
+* A standby rides out etcd outages with a bounded backoff (:class:`Outage`).
 
-The etcd client is ``etcd3gw`` (etcd's v3 JSON gateway over HTTP, kept by OpenStack), an
-optional dependency: ``pip install torchheal[ha]``. Calls are synchronous and small; the leader
-makes one per lease third (keep-alive) and one per change of quorum id or members (save).
+The client is ``etcd3gw`` (etcd's v3 JSON gateway), optional: ``pip install torchheal[ha]``.
 """
 
 from __future__ import annotations
@@ -208,9 +198,8 @@ class EtcdLeaderStore:
     def acquire(self, stop: threading.Event) -> bool:
         """Stand by until this lighthouse leads; then keep its lease alive in the background.
 
-        etcd unreachable does not end the wait: a standby that quit on an etcd election or a
-        network blip would leave nobody to take over when the leader dies. It polls again with
-        a bounded backoff for as long as the outage lasts (:class:`Outage`).
+        An etcd outage does not end the wait (a standby that quit would leave nobody to take
+        over); it polls with a bounded backoff (:class:`Outage`).
 
         Args:
             stop: set to give up waiting.

@@ -1,25 +1,13 @@
 """The groups' live sessions with the lighthouse, and the ``MemberLost`` notices they hear.
 
-A torchheal manager server keeps one session open with the lighthouse for its whole life; its
-end is the group's death certificate (``quorum.session_ended``). :class:`SessionRegistry` knows
-which session speaks for which group (a newer session of a group replaces an older one, whose
-end then means nothing) and tells every live session when a member of the current quorum is
-lost, so the other groups can abort a collective they are blocked in with it:
-
-* at once when the member's session ends (it died, or said goodbye);
-* on the lighthouse's periodic tick when its heartbeat expired (a frozen process keeps its
-  connection but stops heartbeating; reference peers have no session at all).
-
-Each member is announced once per quorum id. A group announced lost may not hear it: its session
-may have ended first (that is how it was lost), or its own side may give the session up on
-waking from a freeze, before reading what was sent. When it opens a session again still in the
-quorum it was lost from (its Hello's last quorum), it is told then (:meth:`SessionRegistry.missed`),
-so it can end what it still waits for in that quorum. A member that is alive but was left out of the
-next quorum (it had not asked for it within the wait for late members: a long step, or a
-process-group build that waits for a peer which gave that build up) is told so itself, and only
-itself (``MemberLost.superseded_by``): its peers have left the quorum it is still at work in, so
-it stops waiting there now instead of at its own timeout. The observer also hears about expired
-heartbeats from here. Loop thread only.
+A manager server keeps one session with the lighthouse for its life; its end is the group's
+death certificate (``quorum.session_ended``). :class:`SessionRegistry` knows which session speaks
+for which group (a newer one replaces an older) and tells every live session when a member of
+the current quorum is lost, so peers can abort a collective blocked on it: at once when its
+session ends, or at the tick when its heartbeat expired. Each member is announced once per
+quorum id. A group that missed its own notice is told when it reopens a session still in that
+quorum (:meth:`SessionRegistry.missed`); a live member left out of the next quorum is told
+itself (``MemberLost.superseded_by``), so it stops waiting there now. Loop thread only.
 """
 
 from __future__ import annotations
@@ -205,12 +193,9 @@ class SessionRegistry:
     def gave_up(self, replica_id: str, peer: Peer, quorum_id: int, reason: str) -> None:
         """A group gave up building the process group of quorum ``quorum_id`` (``GaveUp``).
 
-        The other members wait for its address in that build until their timeout: they are
-        told, as if it were lost from that quorum, and abandon it (or abort the group, if their
-        build outran the news). The group itself is told too (``MemberLost.gave_up``): its other
-        ranks may have built their group for that quorum and wait in a collective with peers
-        that abandoned theirs. Only about the latest quorum, and only from the group's live
-        session; anything else is stale and ignored.
+        Every member, the group itself included (``MemberLost.gave_up``), is told as if it were
+        lost, so nobody waits in that build or its group until a timeout. Only about the latest
+        quorum and from the group's live session; anything else is stale and ignored.
         """
         if self._sessions.get(replica_id) is not peer:
             return  # a stale session of the group

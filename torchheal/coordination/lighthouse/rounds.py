@@ -1,29 +1,13 @@
 """The lighthouse's quorum rounds: who waits for a quorum, when to decide, and answering a round.
 
 :class:`QuorumRounds` holds the lighthouse's one :class:`~torchheal.coordination.quorum.LighthouseState`
-(under a lock, for status readers on other threads) and feeds it heartbeats, requests and ticks;
-every rule about *who* is in a quorum stays in the pure ``quorum.py``. What lives here is the
-bookkeeping of the requests waiting for a quorum and the delivery of an issued one:
-
-* A waiting request is a plain record (the member, its message as received, and what to do
-  with the answer), not a task or a queue: when a quorum is issued, one pass over the waiting
-  requests answers the ones it includes and puts the others back for the next round (reference
-  §4: "not in quorum, retrying"). A session's answer is written straight to its connection.
-* The quorum is serialized once per round, from each member's message serialized when it
-  joined, and each waiter's envelope is built around those bytes (``answers.py``).
-* The decision runs once requests that arrived together have joined (after the reads the
-  loop finds ready next), not once per request, which would make a round of N requests
-  O(N^2). When a request brings the round to the last quorum's size (usually the round's last
-  request), the transport that read it has the decision made as soon as it has joined all it
-  read (:meth:`QuorumRounds.run_due`) rather than later.
-* A request's timeout timer is only made once it has waited a periodic tick or so (most are
-  answered sooner), for the same moment.
-* With a :class:`~torchheal.coordination.lighthouse.store.QuorumStore`, an issued quorum whose id
-  or members changed is saved before anyone receives it (a quorum that reached a group is always
-  on record); a quorum that cannot be saved is not delivered, and its requests wait for the next
-  tick, which tries again.
-* What the lighthouse learns of quorums issued before it started (its store, the groups'
-  session Hellos) goes to the pure ``quorum.restore``.
+under a lock and feeds it heartbeats, requests and ticks; who is in a quorum is decided in the
+pure ``quorum.py``. Here live the waiting requests (plain records, answered or put back in one
+pass when a quorum is issued) and the delivery: the quorum is serialized once per round
+(``answers.py``), and the decision runs once per batch of requests read together, not once per
+request, which would make a round O(N^2). With a
+:class:`~torchheal.coordination.lighthouse.store.QuorumStore`, a changed quorum is saved before
+anyone receives it, so a quorum that reached a group is always on record.
 
 Everything here runs on the lighthouse's event-loop thread, except :meth:`QuorumRounds.snapshot`.
 """
@@ -204,10 +188,8 @@ class QuorumRounds:
     ) -> Waiter:
         """As :meth:`wait`, but after ``timeout_s`` the request is withdrawn and ``expired`` called.
 
-        A short timeout gets its timer at once; a longer one at the next periodic tick
-        (:meth:`arm_timers`), set for the same moment: most requests are answered within a
-        tick, and an event-loop timer made and cancelled for each of them is a good part of
-        a request's cost.
+        A longer timeout gets its timer only at the next periodic tick (:meth:`arm_timers`):
+        most requests are answered sooner, and a timer per request is a good part of its cost.
         """
         waiter = self.wait(member, raw, deliver, lineage)
         waiter.deadline = time.monotonic() + timeout_s
@@ -281,15 +263,10 @@ class QuorumRounds:
     def schedule_tick(self) -> None:
         """Decide once the requests that are ready to be read have joined.
 
-        Each request needs a decision right after it joins (reference §4), but running the O(N)
-        decision once per request makes a round of N simultaneous requests cost O(N^2).
-        Requests that arrive together share one decision instead: the one the last of them
-        would have triggered. The decision waits for the loop's next look at its sockets and
-        what that finds is read first: a callback scheduled now runs before the reads of the
-        next turn, so it schedules the decision once more (:meth:`_scheduled_tick`). Measured
-        with 2 groups: in 88% of rounds the second request had arrived while the first was
-        handled, and the first one's decision ("not ready yet") ran before it was read, ~30 us
-        on the round's critical path.
+        A decision per request would make a round of N simultaneous requests cost O(N^2), so
+        requests that arrive together share one. It is scheduled twice over
+        (:meth:`_scheduled_tick`) so that what the loop's next look at its sockets finds is read
+        before it.
         """
         if self._tick_scheduled:
             return
@@ -299,10 +276,8 @@ class QuorumRounds:
     def run_due(self) -> None:
         """Decide now if a request just completed what is likely a round (see :meth:`wait`).
 
-        Callers call this once they have joined everything they received at once (a
-        connection's read); requests that arrive later join the next round, as they would
-        have had they arrived a moment later. The decision is the same one the scheduled tick
-        would make, only sooner.
+        Callers call this once they have joined everything one read brought; the decision is
+        the scheduled tick's, only sooner.
         """
         if not self._due:
             return

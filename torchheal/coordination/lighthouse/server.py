@@ -1,24 +1,15 @@
 """The lighthouse server: gRPC (and a direct TCP lane) around the pure quorum decision.
 
-One lighthouse per job collects heartbeats and quorum requests from the replica groups and
-issues quorums (reference §4). It is a shell of three parts, each in its own module:
+One lighthouse per job collects heartbeats and quorum requests and issues quorums (reference §4).
+It is a shell of three parts: ``rounds.py`` (state, waiting requests, answering a round),
+``notices.py`` (live sessions and ``MemberLost`` notices) and ``session.py`` / ``tcp.py`` (a
+torchheal session's protocol on gRPC and on the direct TCP lane). This module wires them to the
+servers, serves the reference's unary ``Heartbeat``/``Quorum`` and ``Describe``, runs the tick,
+and offers the public API.
 
-* ``rounds.py``: the state, the requests waiting for a quorum, the decisions (every
-  rule about *who* is in a quorum is the pure ``quorum.py``), answering a round in one pass;
-* ``notices.py``: the groups' live sessions and the ``MemberLost`` notices;
-* ``session.py`` / ``tcp.py``: a torchheal session's protocol, served on
-  the ``torchheal.LighthouseSession/Session`` gRPC stream and on the direct TCP lane.
-
-This module wires them to the servers, serves the reference's unary ``Heartbeat``/``Quorum``
-(unchanged, for torchft peers) and ``Describe``, runs the periodic tick, and offers the public API.
-
-Wire detail: the lighthouse keeps each requester's protobuf ``QuorumMember`` exactly as it
-arrived and puts that message in the quorum it sends back, so fields unknown to us (added by a
-newer peer) are echoed untouched.
-
-Observing: an optional :class:`LighthouseObserver` hears what happens (heartbeats, requests,
-issued quorums, expired heartbeats, reason changes, lost members) so dashboards and metrics can
-be built on top without this module knowing about them (lower layers never import higher ones).
+Each requester's protobuf ``QuorumMember`` is echoed as it arrived, so fields added by a newer
+peer survive. An optional :class:`LighthouseObserver` hears what happens, so dashboards and
+metrics build on top without this module importing them.
 """
 
 from __future__ import annotations
@@ -120,8 +111,8 @@ class LighthouseServer:
         store: where the last issued quorum is kept across restarts (``store.py``:
             a file, etcd); what it holds is restored before serving. None: nowhere (torchheal
             groups still report their last quorum when they reconnect).
-        security: job token and TLS settings of both lanes (default: read from the
-            environment).
+        security: job token and TLS settings of both lanes (None: read from the environment
+            here, once; both lanes get the same object).
 
     Raises:
         ValueError: an option is out of range or ``bind`` is malformed.
@@ -140,6 +131,8 @@ class LighthouseServer:
         store: QuorumStore | None = None,
         security: SecurityEnv | None = None,
     ) -> None:
+        # A public constructor is an edge: the settings are built here, then only passed on.
+        security = SecurityEnv.from_env() if security is None else security
         self._observer = observer
         self._config = LighthouseConfig(
             min_replicas=min_replicas,

@@ -1,23 +1,15 @@
 """The lighthouse's end of a torchheal session, whatever carries it (gRPC stream or TCP lane).
 
-A torchheal manager server opens one session with the lighthouse and keeps it for its whole life
-(``session.proto``). Up go a ``Hello`` (who the session speaks for), heartbeats and quorum
-requests; down come the ``Welcome``, the answers and ``MemberLost`` notices about other groups.
-The session's end is the group's death certificate: a process that dies takes its connection
-with it, so the lighthouse forgets the group at once instead of waiting out the heartbeat
-timeout (see ``quorum.session_ended``).
+A manager server keeps one session with the lighthouse for its life (``session.proto``): up go
+a ``Hello``, heartbeats and quorum requests; down come the ``Welcome``, answers and
+``MemberLost`` notices. Its end is the group's death certificate, so the lighthouse forgets a
+dead group at once instead of after the heartbeat timeout. A *detached* session (a
+``LighthouseClient``'s) speaks for no group and only carries requests.
 
-A *detached* session (``Hello.detached``, what a ``LighthouseClient`` opens) only carries
-requests: it speaks for no group, its heartbeats and requests name their replica, several
-requests may wait at once, and its end only withdraws its pending requests.
-
-:class:`SessionProtocol` parses, checks and routes one session's messages, the same for every
-transport; :func:`session_handler` serves it as the ``torchheal.LighthouseSession/Session`` gRPC
-stream (``tcp.py`` serves it on the direct TCP lane). The lighthouse owns the state
-and the decisions. Every message is checked before it touches anything: a session that breaks
-the protocol (bytes that do not parse, a request before the ``Hello``, a second ``Hello``) is
-ended with ``INVALID_ARGUMENT``; a bad request is answered with a ``QuorumFailed`` naming the
-problem, and the session goes on.
+:class:`SessionProtocol` parses, checks and routes one session's messages for every transport;
+:func:`session_handler` serves it as a gRPC stream (``tcp.py`` on the TCP lane). A session that
+breaks the protocol is ended with ``INVALID_ARGUMENT``; a bad request gets a ``QuorumFailed``
+and the session goes on.
 """
 
 from __future__ import annotations

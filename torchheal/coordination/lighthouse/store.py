@@ -1,24 +1,14 @@
 """Where a lighthouse keeps the little it must not forget across a restart: its last quorum.
 
-A lighthouse's memory is soft (heartbeats and requests come back within a second of a restart)
-except for one thing: the id and the members of the last quorum it issued. Forget the id and a
-restarted lighthouse numbers its quorums from 1 again, names a different quorum with an id the
-groups already hold, and groups that see "the same id" keep a process group whose members have
-changed. torchheal groups report their last quorum when their session reopens
-(``Hello.last_quorum``, see ``quorum.restore``), so a lighthouse serving only torchheal groups is
-safe without any store; a store makes it safe for reference peers too (they report nothing), and
-an etcd store lets a standby lighthouse take over (``etcd.py``).
+Forget the last quorum's id and a restarted lighthouse would reuse ids the groups already hold,
+so groups keep a process group whose members changed. torchheal groups report their last quorum
+when their session reopens (``quorum.restore``); a store makes a restart safe for reference peers
+too, and an etcd store lets a standby take over (``etcd.py``).
 
-A :class:`QuorumStore` is two methods, with an in-memory twin for tests:
-
-* ``load()`` -> the last saved quorum, or None;
-* ``save(quorum)`` is called with each issued quorum whose id or members differ from the last
-  saved one, *before* any group receives it (write-ahead: a quorum that reached a group is always
-  on record). A store that cannot save raises :class:`StoreError`; the lighthouse then delivers
-  nothing and tries again at its next tick.
-
-:class:`FileStore` writes a small JSON file atomically (a temporary file, fsync, rename, fsync of
-the directory), so a crash leaves the old record or the new one, never half of either.
+A :class:`QuorumStore` is ``load()`` and ``save(quorum)``, with an in-memory twin. ``save`` runs
+before any group receives a changed quorum (write-ahead); if it raises :class:`StoreError`,
+nothing is delivered and the next tick tries again. :class:`FileStore` writes JSON atomically
+(temporary file, fsync, rename, fsync of the directory).
 """
 
 from __future__ import annotations

@@ -377,8 +377,8 @@ class DirectLane:
     Args:
         lighthouse: what sessions talk to (see ``session._Lighthouse``).
         keepalive_s: how long a peer that stopped answering keeps its session.
-        security: job token and TLS settings (default: read from the environment); with TLS
-            on, :meth:`start` opens nothing and :attr:`port` stays 0.
+        security: job token and TLS settings (the lighthouse's); with TLS on, :meth:`start`
+            opens nothing and :attr:`port` stays 0.
         limits: what connections may hold before their hello (default: :data:`LIMITS`).
     """
 
@@ -386,12 +386,12 @@ class DirectLane:
         self,
         lighthouse: Any,
         keepalive_s: float,
-        security: SecurityEnv | None = None,
+        security: SecurityEnv,
         limits: LaneLimits | None = None,
     ) -> None:
         self._lighthouse = lighthouse
         self._keepalive_s = keepalive_s
-        self._security = SecurityEnv.from_env() if security is None else security
+        self._security = security
         self._refusals = RefusalLog(logger)
         self._crowded = RefusalLog(logger)  # apart: a crowd must not hide why others failed
         self._limits = LIMITS if limits is None else limits

@@ -5,7 +5,9 @@
 method with a deadline and maps failures through :mod:`torchheal.coordination.rpc.errors`.
 
 Security (``docs/security.md``): a channel sends the job token on every call and speaks TLS when
-the environment (or the ``security`` argument) says so; with neither it is a plain channel.
+its ``security`` settings say so; with neither it is a plain channel. The settings come from the
+caller (built once at an edge); only :func:`aio_connect` still falls back to the environment,
+for the one caller that does not pass them yet.
 """
 
 from __future__ import annotations
@@ -42,15 +44,13 @@ CHANNEL_OPTIONS: list[tuple[str, Any]] = [
 ]
 
 
-def connect(
-    addr: str, connect_timeout: timedelta | float, security: SecurityEnv | None = None
-) -> grpc.Channel:
+def connect(addr: str, connect_timeout: timedelta | float, security: SecurityEnv) -> grpc.Channel:
     """Open a blocking channel and wait until it is connected.
 
     Args:
         addr: server address (see :func:`parse_address`).
         connect_timeout: how long to keep trying before giving up.
-        security: job token and TLS settings (default: read from the environment).
+        security: job token and TLS settings.
 
     Returns:
         A ready channel; safe to share between threads.
@@ -61,7 +61,6 @@ def connect(
     """
     target = format_target(*parse_address(addr))
     timeout_s = to_seconds(connect_timeout)
-    security = SecurityEnv.from_env() if security is None else security
     if security.tls:
         channel = grpc.secure_channel(
             target, channel_credentials(security), options=CHANNEL_OPTIONS
@@ -82,14 +81,14 @@ def connect(
 
 
 async def aio_connect(
-    addr: str, connect_timeout: timedelta | float, security: SecurityEnv | None = None
+    addr: str, connect_timeout: timedelta | float, security: SecurityEnv
 ) -> grpc.aio.Channel:
     """Open an asyncio channel and wait until it is connected.
 
     Args:
         addr: server address (see :func:`parse_address`).
         connect_timeout: how long to keep trying before giving up.
-        security: job token and TLS settings (default: read from the environment).
+        security: job token and TLS settings.
 
     Raises:
         ValueError: the address or the security settings are malformed.
@@ -97,7 +96,6 @@ async def aio_connect(
     """
     target = format_target(*parse_address(addr))
     timeout_s = to_seconds(connect_timeout)
-    security = SecurityEnv.from_env() if security is None else security
     interceptors = None if security.token is None else aio_client_interceptors(security.token)
     if security.tls:
         channel = grpc.aio.secure_channel(

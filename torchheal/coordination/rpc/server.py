@@ -155,7 +155,8 @@ class AioServerThread:
         cleanup: optional coroutine function run on the loop at shutdown, after the server
             stopped (for example, to close channels opened by ``startup``).
         options: gRPC server options (default :data:`SERVER_OPTIONS`).
-        security: job token and TLS settings (default: read from the environment).
+        security: job token and TLS settings (keyword-only; built by the server that owns
+            this thread, never read from the environment here).
 
     Raises:
         ValueError: ``bind`` or the security settings are malformed.
@@ -171,10 +172,11 @@ class AioServerThread:
         startup: Callable[[], Coroutine[Any, Any, None]] | None = None,
         cleanup: Callable[[], Coroutine[Any, Any, None]] | None = None,
         options: list[tuple[str, Any]] | None = None,
-        security: SecurityEnv | None = None,
+        *,
+        security: SecurityEnv,
     ) -> None:
         self._name = name
-        self._security = SecurityEnv.from_env() if security is None else security
+        self._security = security
         self._options = SERVER_OPTIONS if options is None else options
         self._target = format_target(*parse_address(bind))
         self._handlers = handlers

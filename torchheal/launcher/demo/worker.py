@@ -1,18 +1,12 @@
 """One replica group of the demo job: fault-tolerant DDP on a small MLP with synthetic data.
 
-Run by the launcher (``torchheal demo`` / ``torchheal launch``) as
-``python -m torchheal.launcher.demo.worker --steps N``, one process per replica group. It reads
-``REPLICA_GROUP_ID``, ``NUM_REPLICA_GROUPS`` and ``TORCHHEAL_LIGHTHOUSE`` (or ``TORCHFT_LIGHTHOUSE``)
-from the environment, hosts its own TCPStore, trains until the job reaches ``--steps`` committed
-steps, and reports progress as event lines (see ``events.py``).
-
-Data follows the data plan (``torchheal.data``, docs/data.md): step ``s`` reads samples
-``s*B .. (s+1)*B - 1`` of one shuffled order of a synthetic dataset, split over the groups in
-the step's quorum, so the gradients really are averaged across groups, a step that fails is read
-again by the next quorum, and the global batch stays ``B`` while a group is down. Each step
-event says which stream positions this group read (``lo``, ``hi``), so the summary can check
-that every sample was read once. A group that joins late heals from a peer and must end with
-weights bit-identical to everyone else's.
+Run by the launcher as ``python -m torchheal.launcher.demo.worker --steps N``, one process per
+replica group, configured by ``REPLICA_GROUP_ID``, ``NUM_REPLICA_GROUPS`` and
+``TORCHHEAL_LIGHTHOUSE`` (or ``TORCHFT_LIGHTHOUSE``); it reports progress as event lines
+(``events.py``). Data follows the data plan (``torchheal.data``, docs/data.md): each step's
+global batch is split over the step's quorum and a failed step is read again, and each step
+event says which positions this group read, so the summary can check every sample was read
+once. A group that joins late must end bit-identical to the others.
 """
 
 from __future__ import annotations

@@ -1,25 +1,13 @@
 """The job's history as the dashboard shows it, folded from lighthouse events (pure).
 
-:class:`History` takes :mod:`events <torchheal.coordination.lighthouse.dashboard.events>` in order and
-keeps, within fixed bounds:
+:class:`History` takes :mod:`events <torchheal.coordination.lighthouse.dashboard.events>` in order
+and keeps, within fixed bounds, the quorum history (who joined or left and why), the recovery
+timeline of each lost member, time series of committed steps/s and quorum size, and each group's
+last divergence-guard report (``verified.py``).
 
-* the quorum history: one row per change of membership or quorum id, with who joined or left,
-  why (killed from the dashboard, heartbeat expired, did not ask to join, restarted, new), the
-  lighthouse's reason string and the round's latency;
-* the recovery timeline: one record per member lost, with when it was noticed, when the
-  survivors went on without it, when its group came back and when it had healed, and the job
-  time lost to the stall;
-* time series in fixed buckets: committed steps/s of the job and of each group, quorum size;
-* each group's last divergence-guard report, and a mark where its mismatches rose
-  (``verified.py``).
-
-Committed steps are counted from the steps members report when they ask to join: a group's
-step grows by one per commit, except when it heals, where it jumps to the job's step. So a
-group's commits between two quorums are ``step - max(its previous step, the job's previous
-step)``: a heal's jump counts as nothing, the step it then commits with everyone counts as one.
-
-Nothing here does I/O, reads a clock or starts threads: events carry their time and views take
-``now``.
+A group's commits between two quorums are ``step - max(its previous step, the job's previous
+step)``, so a heal's jump to the job's step counts as nothing. No I/O, clock or threads: events
+carry their time and views take ``now``.
 """
 
 from __future__ import annotations

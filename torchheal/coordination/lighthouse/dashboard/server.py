@@ -1,17 +1,13 @@
 """The dashboard's HTTP server: aiohttp on its own event-loop thread, beside the lighthouse.
 
-Why its own thread rather than the lighthouse's loop: that loop decides every quorum of the job,
-and nothing there should wait behind a browser, a Prometheus scrape or a kill RPC. Sharing it
-would buy little: the lighthouse's observer only counts and queues (``recorder.py``), and
-``LighthouseServer.status()`` is already safe to call from any thread. So the dashboard reads the
-queue and the snapshot from here, and a slow or broken dashboard can never delay a quorum.
+Its own thread, because the lighthouse's loop decides every quorum and must not wait behind a
+browser, a scrape or a kill RPC; it reads the recorder's queue and ``LighthouseServer.status()``,
+both safe from any thread.
 
 Limits (``docs/security.md``): the read-only pages are open to anyone who reaches the port, so
-what a client can make the dashboard hold is bounded by :class:`HttpLimits`: at most 128
-connections (a new one closes the oldest), a request's head at most 32 header lines of 8 KiB, a
-connection closed after 30 s without a complete request, and a TLS handshake within 10 s.
-aiohttp's own defaults keep a connection for an hour and take 128 lines of 8 KiB, which it
-holds about twice while parsing: some 1.6 MiB a connection, for anyone, without a cap.
+:class:`HttpLimits` bounds what a client can make it hold (128 connections, the oldest closed
+first; heads of 32 lines of 8 KiB; 30 s to send a request; 10 s for a TLS handshake), where
+aiohttp's defaults hold about 1.6 MiB per connection for an hour, without a cap.
 """
 
 from __future__ import annotations
@@ -31,6 +27,7 @@ from typing import Any
 
 from aiohttp import web
 
+from torchheal._base.security import SecurityEnv
 from torchheal.coordination.lighthouse.dashboard.app import STATIC_DIR, DashboardApp
 from torchheal.coordination.lighthouse.dashboard.recorder import LighthouseRecorder
 from torchheal.coordination.rpc.auth import RefusalLog
@@ -123,12 +120,14 @@ class _Gate(asyncio.Protocol):
             self._handler.connection_lost(exc)
 
 
-def kill_replica(address: str, message: str) -> None:
+def kill_replica(address: str, message: str, *, security: SecurityEnv | None = None) -> None:
     """Ask the manager server at ``address`` to exit (its ``Kill`` RPC).
 
     Args:
         address: the manager's URL.
         message: the reason it logs.
+        security: the job token and TLS settings to call with (the lighthouse's, bound by the
+            program that serves the dashboard; None: the client reads the environment).
 
     Raises:
         RuntimeError: the manager could not be reached or refused.
@@ -137,7 +136,7 @@ def kill_replica(address: str, message: str) -> None:
     # Imported here: only the kill action needs a gRPC client.
     from torchheal.coordination.clients.manager_client import ManagerClient
 
-    client = ManagerClient(address, connect_timeout=timedelta(seconds=5))
+    client = ManagerClient(address, connect_timeout=timedelta(seconds=5), security=security)
     try:
         client.kill(message, timeout=timedelta(seconds=5))
     finally:
