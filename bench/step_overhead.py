@@ -7,9 +7,12 @@ warm-up and averaged. Goal: torchheal within 5% of plain DDP and at least the re
     python -m bench.step_overhead [--steps 120] [--warmup 20] [--rounds 2] [--phases]
                                   [--malloc glibc|steady] [--salvage] [--guard]
 
-``--guard`` adds torchheal with the divergence guard off and checking every step (the plain
-torchheal row runs it at its default, every 100 steps): what comparing the groups' state
-fingerprints costs (docs/divergence.md).
+``--guard`` adds torchheal with the divergence guard off, checking every 10 steps and every step
+(the plain torchheal row runs it at its default, every 100 steps): what comparing the groups'
+state fingerprints costs (docs/divergence.md). The default's cost is far below the run-to-run
+noise of steps/s, so the table also gives it from the rows' step times: the guard works only at
+the steps it compares, so its cost per comparison is ``(every step - off)`` and the default's is a
+hundredth of that per step; the every-10 row checks that the cost grows with the comparisons.
 
 ``--salvage`` adds torchheal with ``Manager(salvage_step=True)``: what keeping a copy of every
 allreduce's input costs a step (the price of committing the step a group dies in).
@@ -96,8 +99,25 @@ def main_thread_faults_per_step(result: RunResult, steps: int) -> list[float]:
 SALVAGE = "torchheal+salvage"
 #: torchheal with the divergence guard off and every step (the plain row: every 100 steps).
 GUARD_OFF = "torchheal+guard-off"
+GUARD_TEN = "torchheal+guard-every-10"
 GUARD_EVERY = "torchheal+guard-every-step"
-GUARD_INTERVAL = {GUARD_OFF: "0", GUARD_EVERY: "1"}
+GUARD_INTERVAL = {GUARD_OFF: "0", GUARD_TEN: "10", GUARD_EVERY: "1"}
+#: The guard's default interval (what the plain torchheal row runs).
+DEFAULT_INTERVAL = 100
+
+
+def print_guard_cost(results: dict[str, list[float]], impls: list[str]) -> None:
+    """The guard's cost per comparison from the off and every-step rows, and what it makes of
+    each interval: measured directly where the row ran, and predicted from the comparisons."""
+    ms = {i: 1e3 / statistics.median(results[i]) for i in impls if i in results}
+    off = ms[GUARD_OFF]
+    per_check = ms[GUARD_EVERY] - off
+    print(f"\nguard: {per_check:.2f} ms per comparison on a {off:.2f} ms step (every step - off)")
+    print(f"{'interval':<10}{'predicted cost':>16}{'measured cost':>15}")
+    rows = {DEFAULT_INTERVAL: "torchheal", 10: GUARD_TEN, 1: GUARD_EVERY}
+    for interval, impl in rows.items():
+        measured = f"{(ms[impl] - off) / off:>14.2%}" if impl in ms else f"{'-':>14}"
+        print(f"{interval:<10}{per_check / interval / off:>16.3%} {measured}")
 
 
 def main() -> None:
@@ -135,7 +155,7 @@ def main() -> None:
     parser.add_argument(
         "--only",
         nargs="+",
-        choices=["plain", "torchheal", SALVAGE, GUARD_OFF, GUARD_EVERY, "torchft"],
+        choices=["plain", "torchheal", SALVAGE, GUARD_OFF, GUARD_TEN, GUARD_EVERY, "torchft"],
         help="configurations",
     )
     args = parser.parse_args()
@@ -143,7 +163,7 @@ def main() -> None:
     worker_args += ["--phases"] if args.phases else []
     worker_args += ["--bucket-view"] if args.bucket_view else []
     impls = ["plain", "torchheal"] + ([SALVAGE] if args.salvage or args.only else [])
-    impls += [GUARD_OFF, GUARD_EVERY] if args.guard or args.only else []
+    impls += [GUARD_OFF, GUARD_TEN, GUARD_EVERY] if args.guard or args.only else []
     impls += ["torchft"] if reference_available() else []
     if args.only:
         impls = [i for i in impls if i in args.only]
@@ -169,7 +189,9 @@ def main() -> None:
                 library = impl.split("+")[0]
                 salvage = {
                     "TORCHHEAL_SALVAGE_STEP": "1" if impl == SALVAGE else "0",
-                    "TORCHHEAL_DIVERGENCE_CHECK_INTERVAL": GUARD_INTERVAL.get(impl, "100"),
+                    "TORCHHEAL_DIVERGENCE_CHECK_INTERVAL": GUARD_INTERVAL.get(
+                        impl, str(DEFAULT_INTERVAL)
+                    ),
                 }
                 with lighthouse(library) as addr:
                     env = {**malloc_env, **salvage}
@@ -192,6 +214,7 @@ def main() -> None:
         "torchheal": "torchheal FT DDP",
         SALVAGE: "torchheal + salvage_step",
         GUARD_OFF: "torchheal, guard off",
+        GUARD_TEN: "torchheal, guard every 10",
         GUARD_EVERY: "torchheal, guard every step",
         "torchft": "torchft (reference) FT DDP",
     }
@@ -202,6 +225,8 @@ def main() -> None:
             f"{names[impl]:<26}{rate:>10.2f}{min(rates):>8.2f}{max(rates):>8.2f}"
             f"{rate / base:>15.3f}x"
         )
+    if GUARD_OFF in impls and GUARD_EVERY in impls:
+        print_guard_cost(results, impls)
     if args.phases:
         print("\nmedian ms per phase (median over rounds)")
         cols = ["start", "forward", "backward", "vote", "update"]

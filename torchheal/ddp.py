@@ -32,19 +32,14 @@ def _completed(value: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
 class DistributedDataParallel(parallel.DistributedDataParallel):
     """PyTorch DDP whose gradient buckets are reduced across replica groups by the Manager.
 
-    DDP runs over a :class:`ProcessGroupDummy`: replicas are brought in sync by the Manager
-    (``init_sync`` and healing), not by DDP, so DDP's own start-up sync (``init_sync``), which
-    over a group of one only slows a restarted group's first commit, is off by default.
-    ``find_unused_parameters=True`` keeps DDP from rebuilding its buckets after the first step,
-    which would make a recovering replica's buckets differ from its peers' (the reference's flag;
-    it costs little).
+    DDP runs over a :class:`ProcessGroupDummy`: the Manager keeps replicas in sync, so DDP's own
+    start-up sync (``init_sync``) is off by default. ``find_unused_parameters=True`` keeps DDP
+    from rebuilding its buckets after the first step, so a recovering replica's buckets match its
+    peers' (the reference's flag).
 
-    ``gradient_as_bucket_view`` defaults to True (torch's and the reference's default is False):
-    a comm hook cannot scale gradients while DDP copies them into the bucket, so the average
-    costs a pass of its own, and dropping the copy back keeps DDP's number of passes over the
-    gradients. Gradients are bit-identical either way; a view cannot be ``detach_()``-ed. Pass
-    ``gradient_as_bucket_view=False`` for separate gradient tensors. Measurements:
-    ``docs/architecture.md`` (Data parallelism).
+    Difference from the reference: ``gradient_as_bucket_view`` defaults to True, which saves the
+    copy back that pays for the averaging pass (``docs/architecture.md``, Data parallelism).
+    Gradients are bit-identical either way; pass False for separate gradient tensors.
 
     Args:
         manager: the Manager of this rank.

@@ -1,19 +1,15 @@
 """Fault-tolerant HSDP: a device mesh whose replicate dimension is driven by a Manager.
 
 ``ft_init_device_mesh`` builds a normal ``init_device_mesh`` over the ranks of *one* replica
-group (every dimension except the replicate one) and adds the replicate dimension as a
+group and adds the replicate dimension as a
 :class:`~torchheal.process_group.managed.ManagedProcessGroup`: FSDP2's cross-replica gradient
 all-reduce then goes through ``Manager.allreduce`` and survives replica groups coming and going.
 
-:class:`ManagedDeviceMesh` is a real ``DeviceMesh`` (so ``fully_shard`` and DTensor accept it):
-underneath, the replicate dimension is a world-size-1 dimension backed by the managed group's
-registered façade, which is the honest view for DTensor (replicas are kept identical by the
-Manager, not by DTensor). The public queries (``size``, ``shape``, ``get_local_rank``,
-``get_coordinate``, ``get_group``) report the managed view: the replicate dimension's size is
-the number of replicas participating in the current step (0 before any quorum is reported as
-1), and its coordinate is this process's rank in the one-process façade, 0, as in the reference:
-the replica's place among the participants is ``Manager.participating_rank()``, which callers
-that shard data across replicas add themselves (torchtitan adds its ``replica_id``).
+:class:`ManagedDeviceMesh` is a real ``DeviceMesh`` (so ``fully_shard`` and DTensor accept it)
+whose replicate dimension is, underneath, a world-size-1 dimension: replicas are kept identical
+by the Manager, not by DTensor. Its public queries report the managed view: the replicate size is
+the number of participating replicas (at least 1), and the replicate coordinate is 0, as in the
+reference (callers that shard data across replicas add ``Manager.participating_rank()``).
 
 Difference from the reference: ``get_coordinate`` puts the replicate coordinate at the
 replicate dimension (the reference swapped ``list.insert``'s arguments).

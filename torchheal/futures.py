@@ -1,20 +1,16 @@
 """Timeouts on futures, CUDA streams and blocks of code.
 
-Everything here is driven by one lazily started daemon thread, the *timeout manager*. It keeps
-a heap of deadlines under a condition variable and runs the callback of each deadline that was
-not cancelled before it expired. We chose a heap + condition thread over an asyncio loop: the
-only job is "call this at time T unless cancelled", which needs no event loop, no cross-thread
-``call_soon_threadsafe`` dance, and has one obvious place where callbacks run.
+Everything here is driven by one lazily started daemon thread, the *timeout manager*: a heap of
+deadlines under a condition variable, running the callback of each deadline not cancelled in
+time. The only job is "call this at time T unless cancelled", which needs no event loop.
 
-Callbacks run on the manager thread, so they must be short (setting a future, aborting a
-process group). A callback that raises is logged and never stops the thread. A callback that
-never returns would silently disable every timeout in the process, so a watchdog thread checks
-that no callback runs longer than ``TORCHHEAL_WATCHDOG_TIMEOUT_SEC`` (fallback
-``TORCHFT_WATCHDOG_TIMEOUT_SEC``, default 30 s); if one does it logs "TimeoutManager is stuck.
-Exiting." and ends the process with exit code 1 (the reference meant to, but its ``sys.exit``
-from a thread only ended the watchdog), so the replica restarts and heals instead of hanging.
-The exit goes through ``sys.exit(1)`` first, so whoever replaced ``sys.exit`` (a test) gets it
-instead; the real one's ``SystemExit`` is turned into ``os._exit(1)``.
+Callbacks run on the manager thread, so they must be short; one that raises is logged. One that
+never returns would silently disable every timeout in the process, so a watchdog ends the process
+with exit code 1 ("TimeoutManager is stuck. Exiting.") when a callback runs longer than
+``TORCHHEAL_WATCHDOG_TIMEOUT_SEC`` (fallback ``TORCHFT_WATCHDOG_TIMEOUT_SEC``, default 30 s), so
+the replica restarts and heals instead of hanging. Difference from the reference: its
+``sys.exit`` from a thread only ended the watchdog; ours calls ``sys.exit(1)`` (a test may
+replace it) and turns the real one's ``SystemExit`` into ``os._exit(1)``.
 
 Public helpers:
 

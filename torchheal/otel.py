@@ -4,14 +4,13 @@ The Manager writes one record per new quorum on the logger ``torchft_quorums``, 
 decision on ``torchft_commits``, and the process group one per abort on ``torchft_errors``
 (empty message, the data in the record's fields, as the reference does). With
 ``TORCHHEAL_USE_OTEL`` or ``TORCHFT_USE_OTEL`` set (to anything but ``false``/``0``/``no``/
-``off``), :func:`setup_logger` attaches an OpenTelemetry handler to such a logger: records go
-to the console and to an OTLP/HTTP collector (endpoint and headers from the standard
-``OTEL_EXPORTER_OTLP_*`` variables), with resource attributes read from the JSON file named by
-``TORCHHEAL_OTEL_RESOURCE_ATTRIBUTES_JSON`` / ``TORCHFT_OTEL_RESOURCE_ATTRIBUTES_JSON``
+``off``), :func:`setup_logger` sends such a logger's records to the console and to an OTLP/HTTP
+collector (standard ``OTEL_EXPORTER_OTLP_*`` variables), with resource attributes from the JSON
+file named by ``TORCHHEAL_OTEL_RESOURCE_ATTRIBUTES_JSON`` / ``TORCHFT_OTEL_RESOURCE_ATTRIBUTES_JSON``
 (``{logger name: {attribute: value}}``). :func:`shutdown` flushes everything.
 
-OpenTelemetry is an optional extra (``pip install 'torchheal[otel]'``): this module imports it
-only when export is switched on, and says how to install it when it is missing.
+OpenTelemetry is an optional extra (``pip install 'torchheal[otel]'``), imported only when export
+is switched on.
 """
 
 from __future__ import annotations

@@ -1,18 +1,15 @@
 """A prototype parameter server: one fresh two-member process group per client session.
 
 The server runs a TCPStore (the rendezvous for every session) and a small HTTP server. A client
-asks ``GET /new_session``; the server answers with a session id and a store address unique to
-that session, then both sides configure a new process group on it (server rank 0, client rank 1)
-and the server hands the group to :meth:`ParameterServer.forward` on the request's own thread.
-Sessions are independent: a client that dies only breaks its own group, so only its session
-ends; the server keeps serving others.
+asks ``GET /new_session`` and gets a session id and a store address unique to that session; both
+sides then configure a new process group on it (server rank 0, client rank 1) and the server
+hands it to :meth:`ParameterServer.forward`. A client that dies only breaks its own session.
 
-Subclasses implement :meth:`ParameterServer.new_process_group` (for example
-``ProcessGroupGloo(timeout=...)``) and :meth:`ParameterServer.forward` (what a session does).
+Subclasses implement :meth:`ParameterServer.new_process_group` and :meth:`ParameterServer.forward`.
 
 Differences from the reference: a malformed request gets a 400 naming the problem (and an
-optional shared token guards the endpoint); :meth:`ParameterServer.shutdown` stops the server;
-the advertised host name can be chosen (tests use loopback).
+optional token guards the endpoint); :meth:`ParameterServer.shutdown` stops the server; the
+advertised host name can be chosen.
 """
 
 from __future__ import annotations

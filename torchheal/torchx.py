@@ -5,28 +5,22 @@ Run a local job (``local_cwd`` runs every role on this machine)::
     torchx run -s local_cwd torchheal/torchx.py:ddp --replicas 2 --workers_per_replica 2 \\
         --script examples/train_ddp.py
 
-The same command with ``-s slurm`` or ``-s kubernetes`` runs it on a cluster: every role is a
-separate allocation (a Slurm heterogeneous job component, a Kubernetes pod). Roles:
+With ``-s slurm`` or ``-s kubernetes`` every role is a separate allocation. Roles:
 
-* ``lighthouse`` (first, unless ``--lighthouse`` names one that already runs):
-  ``python -m torchheal.cli lighthouse`` on ``lighthouse_port`` with its dashboard on
-  ``dashboard_port``; it exits once every group has been silent for ``idle_exit_s`` (the job
-  is over), so the job ends when training does.
-* ``replica_{i}``: one torchrun of ``workers_per_replica`` ranks running ``script``, restarted by
-  torchrun up to ``max_restarts`` times (a dead group comes back and heals from the others),
-  with ``REPLICA_GROUP_ID=i``, ``NUM_REPLICA_GROUPS=replicas`` and ``TORCHHEAL_LIGHTHOUSE``
-  pointing at the lighthouse role: its host is the scheduler's "rank 0" host of the job, which
-  is the first role's (``SLURM_JOB_NODELIST_HET_GROUP_0`` on Slurm, Volcano's host variable on
-  Kubernetes, ``localhost`` locally), resolved by the shell when the role starts.
+* ``lighthouse`` (first, unless ``--lighthouse`` names a running one): it exits once every group
+  has been silent for ``idle_exit_s``, so the job ends when training does.
+* ``replica_{i}``: one torchrun of ``workers_per_replica`` ranks running ``script``, restarted up
+  to ``max_restarts`` times, with ``REPLICA_GROUP_ID=i``, ``NUM_REPLICA_GROUPS=replicas`` and
+  ``TORCHHEAL_LIGHTHOUSE`` pointing at the first role's host (resolved by the role's shell).
 
-Each group's TCPStore listens on ``master_port + i`` of its host, advertised under the host's
-full name (``MASTER_ADDR=$(hostname -f)``), because the other groups connect to it to build the
-cross-group process group.
+Each group's TCPStore listens on ``master_port + i``, advertised under ``$(hostname -f)``,
+because the other groups connect to it to build the cross-group process group.
 
-Compared with the reference's ``torchft.torchx.hsdp``: the lighthouse is a role of the job (the
-reference needs one started by hand), a group of K ranks is one torchrun of K processes (the
-reference starts K torchruns of K processes each, sharing one port), and GPUs stay visible when
-``gpu > 0`` (the reference always sets ``CUDA_VISIBLE_DEVICES=""``).
+Deliberate differences from the reference's ``torchft.torchx.hsdp``:
+
+* the lighthouse is a role of the job (the reference needs one started by hand);
+* a group of K ranks is one torchrun of K processes (the reference starts K torchruns);
+* GPUs stay visible when ``gpu > 0`` (the reference always sets ``CUDA_VISIBLE_DEVICES=""``).
 """
 
 # No "from __future__ import annotations": torchx reads the component's annotations as types.

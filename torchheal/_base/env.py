@@ -2,19 +2,15 @@
 
 The settings modules beside this one (``manager_env``, ``manager_timeouts``, ``launch_env``,
 ``security``, ``telemetry_env``) parse variables into validated values; only :func:`source`
-touches the process environment (a test reads the import graph to hold this; the launcher only
-*passes* an environment to the processes it starts). Each reader takes an optional mapping in
-place of ``os.environ``, so tests need not patch it.
+touches the process environment (``tests/test_import_graph.py`` holds this). Each reader takes an
+optional mapping in place of ``os.environ``, so tests need not patch it.
 
 Every variable the reference also reads has a ``TORCHHEAL_*`` name and the reference's
-``TORCHFT_*`` name as a fallback; the torchheal name wins when both are set. Malformed values
-raise :class:`ValueError` naming the variable, so a typo in a launcher script fails at start-up
-instead of silently using a default.
+``TORCHFT_*`` name as a fallback; the torchheal name wins. Malformed values raise
+:class:`ValueError` naming the variable, so a typo fails at start-up instead of using a default.
 
-One torch variable is deliberately *not* written anywhere: ``TORCH_NCCL_NONBLOCKING_TIMEOUT``
-(how long NCCL's non-blocking communicators wait on init). torchheal bounds every NCCL operation
-and the group's construction with its own timer instead, so the process environment is left to
-the user.
+Difference from the reference: ``TORCH_NCCL_NONBLOCKING_TIMEOUT`` is never written; torchheal
+bounds NCCL operations and the group's construction with its own timer.
 """
 
 from __future__ import annotations

@@ -5,11 +5,10 @@
 * :func:`watchdog_timeout_s` - how long one timeout callback may run (``torchheal.futures``).
 * :func:`use_bucketization` - DiLoCo's flat-bucket allreduce switch.
 
-The reference reads its environment overrides in several places and then forgets to use the
-adjusted values in some of them (the checkpoint transport, the state-dict lock and the RPC
-clients get the raw constructor arguments). Here the Manager's environment is parsed once into
-:class:`EnvConfig`, merged with the constructor arguments into ``ManagerTimeouts``
-(``manager_timeouts.py``), and that single object is what every component receives.
+Difference from the reference: it reads overrides in several places and some components get the
+raw constructor arguments; here the environment is parsed once into :class:`EnvConfig`, merged
+into ``ManagerTimeouts`` (``manager_timeouts.py``), and that one object is passed to every
+component.
 """
 
 from __future__ import annotations

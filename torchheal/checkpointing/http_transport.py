@@ -1,30 +1,24 @@
 """HTTP checkpoint transport: a healthy replica serves its staged state, healers pull it.
 
 Server: a stdlib ``ThreadingHTTPServer`` on all interfaces (IPv6 dual-stack when available),
-ephemeral port, serving ``GET /checkpoint/{step}/{key}``; nothing is served until
-``send_checkpoint`` stages a step. Each request holds the checkpoint it reads
-(``LiveCheckpoint.open_request``); the next ``send_checkpoint`` retires it without waiting for
-them, and its buffers go back to the pool when its last request ends: a healer that stalls
-mid-transfer (its host frozen or gone, no FIN) never delays this replica's next heal of another
-peer. Keys: ``full`` (header, description and all data),
-``metadata`` (header and description), ``{i}`` (chunk ``i`` of ``n``; ``n`` from the ``?n=``
-query, else the server's ``num_chunks``). Bodies are the pickle-free format of
-``serialization``: raw storage bytes.
-
-What is served: the large CPU storages from where they lie, until ``disallow_checkpoint``
-copies what the healers have not yet received (``live``); small and accelerator ones as copies.
+ephemeral port, serving ``GET /checkpoint/{step}/{key}`` once ``send_checkpoint`` stages a step.
+Each request holds the checkpoint it reads (``LiveCheckpoint.open_request``); the next
+``send_checkpoint`` retires it without waiting for them, so a healer that stalls mid-transfer
+never delays this replica's next heal of another peer. Keys: ``full`` (header, description and
+all data), ``metadata`` (header and description), ``{i}`` (chunk ``i`` of ``n``; ``n`` from the
+``?n=`` query, else the server's ``num_chunks``). Bodies are the pickle-free format of
+``serialization``: raw storage bytes. Large CPU storages are served from where they lie until
+``disallow_checkpoint`` (``live``); small and accelerator ones as copies.
 
 Client: reads the description, validates it, preallocates every storage and ``readinto``\\ s
 the bytes directly into them (``num_chunks`` parallel connections when > 0), checking each
 block's CRC before anything is returned.
 
 Access control (``docs/security.md``): with a token (argument, else the ``security`` settings'
-``transport_token``: ``TORCHHEAL_CHECKPOINT_TOKEN``, else the job token
-``TORCHHEAL_TOKEN``/``TORCHHEAL_TOKEN_FILE``) every request must carry ``Authorization: Bearer <token>``: a missing or wrong one is answered
-401 (and logged), nothing served. With TLS configured (``TORCHHEAL_TLS_*``) the server speaks
-HTTPS only, publishes an ``https://`` address, and the client verifies the server's certificate;
-a TLS client refuses to fetch from a plain ``http://`` peer. What a client can make the server
-hold before that (connections, a request head's bytes and time) is bounded by ``_http_limits``.
+``transport_token``) every request must carry ``Authorization: Bearer <token>``, or is answered
+401. With TLS configured the server speaks HTTPS only and the client verifies its certificate; a
+TLS client refuses a plain ``http://`` peer. What a client can make the server hold before that
+is bounded by ``_http_limits``.
 """
 
 from __future__ import annotations
@@ -325,11 +319,9 @@ class HTTPTransport(CheckpointTransport[T]):
     def _wait_for_step(self, step: int) -> None:
         """Waits until ``step`` or a later one is served, if a send of ``step`` is coming.
 
-        Healer and source both start on transfer threads when the quorum arrives, so a request
-        can come before the source has begun staging its step. It waits up to
-        :data:`UNANNOUNCED_WAIT_S` for that send to begin, then, once it has, up to the
-        timeout for the copy to be served. A step no send is coming for (a confused or hostile
-        client) is answered after the short wait, not after the whole timeout.
+        A request can come before the source has begun staging its step (both start when the
+        quorum arrives): it waits up to :data:`UNANNOUNCED_WAIT_S` for that send to begin, then
+        up to the timeout for it to be served, so a step no send is coming for is answered soon.
         """
         with self._served:
             if self._step >= step:

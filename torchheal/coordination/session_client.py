@@ -1,20 +1,18 @@
 """The client's end of a torchheal session with the lighthouse (``session.proto``), without I/O.
 
 Two shells drive it, carrying bytes and time: a manager server's link (``group/link*.py``,
-asyncio; its session speaks for its group and is reopened, on the next lighthouse too) and a
-blocking client's detached session (``clients/direct_session.py``). The client side's rules live
-here: the hello and what a welcome says, request ids (one counter for requests and heartbeat
-acks), which pending request an answer or refusal settles, when a heartbeat asks for an ack, when
-a session is silent too long, that a broken session fails every pending request, and what the
-next session must say (the last quorum, the history the group holds, its steps done).
+asyncio; its session speaks for its group and is reopened) and a blocking client's detached
+session (``clients/direct_session.py``). The client side's rules live here: the hello and what a
+welcome says, request ids, which pending request an answer or refusal settles, when a heartbeat
+asks for an ack, when a session is silent too long, that a broken session fails every pending
+request, and what the next session must say.
 
 No sockets, tasks, threads, locks or clock reads: ``now`` is passed in. A pending request is held
 as the shell's own *waiter* (a future, a slot), handed back to be completed when it is settled or
 the session ends. A shell sharing a session between threads holds its lock around each call.
 
 An issued quorum is found in its event without a parse (:func:`issued_quorum`), so clients in one
-process decode its bytes once between them, however many members it has; everything else uses the
-generated classes (upb: under a microsecond of a call that takes tens).
+process decode its bytes once between them, however many members it has.
 """
 
 from __future__ import annotations

@@ -1,17 +1,15 @@
 """LocalSGD/DiLoCo windows read with a guessed quorum; a sync whose quorum differs must fail.
 
 A window's inner steps run before the sync's quorum is known, so the loader reads them with the
-last sync's quorum. If the sync's quorum is another one (a group died, or one that healed now
-contributes), the contributing groups' shares do not tile the window's samples: committing it
-would drop or double-count some. ``WindowGuard`` stands between LocalSGD/DiLoCo and the Manager
-and, before the vote, lets every group say whether its window was read with the sync's quorum;
-one "no" from any contributing group fails the sync everywhere (``report_error``), the step does
-not advance, and the next window (the same Manager step) is read again with the new quorum.
+last sync's quorum. If the sync's quorum differs, the contributing groups' shares do not tile the
+window's samples, and committing would drop or double-count some. ``WindowGuard`` lets every
+group say, before the vote, whether its window was read with the sync's quorum; one "no" fails
+the sync everywhere (``report_error``) and the same Manager step is read again with the new
+quorum.
 
-The "no"s travel in one extra one-element allreduce (SUM) per sync, through the Manager: a
-group that does not contribute (a spare, a healer in an asynchronous quorum) sends zero there,
-so its guess never counts. A group that heals at a synchronous quorum (DiLoCo) contributes, and
-its window, read before it healed, is stale: that sync fails too.
+The "no"s travel in one extra one-element allreduce (SUM) per sync: a group that does not
+contribute sends zero, so its guess never counts. A group that heals at a synchronous quorum
+(DiLoCo) contributes a window read before it healed, so that sync fails too.
 """
 
 from __future__ import annotations

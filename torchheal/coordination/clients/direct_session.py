@@ -6,17 +6,14 @@ a *detached* session (it speaks for no group, so closing it declares nobody dead
 ``session.proto``), on which heartbeats and quorum requests of any replica travel as
 length-delimited ``SessionRequest`` messages and come back answered by id.
 
-It needs no thread and no event loop of its own: a caller sends its request and then reads the
-connection itself until its answer arrives, handing other callers' answers to them on the way;
-while one caller reads, the others wait for it to hand over (leader and followers). A single
-caller pays one ``send`` and one ``recv``, which is what makes the lane cheap.
+It needs no thread or event loop of its own: a caller sends its request and reads the connection
+itself until its answer arrives, handing other callers' answers to them on the way (leader and
+followers), so a single caller pays one ``send`` and one ``recv``.
 
-Errors are data: a refused or timed-out request comes back as :class:`Refused` (a gRPC status
-code and message, which the client words as the reference does); a connection that breaks
-fails every waiting call with :class:`SessionBroken`, and the session is not used again.
-
-With a job token the hello carries it (``docs/security.md``); with TLS on, the lighthouse opens
-no lane and the client never gets here.
+Errors are data: a refused or timed-out request comes back as :class:`Refused`; a connection that
+breaks fails every waiting call with :class:`SessionBroken`, and the session is not used again.
+With a job token the hello carries it; with TLS on, the lighthouse opens no lane and the client
+never gets here.
 """
 
 from __future__ import annotations
@@ -53,8 +50,7 @@ __all__ = [
 ]
 
 # The most one read takes. Below glibc's mmap threshold (128 KiB): recv() allocates a bytes of
-# this size before shrinking it to what arrived, and one of 256 KiB was an mmap/munmap pair per
-# read (17-40 us here, against 3 us for the whole recv of a small answer).
+# this size first, and a larger one is an mmap/munmap pair per read (docs/failures.md).
 _RECV_BYTES = 64 * 1024
 
 
@@ -108,10 +104,8 @@ class DirectSession:
         token = security.token
         self._sock = socket.create_connection((host, port), timeout=timeout_s)
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        # Blocking mode with kernel time limits (SO_RCVTIMEO/SO_SNDTIMEO) rather than Python's
-        # socket timeouts, which poll() before every recv: one system call (and one release
-        # of the GIL) less per answer. A send that cannot leave in this long means the
-        # lighthouse stopped reading: the session breaks.
+        # Kernel time limits (SO_RCVTIMEO/SO_SNDTIMEO) rather than Python's socket timeouts,
+        # which poll() before every recv. A send that cannot leave in time breaks the session.
         self._sock.settimeout(None)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(timeout_s))
         self._recv_timeout = 0.0

@@ -54,14 +54,12 @@ LOCAL_TIMEOUT_GRACE_S = 0.25
 class LighthouseClient:
     """Client of the lighthouse, for tools and tests that talk to it directly.
 
-    With a torchheal lighthouse, calls travel on one session over the lighthouse's direct TCP
-    lane (``direct_session.py``), several times cheaper than a gRPC call; it is *detached*: it
-    speaks for no replica group, so closing it declares nobody dead, and liveness comes from
-    heartbeats exactly as with the reference. A reference lighthouse (or one whose lane cannot
-    be reached) is called with the reference's unary ``Heartbeat``/``Quorum``. Either way the
-    results and errors are the reference's. One deliberate difference on the session: a quorum
-    request that times out is withdrawn at once (the reference's lighthouse keeps it until the
-    round is decided, so a quorum could include a requester nobody waits for any more).
+    With a torchheal lighthouse, calls travel on one *detached* session over its direct TCP lane
+    (``direct_session.py``): it speaks for no replica group, so closing it declares nobody dead;
+    liveness comes from heartbeats, as with the reference. A reference lighthouse (or an
+    unreachable lane) gets the reference's unary ``Heartbeat``/``Quorum``. Either way results and
+    errors are the reference's. Difference from the reference: a quorum request that times out is
+    withdrawn at once, so no quorum includes a requester nobody waits for.
 
     Args:
         addr: the lighthouse address, ``http://host:port`` or ``host:port``.

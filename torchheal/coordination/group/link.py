@@ -2,17 +2,16 @@
 
 With a torchheal lighthouse the link is one long-lived session (``session.proto``): heartbeats
 and quorum requests go up it, quorums and ``MemberLost`` notices come down, and if this process
-dies the session's end tells the lighthouse at once. A reference lighthouse serves none (it
-answers ``UNIMPLEMENTED``); the link then speaks its unary ``Heartbeat``/``Quorum``. A quorum
-request in flight when the session broke fails with ``UNAVAILABLE`` and the manager server's
-retry policy decides what happens next. Everything here runs on the manager server's event loop.
+dies the session's end tells the lighthouse at once. A reference lighthouse answers
+``UNIMPLEMENTED``; the link then speaks its unary ``Heartbeat``/``Quorum``. A request in flight
+when the session broke fails with ``UNAVAILABLE``; the server's retry policy decides what next.
+Everything here runs on the manager server's event loop.
 
-This module holds the link's life cycle and its requests; its parts: ``link_session.py`` (the
-session stream, reopened when broken or silent; the protocol's rules are the transport-free
+Its parts: ``link_session.py`` (the session stream, reopened when broken or silent; the rules are
 ``coordination/session_client.py``'s), ``link_unary.py`` (the reference's calls),
 ``link_standing.py`` (what the group saw of its standing) and ``dial.py`` (reaching the first
-lighthouse of a highly available job's list; a session that cannot be reopened on one moves on
-to the next, so the group follows the leader wherever it is).
+lighthouse of a highly available job's list, moving on to the next when a session cannot be
+reopened).
 """
 
 from __future__ import annotations
@@ -271,9 +270,8 @@ class LighthouseLink(SessionStream, StandingWatch, UnaryLink):
             return await self._unary_quorum_call(requester, timeout_s)
         call = self._call
         if call is None and not self._closing:
-            # A session that broke is reopened at once, in milliseconds when the lighthouse is
-            # up (a group woken from a freeze finds its session silent and reopens it just as
-            # it asks): wait for that rather than fail and be asked again a retry later.
+            # A broken session is reopened at once, in milliseconds when the lighthouse is up:
+            # wait for that rather than fail and be asked again a retry later.
             try:
                 await asyncio.wait_for(self._opened.wait(), min(timeout_s, REOPEN_WAIT_S))
             except asyncio.TimeoutError:

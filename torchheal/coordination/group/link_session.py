@@ -1,13 +1,9 @@
 """The link's torchheal session: opening it (direct lane or gRPC stream), heartbeats, events.
 
-The session travels on the lighthouse's direct TCP lane when it announces one
-(``LighthouseSession/Describe``; ``link_tcp.py``), and on the
-``torchheal.LighthouseSession/Session`` gRPC stream when the lane cannot be reached. A broken
-session is reopened with backoff, on the next lighthouse of the list when there are several; a
-session that went *silent* (a partition drops packets without a FIN or RST) counts as broken
-too: a heartbeat asks for an acknowledgement once the lighthouse has said nothing for a while,
-and a session silent for ``silent_s`` is hung up and reopened. What each event means, which
-request it settles and when the session is silent are the session core's
+The session travels on the lighthouse's direct TCP lane when it announces one (``link_tcp.py``),
+else on the ``torchheal.LighthouseSession/Session`` gRPC stream. A broken session is reopened
+with backoff, on the next lighthouse of the list when there are several; so is a *silent* one (a
+partition drops packets without a FIN or RST). The protocol's rules are the session core's
 (``coordination/session_client.py``); this module moves bytes and completes futures.
 """
 

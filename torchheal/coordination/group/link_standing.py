@@ -57,10 +57,8 @@ class StandingWatch:
         if last is not None and lost.quorum_id < last.quorum_id:
             return  # about a quorum before the one we now train in
         if lost.superseded_by:
-            # Left out of a newer quorum while still at work in this one: a build of it is
-            # abandoned (the notice's listeners), nothing else. No doubt of the vote: before
-            # this notice the group committed such a step as its peers did, and a doubt made
-            # start-ups, where a slow group is often left out once, heal for nothing.
+            # Left out of a newer quorum while still at work in this one: its build is abandoned,
+            # nothing else. No doubt of the vote, which would make slow start-ups heal for nothing.
             logger.info(
                 "%s the lighthouse issued quorum %d without this group, still in quorum %d",
                 self._prefix,

@@ -1,17 +1,14 @@
 """A manager server's session on the lighthouse's direct TCP lane, on its asyncio loop.
 
-:class:`DirectStream` carries one session (the group's own, not detached) to the lighthouse's
-direct lane (``lighthouse/tcp.py``) and offers the few methods of a gRPC stream call that
-``LighthouseLink`` uses (``write``, ``read``, ``done_writing``, ``cancel``), so the link speaks
-the same protocol over either: serialized messages, length-delimited here (``rpc/frames.py``).
+:class:`DirectStream` carries the group's own session to the lighthouse's direct lane
+(``lighthouse/tcp.py``) and offers the few methods of a gRPC stream call that ``LighthouseLink``
+uses (``write``, ``read``, ``done_writing``, ``cancel``), so the link speaks the same protocol over
+either: serialized messages, length-delimited here (``rpc/frames.py``).
 
-Failures read as the link expects: a write on a broken connection raises
-:class:`StreamClosed` (a ``RuntimeError``); a read returns ``grpc.aio.EOF`` once the
-connection is over, whether the lighthouse closed it or the network broke it. The connection's
-end is what the lighthouse takes for this group's death, as with the stream.
-
-The job token (``docs/security.md``) travels in the hello on this lane (a gRPC stream carries
-it as call metadata): :attr:`DirectStream.token` is what the link puts there.
+A write on a broken connection raises :class:`StreamClosed` (a ``RuntimeError``); a read returns
+``grpc.aio.EOF`` once the connection is over. The connection's end is what the lighthouse takes
+for this group's death, as with the stream. The job token travels in the hello
+(:attr:`DirectStream.token`), not as call metadata.
 """
 
 from __future__ import annotations
@@ -31,9 +28,8 @@ __all__ = ["DirectStream", "StreamClosed"]
 
 logger: logging.Logger = logging.getLogger(__name__)
 
-# The most one read takes, into the connection's own buffer (a buffered protocol): asyncio's
-# plain protocols read with recv(256 KiB), and allocating that much is an mmap/munmap pair per
-# read (17-40 us measured here, more than the rest of handling an event).
+# The most one read takes, into the connection's own buffer (a buffered protocol): a fresh
+# 256 KiB allocation per read is an mmap/munmap pair (docs/failures.md).
 READ_BYTES = 64 * 1024
 
 

@@ -54,12 +54,9 @@ class NoticeFanout:
                 notice.reason,
             )
         elif notice.kind is not NoticeKind.LOST:
-            # About ourselves: the lighthouse dropped this group (it was frozen past its
-            # heartbeat timeout, or it issued a newer quorum without it while it was still at
-            # work in this one); the link made a freeze a doubt of the vote (standing.py). The
-            # ranks are told too: they abandon a build of that quorum (their peers abandoned
-            # it) and, unless only superseded, abort a group built for it
-            # (``machine.Connection.on_notice``).
+            # About ourselves: the lighthouse dropped this group (the link already made a freeze
+            # a doubt of the vote). The ranks are told too, to abandon a build of that quorum and,
+            # unless only superseded, abort a group built for it (``machine.Connection.on_notice``).
             logger.warning(
                 "%s lighthouse: this group was dropped from quorum %d (%s)",
                 self._prefix,

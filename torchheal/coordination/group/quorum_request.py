@@ -1,17 +1,14 @@
 """A replica group's request to the lighthouse for one quorum round, retried as the policy says.
 
 Once every rank of the group has joined a round (``round.QuorumRound``), the manager server asks
-the lighthouse once on the group's behalf, through its link (a session, or the reference's
-unary call). A failed attempt is retried as the pure ``round.RetryPolicy`` decides; when it gives
-up, the round's ranks get the failure (``DEADLINE_EXCEEDED`` when the lighthouse timed out, else
-``INTERNAL``), all at once.
+the lighthouse once on the group's behalf, through its link. A failed attempt is retried as the
+pure ``round.RetryPolicy`` decides; when it gives up, the round's ranks all get the failure
+(``DEADLINE_EXCEEDED`` when the lighthouse timed out, else ``INTERNAL``).
 
-A lighthouse that cannot be reached at all (``UNAVAILABLE``: its process died, it is restarting,
-our session with it is reopening) is not a failed attempt: nothing was decided, so the request
-is sent again every :data:`UNAVAILABLE_RETRY_S` until the round's timeout is spent, whatever
-``quorum_retries`` says. A lighthouse restarted within the quorum timeout then costs the job a
-pause, not every group's life (the reference gives up "after 0 retries" and the error reaches the
-training loop; issue 12).
+A lighthouse that cannot be reached (``UNAVAILABLE``) decided nothing, so the request is sent again
+every :data:`UNAVAILABLE_RETRY_S` until the round's timeout is spent, whatever
+``quorum_retries`` says: a restarted lighthouse costs a pause, not every group's life (the
+reference gives up "after 0 retries").
 """
 
 from __future__ import annotations

@@ -1,34 +1,24 @@
 """The manager server: one per replica group, run by group rank 0 (reference §5).
 
 It gathers the ``Quorum`` calls of all ranks of its group into one lighthouse request per step
-(who is in the round, deadlines, who speaks for the group and the retry policy are the pure
-``round.QuorumRound``/``round.RetryPolicy``), heartbeats the lighthouse, answers each rank with
-its own view of the quorum (the pure ``plan.compute_quorum_results``), runs the per-step commit
-vote (``group.vote.GroupVote`` around the pure ``vote.CommitVote``), serves checkpoint
-metadata to healing peers, and can be told to exit. This module only moves requests, time and answers in and out of those cores.
-
-All state is touched only on the server's event-loop thread, so it needs no lock.
+(``round.QuorumRound``/``round.RetryPolicy``), heartbeats the lighthouse, answers each rank with
+its own view of the quorum (``plan.compute_quorum_results``), runs the per-step commit vote
+(``group.vote.GroupVote`` around ``vote.CommitVote``), serves checkpoint metadata to healing
+peers, and can be told to exit. This module only moves requests, time and answers in and out of
+those pure cores. All state is touched only on the server's event-loop thread, so it needs no lock.
 
 Deliberate differences from the reference:
 
-* When the lighthouse call finally fails, every rank waiting on that round gets the failure at
-  once (``INTERNAL``, or ``DEADLINE_EXCEEDED`` when the lighthouse timed out) instead of hanging
-  until its own deadline.
-* A rank whose ``Quorum`` call is cancelled (deadline, client gone) before its round started is
-  taken out of the round, so its stale registration cannot complete a later round on its own.
-* Requests with impossible values (``group_rank`` outside the group, negative ``step``) are
-  rejected with ``INVALID_ARGUMENT``; a commit vote for another step than the one being decided
-  is rejected too (the reference ignores ``step``).
-* ``Kill`` answers before exiting (the process exits ~100 ms after the call), so the caller
-  learns that the request arrived.
+* When the lighthouse call fails, every rank waiting on that round gets the failure at once.
+* A rank whose ``Quorum`` call is cancelled before its round started is taken out of the round.
+* Impossible values (``group_rank`` outside the group, negative ``step``, a vote for another
+  step) are rejected with ``INVALID_ARGUMENT``.
+* ``Kill`` answers before exiting, so the caller learns that the request arrived.
 
-With a torchheal lighthouse the server keeps one session open to it (``link.py``): heartbeats
-and the group's quorum requests go up it, and if this process dies its end tells the lighthouse
-at once. The lighthouse's ``MemberLost`` notices (another group of the current quorum is gone)
-are forwarded to every rank of the group, which watch this server
-(``torchheal.ManagerNotices/Watch``; rank 0 in-process through :meth:`add_lost_listener`), so each
-can abort the collective it has in flight with the lost group. With a reference lighthouse the
-server speaks its unary protocol, as a torchft manager does.
+With a torchheal lighthouse the server keeps one session open to it (``link.py``) and forwards
+its ``MemberLost`` notices to every rank of the group (``torchheal.ManagerNotices/Watch``; rank 0
+in-process through :meth:`add_lost_listener`), so each can abort a collective in flight with the
+lost group. With a reference lighthouse it speaks the unary protocol, as a torchft manager does.
 
 Parts of its own: ``in_process.py`` (group rank 0's calls, without gRPC), ``quorum_request.py``
 (the group's lighthouse request and its retries), ``vote.py`` (the commit vote), ``notices.py``

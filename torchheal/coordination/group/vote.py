@@ -1,17 +1,15 @@
 """A replica group's commit vote as its manager server runs it: a barrier open to two kinds of
 voters.
 
-Every rank of the group votes on each step (``ShouldCommit``); the step commits only if all of
-them voted yes (the pure ``vote.CommitVote`` decides). Ranks > 0 vote over gRPC, on the server's
-event loop; group rank 0 lives in the server's process and votes from its own training thread.
-:class:`GroupVote` lets both cast into one round under a lock and hands each voter the round's
-outcome as a thread-safe future, so the vote that completes a round answers at once, wherever
-it was cast: in a group of one rank (or when rank 0 votes last), the training thread gets its
-decision without waiting on the event loop, which keeps the vote off the step's critical path.
+Every rank votes on each step (``ShouldCommit``); the step commits only if all voted yes (the
+pure ``vote.CommitVote`` decides). Ranks > 0 vote over gRPC on the server's event loop; group rank
+0 votes from its own training thread in the server's process. :class:`GroupVote` lets both cast
+into one round under a lock and hands each voter a thread-safe future, so the vote that completes
+a round answers at once, wherever it was cast: rank 0 voting last never waits on the event loop.
 
 A round that decided to commit is overruled when the group may have been dropped from the step's
-quorum while its ranks worked (``standing.py``): the ``fence`` says so, at the moment the last
-vote arrives, which is after every collective of the step has completed on every rank.
+quorum while its ranks worked (``standing.py``): the ``fence`` says so when the last vote
+arrives, after every collective of the step has completed on every rank.
 """
 
 from __future__ import annotations

@@ -2,30 +2,23 @@
 
 The same ``SessionRequest``/``SessionEvent`` messages as the ``torchheal.LighthouseSession/Session``
 gRPC stream, each preceded by its length (``rpc/frames.py``), on a TCP port of their own that the
-lighthouse announces through ``LighthouseSession/Describe``. Why a second lane: gRPC's Python
-stack costs about 100 us of CPU per stream message on each side (measured in
-``bench/quorum.py``'s notes), a plain asyncio connection a fraction of that, and the lighthouse
-answers every group on every step. The reference's unary services stay on the gRPC port,
-unchanged; peers that cannot reach this port use the gRPC stream.
+lighthouse announces through ``LighthouseSession/Describe``. It exists because gRPC's Python stack
+costs far more CPU per message than a plain asyncio connection, and the lighthouse answers every
+group on every step (``docs/failures.md``). The reference's unary services stay on the gRPC port;
+peers that cannot reach this port use the gRPC stream.
 
-The connection's end is the session's end, exactly as a stream's: a process that dies takes its
-connection with it. TCP keep-alive probes end a connection whose peer vanished without a FIN
-(a partition, a host gone) within about the heartbeat timeout, never sooner, as HTTP/2 pings do
-on the gRPC lane. A session that breaks the protocol is told why (a ``SessionClosed`` event, the
-status a gRPC stream would end with) and disconnected; the lighthouse keeps serving.
+The connection's end is the session's end, exactly as a stream's. TCP keep-alive probes end a
+connection whose peer vanished without a FIN within about the heartbeat timeout, as HTTP/2 pings
+do on the gRPC lane. A session that breaks the protocol is told why (a ``SessionClosed`` event)
+and disconnected; the lighthouse keeps serving.
 
 Security (``docs/security.md``): with a job token, the session's first message must be a
-``Hello`` carrying it (the gRPC stream carries it as call metadata instead); anything else ends
-the connection with ``UNAUTHENTICATED`` before the lighthouse hears of the session. With TLS
-on, the lane is not opened at all (``Describe`` then announces port 0) and every session takes
-the gRPC stream, which is encrypted.
+``Hello`` carrying it; anything else ends the connection with ``UNAUTHENTICATED`` before the
+lighthouse hears of the session. With TLS on, the lane is not opened (``Describe`` announces
+port 0) and every session takes the encrypted gRPC stream.
 
-Until its ``Hello`` has let it in, a connection is a stranger's, possibly without the token, so
-what strangers can make the lighthouse hold is bounded (:class:`LaneLimits`): a first frame of at
-most 1 MiB, a ``Hello`` complete within 10 s of connecting, at most 1,024 such connections (the
-oldest is closed to make room for a new one) and 32 MiB of unfinished hellos among them (the read
-that goes over ends its connection). A group's own connection sends its ``Hello`` at once: a few hundred bytes, and
-about 130 more per member of the last quorum it received.
+Until its ``Hello`` has let it in, a connection is a stranger's, so what strangers can make the
+lighthouse hold is bounded (:class:`LaneLimits`).
 """
 
 from __future__ import annotations
@@ -57,9 +50,7 @@ MAX_UNSENT_BYTES = 256 * 1024 * 1024
 #: How long a session the lighthouse ended may take to read why and close its side.
 LINGER_S = 5.0
 #: The most one read takes from a connection. Reads land in one buffer per lane (a buffered
-#: protocol), not in a fresh ``bytes`` of this size per read: asyncio's plain protocols read
-#: with ``recv(256 KiB)``, and an allocation that large is an ``mmap``/``munmap`` pair each time
-#: (17-40 us per read measured here, more than the rest of a request's handling).
+#: protocol): a fresh allocation this large per read is an ``mmap``/``munmap`` pair each time.
 READ_BYTES = 256 * 1024
 
 

@@ -45,10 +45,8 @@ class FrameReader:
     def __init__(self, max_frame: int = DEFAULT_MAX_FRAME, first_frame: int | None = None) -> None:
         self._max = max_frame
         self._limit = max_frame if first_frame is None else first_frame
-        # An incomplete message (its length first) grows in one buffer until the whole of it is
-        # in (``_need`` bytes, once its length is read): the memory held is what arrived, however
-        # finely split. A list of pieces cost ~40 bytes of object per read, so a message dripped
-        # a byte at a time held 40 times its size.
+        # An incomplete message grows in one buffer until ``_need`` bytes are in, so the memory
+        # held is what arrived, however finely split (a list of pieces costs an object per read).
         self._partial = bytearray()
         self._need = 0
 

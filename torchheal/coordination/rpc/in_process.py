@@ -37,8 +37,8 @@ class _DeadlineExceeded(Exception):
 
 async def _with_deadline(call: Coroutine[Any, Any, T], timeout_s: float) -> T:
     # Cancel ``call`` at the deadline, as gRPC cancels a handler, and let its clean-up run
-    # before the caller hears of the timeout. A timer on this task instead of asyncio.wait_for
-    # spares a second task and a loop turn per call (this runs every training step).
+    # before the caller hears of the timeout. A timer rather than asyncio.wait_for spares a task
+    # and a loop turn per call, every training step.
     task = asyncio.current_task()
     assert task is not None
     expired = False

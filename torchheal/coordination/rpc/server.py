@@ -43,14 +43,10 @@ logger: logging.Logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-# Servers accept the clients' idle keep-alive pings (the default would answer them with
-# GOAWAY "too_many_pings") and refuse to share a port: gRPC sets SO_REUSEPORT by default on
-# Linux, which would let a second server "bind" a port that is already taken.
-#
-# A connection that has not finished its handshake (TLS, HTTP/2 preface) within 10 s, or that
-# carries no call for a minute, is closed (gRPC's defaults: 120 s, and never): otherwise anyone
-# who reaches the port, token or not, keeps connections open by saying nothing. A client whose
-# channel was closed idle reconnects on its next call.
+# Servers accept the clients' idle keep-alive pings (the default answers GOAWAY
+# "too_many_pings") and refuse SO_REUSEPORT, which would let a second server "bind" a taken port.
+# Handshakes must finish within 10 s and idle connections close after a minute, so nobody can
+# hold connections open by saying nothing; an idle client reconnects on its next call.
 SERVER_OPTIONS: list[tuple[str, Any]] = [
     ("grpc.so_reuseport", 0),
     ("grpc.keepalive_permit_without_calls", 1),
