@@ -1,8 +1,8 @@
 """What a chaos soak must end with, checked from its events (pure: no I/O, no clock).
 
 The ranks' ``step`` events (``bench/_chaos_worker.py``), tagged with group, incarnation and
-rank, and the faults the soak injected, go in; problems (strings, empty when all is well) and
-per-fault numbers come out.
+rank, the faults the soak injected and the ranks' final states go in; problems (strings, empty
+when all is well) and per-fault numbers come out.
 """
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ import itertools
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 Event = dict[str, Any]
 
@@ -151,6 +153,21 @@ def check_ranks_agree(events: list[Event], done: set[tuple[int, int]]) -> list[s
             problems.append(f"g{key[0]} start {key[1]}: ranks committed different steps")
         if key in done and (len(ranks) < 2 or any(len(s) != len(lists[0]) for s in lists)):
             problems.append(f"g{key[0]} start {key[1]} finished with ranks at different steps")
+    return problems
+
+
+def check_identical(states: dict[tuple[int, int], dict[str, Any]]) -> list[str]:
+    """Rank ``r`` of every group ends with the same tensors as rank ``r`` of group 0.
+
+    Args:
+        states: ``(group, rank)`` -> the rank's final ``state_dict``.
+    """
+    problems = []
+    for (g, r), state in sorted(states.items()):
+        first = states[(0, r)]
+        for key, value in state.items():
+            if not torch.equal(value, first[key]):
+                problems.append(f"g{g} rank {r} differs from g0 in {key}")
     return problems
 
 

@@ -11,7 +11,18 @@ It prints one ``@chaos {json}`` line per event (flushed, so what a SIGKILLed ran
 
 * ``step``: ``before``/``after``, ``committed``, and what the step was reduced in
   (``quorum_id``, ``participating``, ``divisor``; None when it failed before reducing);
-* ``done``: stopped at ``step``; the final weights are in ``--out-dir``.
+* ``done``: stopped at ``step``; the final weights are in ``--out-dir``;
+* ``flip``: with ``--flip-dir``, a bit flipped on the soak's order (below);
+* ``divergence``: the divergence guard logged a mismatch (``step``: the compared step, and its
+  ``message``, which names the keys and tensors that differ).
+
+``step`` events carry the guard's counters too (``guard``: ``checks``, ``mismatches``,
+``verified``: the last step compared and found equal).
+
+Bit flips (``bench/_chaos_flips.py``): with ``--flip-dir D`` the rank looks for
+``D/flip-g{group}r{rank}.json`` after every step, and applies it right after a commit in a full
+quorum (its state is then the job's, so only the flip makes it differ): it XORs one bit of one
+element of one parameter, removes the file and emits ``flip`` with the order's ``id``.
 
 Stopping: once ``--target-file`` holds a step, the rank stops at the first step at or past it
 whose commit was full (every group contributed): every rank of every group sees the same one.
@@ -25,7 +36,9 @@ import argparse
 import json
 import logging
 import os
+import re
 import sys
+import threading
 import time
 from datetime import timedelta
 from typing import Any
@@ -37,9 +50,40 @@ PREFIX = "@chaos "
 IN, HIDDEN, OUT = 8, 16, 4
 
 
+_emitting = threading.Lock()  # the guard's reports are logged from other threads too
+
+
 def emit(kind: str, **fields: Any) -> None:
-    sys.stdout.write(PREFIX + json.dumps({"kind": kind, "time": time.time(), **fields}) + "\n")
-    sys.stdout.flush()
+    line = PREFIX + json.dumps({"kind": kind, "time": time.time(), **fields}) + "\n"
+    with _emitting:
+        sys.stdout.write(line)
+        sys.stdout.flush()
+
+
+class GuardReports(logging.Handler):
+    """Emits the guard's mismatch reports (its ERROR line, not the step failure quoting it)."""
+
+    REPORT = re.compile(r"\] divergence at step (\d+): ")
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        found = self.REPORT.search(message)
+        if record.levelno >= logging.ERROR and found:
+            emit("divergence", step=int(found.group(1)), message=message[:2000])
+
+
+def flip_ordered(path: str, model: nn.Module, step: int) -> None:
+    """Applies the flip ordered in ``path``, if any, removes the order and emits ``flip``."""
+    try:
+        with open(path) as f:
+            order = json.load(f)  # written whole, then renamed into place
+    except FileNotFoundError:
+        return
+    values = model.get_parameter(order["tensor"]).detach().view(-1)
+    before = values[order["element"]].item()
+    values.view(torch.int32)[order["element"]] ^= 1 << order["bit"]
+    os.unlink(path)
+    emit("flip", id=order["id"], step=step, before=before, after=values[order["element"]].item())
 
 
 def batch(group: int, rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,6 +105,7 @@ def main() -> None:
     p.add_argument("--out-dir", required=True)
     p.add_argument("--timeout", type=float, default=30.0, help="collectives and commit votes")
     p.add_argument("--compute-s", type=float, default=0.0)
+    p.add_argument("--flip-dir", default="", help="where the soak orders bit flips")
     args = p.parse_args()
 
     import torchheal as ft
@@ -71,6 +116,7 @@ def main() -> None:
         level=os.environ.get("LOGLEVEL", "WARNING"),
         format="%(created).3f %(levelname).1s %(name)s %(message)s",
     )
+    logging.getLogger("torchheal").addHandler(GuardReports())
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
     group = int(os.environ["REPLICA_GROUP_ID"])
@@ -140,6 +186,7 @@ def main() -> None:
     ddp = ft.DistributedDataParallel(manager, model)
     optimizer = ft.Optimizer(manager, inner)
 
+    flips = args.flip_dir and os.path.join(args.flip_dir, f"flip-g{group}r{rank}.json")
     target: int | None = None
     last_full = False
     while True:
@@ -166,6 +213,7 @@ def main() -> None:
         last_full = bool(
             committed and record and record["participating"] and record["divisor"] == groups
         )
+        stats = manager._telemetry.stats
         emit(
             "step",
             before=step,
@@ -173,7 +221,14 @@ def main() -> None:
             committed=committed,
             reduce=record,
             answered=dict(answered) or None,
+            guard={
+                "checks": stats.divergence_checks,
+                "mismatches": stats.divergence_mismatches,
+                "verified": stats.last_verified_step,
+            },
         )
+        if flips and last_full:
+            flip_ordered(flips, model, after)
     out = os.path.join(args.out_dir, f"g{group}r{rank}.pt")
     torch.save({k: v.clone() for k, v in model.state_dict().items()}, out)
     emit("done", step=manager.current_step())

@@ -1,6 +1,7 @@
 """Chaos soak: random faults on a running job, then proof that nothing was lost.
 
     python bench/chaos.py [--duration 600] [--seed N] [--compute-s 0.02] [--keep DIR]
+        [--flip-every S]
 
 A lighthouse at the reference's defaults (``min_replicas=1``, heartbeat timeout 5 s, join
 timeout 100 ms) and 3 replica groups of 2 ranks each (``_chaos_worker.py``, started torchrun-like
@@ -15,6 +16,11 @@ already under a fault gets one, the kinds taken in turn in a shuffled order:
 * ``cut``: its path to the lighthouse stalls for 6-10 s (longer than the heartbeat timeout), then
   moves again: a partition of the control plane, with no FIN or RST.
 
+With ``--flip-every S``, every S seconds one bit of one parameter of one rank of one group
+flips (``_chaos_flips.py``: chosen by an rng of the seed; the worker applies it after a commit
+in a full quorum), and the ranks run the divergence guard every step under ``repair``; no other
+fault is injected until the flipped rank reports the mismatch (or ``flip_report_s`` passes).
+
 One group is always left alone. At the end every fault is lifted, every group must train again
 in a full quorum, and all stop at a common step. Checked (``_chaos_check.py``): no process hung
 or died unplanned, rank ``r`` of every group ends bit-identical, every committed step was
@@ -24,7 +30,11 @@ own, as the reference does at ``min_replicas=1``; allowed only when no other quo
 meanwhile and the re-run was healed over: no split brain, nothing lost), the ranks of a group
 committed the same steps, no rank's committed step ever went back. Printed: the fault table
 (injected, survived, the job's longest stall and the victim's time until it trains in a full
-quorum again, median / max, and data lost), with the problems if any. Exit code 1 on a problem.
+quorum again, median / max, and data lost), with the problems if any. With flips: each flip
+(when, what, the step it was applied at, when the guard reported it and the step compared),
+a problem unless its rank reported it before any comparison found its state equal, naming
+the tensor; and, in any soak, a mismatch the guard reports that no flip explains is a problem.
+Exit code 1 on a problem.
 
 The test suite runs a 60-second version (``tests/chaos/test_chaos.py``). Timings on a shared
 2-core machine are noisy.
@@ -39,9 +49,8 @@ import queue
 import random
 import signal
 import sys
-import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -50,85 +59,26 @@ if __package__ in (None, ""):
 
 import torch
 
+from bench import _chaos_flips as flips
 from bench._chaos_check import (
     Event,
     Fault,
     check_history,
+    check_identical,
     check_ranks_agree,
     full,
     measure,
-    summary_rows,
     went_back,
 )
+from bench._chaos_config import ChaosConfig, ChaosResult
 from bench._chaos_proxy import StallingProxy
+from bench._chaos_report import table
 from torchheal.coordination import LighthouseServer
 from torchheal.launcher.group import GroupStart, OutputLine
 
 WORKER = str(Path(__file__).with_name("_chaos_worker.py"))
 PREFIX = "@chaos "
 KINDS = ("kill", "stop", "cut")
-
-
-@dataclass
-class ChaosConfig:
-    """One soak.
-
-    Args:
-        duration_s: how long faults are injected.
-        groups: replica groups.
-        ranks: ranks per group.
-        gap_s: seconds between faults (uniform in the range).
-        stop_s: how long a group stays SIGSTOPped.
-        cut_s: how long a group's lighthouse path stays stalled.
-        restart_delay_s: how long a killed group stays down.
-        compute_s: a sleep per step standing for accelerator time.
-        timeout_s: the ranks' collective and commit timeout.
-        heartbeat_timeout_ms: the lighthouse's.
-        settle_s: after the faults, bound on every group training together again, and on the
-            stop at a common step (a group that misses it hung).
-        seed: the faults' random seed.
-        workdir: logs, the target file, the final states (below).
-        log_level: the ranks' and the lighthouse's logging level.
-
-    The workdir keeps what a failure is diagnosed from: ``lighthouse.log`` (the in-process
-    lighthouse's lines: quorums issued, members lost, sessions), ``events.jsonl`` (every rank's
-    events as they arrive, tagged with group, start and rank) and ``g{group}i{start}r{rank}.log``
-    (each rank's own lines: its manager's quorums, heals, aborts; rank 0's manager server).
-    """
-
-    duration_s: float = 600.0
-    groups: int = 3
-    ranks: int = 2
-    gap_s: tuple[float, float] = (5.0, 15.0)
-    stop_s: tuple[float, float] = (2.0, 8.0)
-    cut_s: tuple[float, float] = (6.0, 10.0)
-    restart_delay_s: float = 1.0
-    compute_s: float = 0.02
-    timeout_s: float = 30.0
-    heartbeat_timeout_ms: int = 5000
-    settle_s: float = 180.0
-    seed: int = 0
-    workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="chaos-")))
-    log_level: str = "INFO"
-
-
-@dataclass
-class ChaosResult:
-    """What a soak did and found.
-
-    Args:
-        faults: every fault injected, measured.
-        events: every rank's events (``group``, ``inc``, ``rank`` added).
-        steps: the job's committed steps.
-        problems: every broken promise (empty: all is well).
-        unplanned_exits: ``(group, start, exit codes)`` of starts that died by themselves.
-    """
-
-    faults: list[Fault]
-    events: list[Event]
-    steps: int
-    problems: list[str]
-    unplanned_exits: list[tuple[int, int, dict[int, int]]]
 
 
 @dataclass
@@ -161,6 +111,10 @@ class Soak:
         self.lines: queue.Queue[OutputLine] = queue.Queue()
         self.groups: list[_Group] = []
         self._kinds: list[str] = []
+        self.flips = flips.FlipOrders(
+            config.seed, self.workdir, config.groups, config.ranks, config.flip_report_s
+        )
+        self._started = time.time()
         self._logs: dict[tuple[int, int, int], Any] = {}
         self._events_file = open(self.workdir / "events.jsonl", "a")  # closed at the end of run()
 
@@ -183,11 +137,17 @@ class Soak:
                 str(self.config.timeout_s),
                 "--compute-s",
                 str(self.config.compute_s),
+                *(("--flip-dir", str(self.workdir)) if self.config.flip_every_s else ()),
             ],
             nproc=self.config.ranks,
             replicas=self.config.groups,
             lighthouse=f"http://{host}:{lighthouse_url.rsplit(':', 1)[1]}",
-            base_env={**os.environ, "OMP_NUM_THREADS": "1", "LOGLEVEL": self.config.log_level},
+            base_env={
+                **os.environ,
+                "OMP_NUM_THREADS": "1",
+                "LOGLEVEL": self.config.log_level,
+                **self.config.guard_env(),
+            },
             lines=self.lines,
             run_id=f"chaos-{self.config.seed}",
         )
@@ -208,6 +168,7 @@ class Soak:
                 event = json.loads(line.text[len(PREFIX) :])
                 event.update(group=line.group, inc=line.incarnation, rank=line.rank)
                 self.events.append(event)
+                self.flips.track(event)
                 self._events_file.write(json.dumps(event) + "\n")
                 continue
             log = self._logs.get(key)
@@ -311,13 +272,19 @@ class Soak:
                 self._start(g, url)
             problems += self._wait_together("the job to start", cfg.settle_s, since=0.0)
             t_end = time.time() + cfg.duration_s
+            self._started = time.time()
             next_fault = time.time() + self.rng.uniform(*cfg.gap_s)
+            next_flip = time.time() + (cfg.flip_every_s or 0.0)
             while time.time() < t_end and not problems:
                 self._tick(url)
                 now = time.time()
-                if now >= next_fault:
+                # No fault while a flip awaits its report: a heal could erase the flip, and
+                # nothing else may explain a mismatch.
+                if now >= next_fault and self.flips.pending is None:
                     self._inject(time.monotonic())
                     next_fault = now + self.rng.uniform(*cfg.gap_s)
+                if cfg.flip_every_s and now >= next_flip and self._order_flip():
+                    next_flip = now + cfg.flip_every_s
                 time.sleep(0.05)
             # The end: lift every fault, let every group train together, stop together.
             for g in self.groups:
@@ -349,9 +316,31 @@ class Soak:
             problems.append(f"{who}'s committed step went back by {n} at {t:.1f}")
         for g, inc, codes in self.unplanned:
             problems.append(f"g{g} start {inc} died unplanned: exit codes {codes}")
-        problems += self._compare(states)
+        differ = check_identical(states)
+        problems += differ
         measure(self.faults, self.events, cfg.groups)
-        return ChaosResult(self.faults, self.events, steps, problems, self.unplanned)
+        if cfg.flip_every_s:
+            problems += flips.match(self.flips.flips, self.events)
+        problems += flips.unexplained(self.flips.flips, self.events)
+        return ChaosResult(
+            self.faults,
+            self.events,
+            steps,
+            problems,
+            self.unplanned,
+            flips=self.flips.flips,
+            started=self._started,
+            identical=not differ if states else None,
+        )
+
+    def _order_flip(self) -> bool:
+        """Orders the next flip if no fault or flip is under way; says whether it did."""
+        if self.flips.pending is not None or any(
+            g.fault is not None or g.start is None for g in self.groups
+        ):
+            return False
+        self.flips.order_next(time.time(), time.monotonic())
+        return True
 
     def _lighthouse_log(self) -> logging.Handler:
         """Sends the in-process lighthouse's lines (this process runs nothing else of
@@ -369,6 +358,7 @@ class Soak:
 
     def _tick(self, url: str) -> None:
         self._drain()
+        self.flips.expire(time.monotonic())
         now = time.monotonic()
         self._reap_dead(time.monotonic())
         for g in self.groups:
@@ -385,7 +375,8 @@ class Soak:
         deadline = time.monotonic() + bound_s
         while time.monotonic() < deadline:
             self._tick(self._url)
-            if all(self._full_commits(g, since) >= 3 for g in self.groups):
+            settled = self.flips.pending is None  # a flip ordered last is reported before the end
+            if settled and all(self._full_commits(g, since) >= 3 for g in self.groups):
                 return []
             time.sleep(0.1)
         return [f"hung: timed out after {bound_s:.0f}s waiting for {what}; " + self._describe()]
@@ -438,15 +429,6 @@ class Soak:
                 out[(g, r)] = torch.load(self.workdir / f"g{g}r{r}.pt", weights_only=True)
         return out
 
-    def _compare(self, states: dict[tuple[int, int], dict[str, torch.Tensor]]) -> list[str]:
-        problems = []
-        for (g, r), state in sorted(states.items()):
-            first = states[(0, r)]
-            for key, value in state.items():
-                if not torch.equal(value, first[key]):
-                    problems.append(f"g{g} rank {r} differs from g0 in {key}")
-        return problems
-
     def _close(self) -> None:
         for g in self.groups:
             if g.start is not None:
@@ -471,17 +453,6 @@ def run_soak(config: ChaosConfig) -> ChaosResult:
     return soak.run()
 
 
-def table(result: ChaosResult) -> str:
-    """The fault table, the job's committed steps and the problems, as text."""
-    head = ("fault", "injected", "survived", "job stall s (med/max)", "back s (med/max)", "lost")
-    rows = [head, *summary_rows(result.faults)]
-    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
-    lines.append(f"committed steps: {result.steps}; problems: {len(result.problems)}")
-    lines += [f"  PROBLEM: {p}" for p in result.problems]
-    return "\n".join(lines)
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--duration", type=float, default=600.0, help="seconds of faults")
@@ -489,9 +460,22 @@ def main() -> int:
     p.add_argument("--compute-s", type=float, default=0.02, help="sleep per step (accelerator)")
     p.add_argument("--keep", type=Path, default=None, help="directory for logs and states")
     p.add_argument("--faults", action="store_true", help="also list every fault")
+    p.add_argument(
+        "--flip-every",
+        type=float,
+        default=None,
+        metavar="S",
+        help="flip one bit of one parameter of one rank every S seconds; the divergence guard "
+        "(every step, repair) must report each (default: no flips)",
+    )
     args = p.parse_args()
     seed = args.seed if args.seed is not None else random.randrange(1 << 30)
-    config = ChaosConfig(duration_s=args.duration, seed=seed, compute_s=args.compute_s)
+    config = ChaosConfig(
+        duration_s=args.duration,
+        seed=seed,
+        compute_s=args.compute_s,
+        flip_every_s=args.flip_every,
+    )
     if args.keep is not None:
         config.workdir = args.keep
     print(f"chaos soak: {args.duration:.0f}s, seed {seed}, logs in {config.workdir}", flush=True)

@@ -2,7 +2,8 @@
 
     python -m tests.commit.late_worker --group G --groups K --lighthouse URL --stop-file F \
         --out FILE --ready-dir DIR [--fail-at S] [--busy-after S --busy-s T [--frozen]] \
-        [--impl torchheal|torchft]
+        [--pause-after-fail T] [--level-dir D --level-count N] [--impl torchheal|torchft]
+        [--interval N] [--policy repair|stop|warn]
 
 A small MLP under fault-tolerant DDP at ``min_replica_size=1``, SGD with momentum (optimizer
 state a heal must carry), on batches that are a function of (group, step): a step redone
@@ -16,11 +17,17 @@ before it asks for its next quorum; with ``--frozen`` the whole process stops in
 (SIGSTOP, woken by a child after ``--busy-s``: its heartbeats stop too, as in a pause that holds
 the interpreter or a stalled host). With ``--pause-after-fail T`` a failing group sleeps ``T``
 seconds after its first commit since its failure (so that a frozen peer comes back level with
-it). Both write ``{"group", "event", "step"}`` when they act.
+it). With ``--level-dir D --level-count N`` the busy group, after its busy time, and a failing
+group, after its first commit since its failure, wait until N groups got there: they ask for
+their next quorum together, level, as when the others' redo took as long as the busy time
+(under a lighthouse that lets them redo the step, nobody then heals). Both write
+``{"group", "event", "step"}`` when they act.
 
 After every commit it appends ``{"group", "step", "digest"}`` to ``--out`` (JSON lines), the
-digest a SHA-256 of the parameters and the momentum buffers. Each step takes ``--step-s`` (50 ms)
-more than its compute; the group stops once ``--stop-file`` exists.
+digest a SHA-256 of the parameters and the momentum buffers (with torchheal, the divergence
+guard's counters ``checks`` and ``mismatches`` too; ``--interval`` and ``--policy`` set the
+guard, its defaults otherwise). Each step takes ``--step-s`` (50 ms) more than its compute; the
+group stops once ``--stop-file`` exists.
 """
 
 from __future__ import annotations
@@ -64,9 +71,18 @@ def main() -> None:
     p.add_argument("--busy-s", type=float, default=0.0)
     p.add_argument("--frozen", action="store_true")
     p.add_argument("--pause-after-fail", type=float, default=0.0)
+    p.add_argument("--level-dir", default="")
+    p.add_argument("--level-count", type=int, default=0)
     p.add_argument("--impl", choices=("torchheal", "torchft"), default="torchheal")
+    p.add_argument("--interval", type=int, default=None, help="the guard's (torchheal only)")
+    p.add_argument("--policy", default=None, help="the guard's policy (torchheal only)")
     args = p.parse_args()
     ft = __import__(args.impl)
+    guard = {}
+    if args.interval is not None:
+        guard["divergence_check_interval"] = args.interval
+    if args.policy is not None:
+        guard["on_divergence"] = args.policy
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -90,6 +106,7 @@ def main() -> None:
         store_port=store.port,
         lighthouse_addr=args.lighthouse,
         replica_id=f"g{args.group}",
+        **guard,
     )
     ddp = ft.DistributedDataParallel(manager, model)
     optimizer = ft.Optimizer(manager, inner)
@@ -97,12 +114,25 @@ def main() -> None:
     (ready / f"g{args.group}").touch()
     while len(list(ready.iterdir())) < args.groups:
         time.sleep(0.01)  # start-up takes seconds; this only lines the groups up
-    failed = busy = False
+    failed = busy = levelled = False
+
+    def level() -> None:
+        # A barrier of files, as the start's: the scenario's shape, not a timing.
+        (Path(args.level_dir) / f"g{args.group}").touch()
+        while len(list(Path(args.level_dir).iterdir())) < args.level_count:
+            time.sleep(0.01)
+
     with open(args.out, "a") as out:
 
         def write(record: dict) -> None:
             out.write(json.dumps({"group": args.group, **record}) + "\n")
             out.flush()
+
+        def counters() -> dict:
+            if args.impl != "torchheal":
+                return {}  # the reference has no guard
+            stats = manager._telemetry.stats
+            return {"checks": stats.divergence_checks, "mismatches": stats.divergence_mismatches}
 
         while not os.path.exists(args.stop_file):
             before = manager.current_step()
@@ -122,10 +152,13 @@ def main() -> None:
             optimizer.step()
             after = manager.current_step()
             if after > before:
-                write({"step": after, "digest": digest(model, inner)})
+                write({"step": after, "digest": digest(model, inner), **counters()})
                 if failed and args.pause_after_fail > 0:
                     time.sleep(args.pause_after_fail)
                     args.pause_after_fail = 0.0
+                if failed and args.level_dir and not levelled:
+                    levelled = True
+                    level()
             if 0 <= args.busy_after <= before and together and after > before and not busy:
                 busy = True
                 write({"event": "busy", "step": before})
@@ -135,6 +168,8 @@ def main() -> None:
                     os.kill(os.getpid(), signal.SIGSTOP)
                 else:
                     time.sleep(args.busy_s)
+                if args.level_dir:
+                    level()
     manager.shutdown(wait=False)
 
 

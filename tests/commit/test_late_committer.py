@@ -11,6 +11,8 @@ digest of its parameters and momentum after each commit; at every step two group
 the digests must be equal.
 
 The rule is pinned by ``tests/coordination/scenarios/16_no_redo_of_a_live_commit.txt``.
+``tests/divergence/test_late_committer_guard.py`` runs the case on the reference's lighthouse,
+which still has the old rule, with and without the divergence guard.
 ``python -m tests.commit.test_late_committer --runs 10`` runs the whole matrix of the issue.
 """
 
@@ -21,10 +23,13 @@ import json
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from tests.interop.helpers import loopback
 from torchheal.coordination import LighthouseServer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -42,23 +47,32 @@ def run_case(
     frozen: bool = False,
     step_s: float = 0.05,
     pause_after_fail: float = 0.0,
+    lighthouse_cls: Any = LighthouseServer,
+    level: bool = False,
+    worker_args: Sequence[str] = (),
+    records: dict[int, list[dict]] | None = None,
 ) -> dict[int, dict[int, str]]:
     """Run one job; return each group's digest at each step it committed.
 
     ``failing``: "one" (the last group fails step 5) or "all_but_one" (every group but the
-    busy group 0 does).
+    busy group 0 does). ``lighthouse_cls``: the reference's runs the case under its quorum
+    rule. ``worker_args``: passed to every group (the guard's ``--interval``, ``--policy``).
+    ``level``: the busy group and the failing ones ask for their next quorum together, after
+    the busy time and the failing groups' next commit (``late_worker``'s ``--level-dir``).
+    ``records``: filled with each group's commit records (digest and guard counters), in order.
     """
-    lighthouse = LighthouseServer(
+    lighthouse = lighthouse_cls(
         bind="127.0.0.1:0",
         min_replicas=1,
         join_timeout_ms=100,
         quorum_tick_ms=100,
         heartbeat_timeout_ms=5000,
     )
-    addr = f"http://127.0.0.1:{lighthouse.port()}"
+    addr = loopback(lighthouse)
     fails = {groups - 1} if failing == "one" else set(range(1, groups))
     ready = tmp / "ready"
     ready.mkdir()
+    (tmp / "level").mkdir()
     stop = tmp / "stop"
     for g in range(groups):
         (tmp / f"g{g}").touch()
@@ -70,30 +84,38 @@ def run_case(
                 *("--groups", str(groups), "--ready-dir", str(ready)),
                 *("--lighthouse", addr, "--stop-file", str(stop), "--out", str(tmp / f"g{g}")),
                 *("--impl", impl, "--step-s", str(step_s)),
+                *worker_args,
             ]
             if g in fails:
                 cmd += ["--fail-at", str(FAIL_AT), "--pause-after-fail", str(pause_after_fail)]
+            if level and (g in fails or g == 0):
+                cmd += ["--level-dir", str(tmp / "level"), "--level-count", str(len(fails) + 1)]
             if g == 0:
                 cmd += ["--busy-after", str(FAIL_AT), "--busy-s", str(busy_s)]
                 cmd += ["--frozen"] if frozen else []
-            procs.append(
-                subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-            )
+            # stderr to a file (its log lines: the guard's reports), never a pipe read only at
+            # the end, which a talkative worker could fill and block on.
+            with open(tmp / f"g{g}.err", "wb") as err:
+                procs.append(subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err))
         # Every group's records up to STEPS were written while all groups trained: only then
         # may one stop (the others could go on without it, as after a death).
         deadline = time.monotonic() + DEADLINE_S
         while min(_last_commit(tmp / f"g{g}") for g in range(groups)) < STEPS:
             assert time.monotonic() < deadline, f"the groups did not all reach step {STEPS}"
             for g, proc in enumerate(procs):
-                assert proc.poll() is None, f"group {g} exited {proc.returncode}"
+                assert proc.poll() is None, (
+                    f"group {g} exited {proc.returncode}: "
+                    + (tmp / f"g{g}.err").read_text(errors="replace")[-2000:]
+                )
             time.sleep(0.1)  # polling files the workers write
         stop.touch()
         for g, proc in enumerate(procs):
             try:
-                _, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+                proc.wait(timeout=max(1.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 raise AssertionError(f"group {g} did not reach step {STEPS} in time") from None
-            assert proc.returncode == 0, f"group {g} exited {proc.returncode}: {err[-2000:]!r}"
+            err = (tmp / f"g{g}.err").read_text(errors="replace")[-2000:]
+            assert proc.returncode == 0, f"group {g} exited {proc.returncode}: {err}"
     finally:
         for proc in procs:
             if proc.poll() is None:
@@ -109,6 +131,8 @@ def run_case(
                 acted.setdefault(record["event"], set()).add(record["step"])
             else:
                 digests.setdefault(g, {})[record["step"]] = record["digest"]
+                if records is not None:
+                    records.setdefault(g, []).append(record)
     # The scenario happened: every failing group failed, and the busy group was busy after
     # committing, the same step, in a quorum of all the groups.
     assert len(acted.get("fail", ())) == 1 and acted.get("busy") == acted["fail"], acted

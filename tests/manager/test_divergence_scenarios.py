@@ -17,6 +17,9 @@ Script commands (one per line; ``#`` starts a comment):
 ``slot rank=N [interval=N] [policy=P] step=N [last_heal=N] (state=k:v,... | ineligible)``
                                  one member's part of the exchange (its fingerprint entries are
                                  made from the ``key:value`` pairs).
+``verdict then=N now=N [ended]``  the next check, in quorum ``now``, of an exchange started in
+                                 quorum ``then`` (whose sum is in: ``ended``); ``expect awaited
+                                 yes|no``.
 ``judge step=N``                 the verdict on the slots so far; ``expect verdict matched
                                  compared=0,..`` or ``expect verdict reference=.. repair=..
                                  rule=..``; ``expect differing RANK:key,key``.
@@ -50,6 +53,7 @@ from torchheal.manager.divergence import (
     slot_words,
     tensor_count,
     tensor_words,
+    verdict_awaited,
 )
 
 SCENARIOS = Path(__file__).parent / "divergence_scenarios"
@@ -138,6 +142,10 @@ class Run:
                     entries=entries,
                 )
             )
+        elif cmd == "verdict":
+            self.last["awaited"] = verdict_awaited(
+                then_quorum_id=int(kv["then"]), now_quorum_id=int(kv["now"]), ended="ended" in flags
+            )
         elif cmd == "judge":
             self.last["verdict"] = judge(self.exchange(), int(kv["step"]))
         elif cmd == "expect":
@@ -165,6 +173,8 @@ class Run:
                 assert v.repair == _ranks(kv["repair"]), v
             if "rule" in kv:
                 assert v.rule == kv["rule"], v.rule
+        elif what == "awaited":
+            assert self.last["awaited"] == (rest[0] == "yes"), self.last["awaited"]
         elif what == "differing":
             rank, keys = rest[0].split(":", 1)
             names = self.keys[int(rank)]

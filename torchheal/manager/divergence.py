@@ -319,6 +319,18 @@ class Schedule:
         return reason
 
 
+def verdict_awaited(*, then_quorum_id: int, now_quorum_id: int, ended: bool) -> bool:
+    """Whether a rank waits for the verdict of the exchange it started in quorum ``then``, at
+    its next check in quorum ``now``.
+
+    Within a quorum, always: every member sent its part and the sum comes. Once the quorum is
+    gone, only if the sum is already in: a member left out may be frozen with its part unsent,
+    its connections alive (nothing cuts them), and the wait would last the collective's whole
+    timeout. Nothing is lost: a new quorum compares at its first step.
+    """
+    return ended or now_quorum_id == then_quorum_id
+
+
 @dataclass(frozen=True)
 class Verdict:
     """What an exchange showed.

@@ -41,6 +41,7 @@ from torchheal.manager.divergence import (
     slot_words,
     tensor_count,
     tensor_words,
+    verdict_awaited,
 )
 from torchheal.manager.fingerprint import Fingerprint, fingerprint
 from torchheal.manager.log import ManagerLogger
@@ -193,6 +194,16 @@ class DivergenceGuard:
         if pending is None:
             return
         then = pending.quorum
+        if not verdict_awaited(
+            then_quorum_id=then.quorum_id,
+            now_quorum_id=now.quorum_id,
+            ended=pending.ended.done(),
+        ):
+            self._log.warning(
+                f"divergence guard: the exchange of step {then.max_step} has not ended and "
+                f"quorum {then.quorum_id} is gone: its verdict is dropped"
+            )
+            return
         try:
             future_wait(pending.ended, 2 * self._timeout)  # timed_then ends it first
         except Exception as e:  # that step committed or not on its own: no verdict, that's all
