@@ -103,6 +103,14 @@ class Replica:
         return {"weight": self.weight}
 
 
+def train_step(r: Replica) -> bool:
+    """One step of a group on threads: quorum, an allreduce, the vote."""
+    m = r.manager
+    m.start_quorum()
+    m.allreduce(torch.zeros(3)).wait()
+    return m.should_commit()
+
+
 @contextmanager
 def replica(
     lh: LighthouseServer,

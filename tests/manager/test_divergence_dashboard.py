@@ -11,19 +11,11 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-import torch
 
-from tests.cluster import Replica, replica, run_parallel
+from tests.cluster import replica, run_parallel, train_step
 from tests.dashboard.helpers import get_json, lighthouse_with_dashboard, wait_until
 
 pytestmark = pytest.mark.timeout(60)
-
-
-def _step(r: Replica) -> bool:
-    m = r.manager
-    m.start_quorum()
-    m.allreduce(torch.zeros(3)).wait()
-    return m.should_commit()
 
 
 def test_status_shows_each_groups_verified_step_and_the_mismatch() -> None:
@@ -37,7 +29,7 @@ def test_status_shows_each_groups_verified_step_and_the_mismatch() -> None:
         replica(lh, "a", weight=3.0, **kwargs) as a,
         replica(lh, "b", weight=0.0, **kwargs) as b,
     ):
-        results = [run_parallel(lambda: _step(a), lambda: _step(b)) for _ in range(7)]
+        results = [run_parallel(lambda: train_step(a), lambda: train_step(b)) for _ in range(7)]
         assert results[2] == [True, False]  # b found different (the guard ran)
 
         def reported() -> dict[str, Any] | None:

@@ -15,17 +15,10 @@ from typing import Any
 import pytest
 import torch
 
-from tests.cluster import Replica, lighthouse, replica, run_parallel
+from tests.cluster import Replica, lighthouse, replica, run_parallel, train_step
 from torchheal.manager.guard import DivergenceError
 
 pytestmark = pytest.mark.timeout(60)
-
-
-def _step(r: Replica) -> bool:
-    m = r.manager
-    m.start_quorum()
-    m.allreduce(torch.zeros(3)).wait()
-    return m.should_commit()
 
 
 def _stats(r: Replica) -> tuple[int, int, int]:
@@ -45,15 +38,15 @@ def test_groups_seeded_differently_are_found_and_repaired() -> None:
         replica(lh, "b", weight=0.0, init_sync=False, divergence_check_interval=1) as b,
     ):
         for _ in range(2):
-            assert run_parallel(lambda: _step(a), lambda: _step(b)) == [True, True]
+            assert run_parallel(lambda: train_step(a), lambda: train_step(b)) == [True, True]
         assert _stats(a)[:2] == _stats(b)[:2] == (0, 0)  # step 1's verdict is still on its way
-        assert run_parallel(lambda: _step(a), lambda: _step(b)) == [True, False]
+        assert run_parallel(lambda: train_step(a), lambda: train_step(b)) == [True, False]
         assert _stats(a)[1] == _stats(b)[1] == 1
         assert a.manager.current_step() == 3 and b.manager.current_step() == 2
-        assert run_parallel(lambda: _step(a), lambda: _step(b)) == [True, True]
+        assert run_parallel(lambda: train_step(a), lambda: train_step(b)) == [True, True]
         assert torch.equal(b.weight, torch.full((3,), 3.0))  # healed from a
         for _ in range(2):
-            assert run_parallel(lambda: _step(a), lambda: _step(b)) == [True, True]
+            assert run_parallel(lambda: train_step(a), lambda: train_step(b)) == [True, True]
         assert _stats(b)[2] == 4  # the step after the heal was compared, and matched
         assert a.manager.current_step() == b.manager.current_step() == 6
 
@@ -66,7 +59,7 @@ def test_warn_only_reports() -> None:
         replica(lh, "b", weight=0.0, **kwargs) as b,
     ):
         for _ in range(3):  # step 0 is not compared, step 1 is (its verdict comes at step 2)
-            assert run_parallel(lambda: _step(a), lambda: _step(b)) == [True, True]
+            assert run_parallel(lambda: train_step(a), lambda: train_step(b)) == [True, True]
         assert _stats(a)[:2] == _stats(b)[:2] == (1, 1)
         assert not torch.equal(a.weight, b.weight)
 
@@ -81,7 +74,7 @@ def test_stop_raises_on_every_group_after_its_vote() -> None:
 
         def step(r: Replica) -> str:
             try:
-                _step(r)
+                train_step(r)
             except DivergenceError as e:
                 return str(e)
             return "no error"
@@ -114,7 +107,7 @@ def test_a_group_with_other_settings_trains_normally_without_comparison(
         replica(lh, "b", weight=0.0, init_sync=False, **other) as b,
     ):
         for _ in range(4):
-            assert run_parallel(lambda: _step(a), lambda: _step(b)) == [True, True]
+            assert run_parallel(lambda: train_step(a), lambda: train_step(b)) == [True, True]
         assert _stats(a) == _stats(b) == (0, 0, -1)
         assert a.manager.current_step() == b.manager.current_step() == 4
         assert a.weight[0].item() == 3.0 and b.weight[0].item() == 0.0
@@ -131,10 +124,13 @@ def test_the_guard_is_on_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
         replica(lh, "b", weight=0.0, init_sync=False) as b,
     ):
         for _ in range(2):
-            assert run_parallel(lambda: _step(a), lambda: _step(b)) == [True, True]
-        assert run_parallel(lambda: _step(a), lambda: _step(b)) == [True, False]  # b repairs
+            assert run_parallel(lambda: train_step(a), lambda: train_step(b)) == [True, True]
+        assert run_parallel(lambda: train_step(a), lambda: train_step(b)) == [
+            True,
+            False,
+        ]  # b repairs
         assert _stats(a)[:2] == _stats(b)[:2] == (1, 1)
-        assert run_parallel(lambda: _step(a), lambda: _step(b)) == [True, True]
+        assert run_parallel(lambda: train_step(a), lambda: train_step(b)) == [True, True]
         assert torch.equal(b.weight, torch.full((3,), 3.0))  # healed from a
 
 
@@ -147,5 +143,5 @@ def test_interval_counts_committed_steps() -> None:
         replica(lh, "b", weight=1.0, divergence_check_interval=2) as b,
     ):
         for _ in range(6):
-            assert run_parallel(lambda: _step(a), lambda: _step(b)) == [True, True]
+            assert run_parallel(lambda: train_step(a), lambda: train_step(b)) == [True, True]
         assert _stats(a) == _stats(b) == (3, 0, 4)
