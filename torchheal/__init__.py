@@ -1,8 +1,7 @@
 """torchheal: per-step fault tolerance for PyTorch training.
 
-The top-level names match the reference (``torchft``) so switching is a change of import.
-They are resolved lazily (PEP 562): importing a light submodule such as
-``torchheal.coordination.quorum`` does not pull in torch, gRPC servers or process groups.
+The top-level names match the reference (``torchft``); they resolve lazily, so importing a light
+submodule does not pull in torch, gRPC servers or process groups.
 """
 
 from __future__ import annotations

@@ -1,26 +1,15 @@
 """Quantized allreduce and reduce-scatter built from ordinary collectives and torch ops.
 
-Both collectives cut the bytes on the wire to about a quarter (fp32) or a half (fp16/bf16) by
-moving 8-bit per-row quantized data (:mod:`torchheal.quantization`) instead of the tensors:
+They move 8-bit per-row quantized data (:mod:`torchheal.quantization`) instead of the tensors:
 
-1. quantize every input into one group buffer of ``world_size`` chunks (chunk ``r`` = the rows
-   rank ``r`` reduces),
-2. exchange chunks so each rank holds every rank's copy of its own chunk: ``alltoall_base``
-   where the process group has it; otherwise (``NotImplementedError``, e.g. a process group that
-   only wraps allgather) an allgather of the whole buffer from which each rank keeps its
-   chunk — ``world_size`` times the traffic of the all-to-all, still correct,
-3. dequantize those copies, reduce them in fp32 (AVG divides by ``world_size``), requantize,
-4. allreduce only: allgather the reduced chunks and dequantize them into the inputs.
+1. quantize every input into one buffer of ``world_size`` chunks (chunk ``r``: rank ``r``'s rows),
+2. exchange chunks so each rank holds every rank's copy of its own (``alltoall_base``, or an
+   allgather of the whole buffer where the group has no all-to-all),
+3. dequantize those copies, reduce them in fp32, requantize,
+4. allreduce only: allgather the reduced chunks and dequantize them into the inputs (not waited).
 
-Only ``SUM`` and ``AVG`` are supported. Error against an exact reduction: each value goes
-through two quantizations, so it is off by at most about ``world_size * absmax / 254`` (+ one
-more ``absmax_reduced / 254``) per row with int8 — bounded, and tested in
-``tests/local_sgd/test_quantization.py``.
-
-Step 2 is waited before returning (the reduction needs its data); the allgather of step 4 is
-not: the returned work's future resolves, after the inputs were overwritten, to the inputs.
-On accelerators the work runs on ``sync_stream`` (a new stream when None) after it waited on
-the caller's current stream; on CPU no stream is involved.
+Only ``SUM`` and ``AVG``. Two quantizations bound the error per row (int8: about
+``world_size * absmax / 254``).
 """
 
 from __future__ import annotations
@@ -107,8 +96,7 @@ def _exchange_chunks(pg: dist.ProcessGroup, qbuf: torch.Tensor, world: int) -> t
     try:
         work = pg.alltoall_base(received, qbuf, [], [], AllToAllOptions())
     except NotImplementedError:
-        # Fallback for process groups without all-to-all: gather every rank's whole buffer
-        # and keep our chunk of each. Costs world_size x the bytes, same result.
+        # No all-to-all: gather every rank's whole buffer and keep our chunk of each.
         gathered = torch.empty((world, qbuf.numel()), dtype=qbuf.dtype, device=qbuf.device)
         pg.allgather([list(gathered.unbind(0))], [qbuf], AllgatherOptions()).wait()
         rank = pg.rank()
@@ -139,16 +127,13 @@ def allreduce_quantized(
     """Allreduce ``tensors`` in place through 8-bit per-row quantization.
 
     Args:
-        tensors: float32/float16/bfloat16 tensors on one device, all of one dtype; they hold
-            the (approximate) reduction once the returned work completes.
+        tensors: float32/float16/bfloat16 tensors on one device, all of one dtype.
         opts: ``ReduceOp.SUM``/``ReduceOp.AVG`` or ``AllreduceOptions`` carrying one.
-        process_group: the group to reduce over (needs ``allgather`` and ideally
-            ``alltoall_base``; works with gloo on CPU and NCCL on GPU).
+        process_group: the group to reduce over (needs ``allgather``, ideally ``alltoall_base``).
         sync_stream: accelerator stream to run on; a new one when None. Ignored on CPU.
 
     Returns:
-        A work whose ``wait()`` blocks until the inputs were overwritten and whose future
-        resolves to ``tensors``.
+        A work whose future resolves to ``tensors`` once they were overwritten.
     """
     op = _reduce_op(opts)
     _check_same_device_dtype(tensors)
@@ -185,8 +170,7 @@ def reduce_scatter_quantized(
     """Reduce ``inputs`` across ranks; write this rank's slice of the result into ``output``.
 
     Rank ``r`` receives rows ``[r * R/W, (r + 1) * R/W)`` of every input (rows padded to a
-    multiple of the world size ``W``), flattened and concatenated in input order — the layout
-    :func:`allocate_reduce_scatter_output` allocates.
+    multiple of ``W``), flattened and concatenated in input order.
 
     Args:
         output: flat tensor from :func:`allocate_reduce_scatter_output`.
@@ -218,14 +202,7 @@ def reduce_scatter_quantized(
 
 
 def get_padded_sizes(tensors: Sequence[torch.Tensor], world_size: int) -> list[torch.Size]:
-    """Shapes of ``tensors`` with dim 0 rounded up to a multiple of ``world_size``.
-
-    1-D (and 0-d) tensors are treated as ``(n, 1)``.
-
-    Args:
-        tensors: the tensors to be reduce-scattered.
-        world_size: number of ranks.
-    """
+    """Shapes of ``tensors`` (1-D as ``(n, 1)``), dim 0 rounded up to a ``world_size`` multiple."""
     sizes = []
     for t in tensors:
         shape = (t.numel(), 1) if t.dim() <= 1 else tuple(t.shape)
@@ -237,15 +214,8 @@ def get_padded_sizes(tensors: Sequence[torch.Tensor], world_size: int) -> list[t
 def allocate_reduce_scatter_output(
     tensors: Sequence[torch.Tensor], world_size: int
 ) -> tuple[torch.Tensor, list[torch.Size]]:
-    """Allocate the flat output of :func:`reduce_scatter_quantized` for ``tensors``.
-
-    Args:
-        tensors: the inputs; must share one device and dtype.
-        world_size: number of ranks.
-
-    Returns:
-        (flat uninitialised tensor of this rank's share, padded sizes of the inputs).
-    """
+    """The flat uninitialised output of :func:`reduce_scatter_quantized` for ``tensors``, and
+    their padded sizes."""
     _check_same_device_dtype(tensors)
     padded = get_padded_sizes(tensors, world_size)
     numel = sum(math.prod(s) // world_size for s in padded)

@@ -1,12 +1,7 @@
 """Fault-tolerant data parallelism across replica groups.
 
-:class:`DistributedDataParallel` is PyTorch's own DDP (bucketing, overlap of communication with
-backward) whose gradient communication goes through ``Manager.allreduce`` via a comm hook.
-:class:`PureDistributedDataParallel` is a minimal per-parameter variant without bucketing.
-
-Both average the gradients over the *participating* replicas before the optimizer steps, and
-neither lets a failed collective crash the backward pass: the manager records the error and the
-step is not committed.
+Both classes average gradients over the participating replicas through ``Manager.allreduce``; a
+failed collective never crashes the backward pass (the step is not committed).
 """
 
 # No "from __future__ import annotations": DDP inspects the comm hook's real annotations.
@@ -32,14 +27,9 @@ def _completed(value: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
 class DistributedDataParallel(parallel.DistributedDataParallel):
     """PyTorch DDP whose gradient buckets are reduced across replica groups by the Manager.
 
-    DDP runs over a :class:`ProcessGroupDummy`: the Manager keeps replicas in sync, so DDP's own
-    start-up sync (``init_sync``) is off by default. ``find_unused_parameters=True`` keeps DDP
-    from rebuilding its buckets after the first step, so a recovering replica's buckets match its
-    peers' (the reference's flag).
-
-    Difference from the reference: ``gradient_as_bucket_view`` defaults to True, which saves the
-    copy back that pays for the averaging pass (``docs/architecture.md``, Data parallelism).
-    Gradients are bit-identical either way; pass False for separate gradient tensors.
+    DDP runs over a :class:`ProcessGroupDummy` (``init_sync`` off: the Manager keeps replicas in
+    sync); ``find_unused_parameters=True`` keeps a recovering replica's buckets equal to its
+    peers'. Unlike the reference, ``gradient_as_bucket_view`` defaults to True (saves a copy).
 
     Args:
         manager: the Manager of this rank.
@@ -77,9 +67,8 @@ class DistributedDataParallel(parallel.DistributedDataParallel):
         buffer = bucket.buffer()
         work = state.allreduce(buffer)
         if isinstance(work, _ManagedWork):
-            # Not waited here (the reference blocks in the hook): DDP waits for the future at
-            # the end of backward, so this bucket's reduction overlaps the rest of backward. A
-            # failure resolves to the (garbage) bucket and is reported: the step won't commit.
+            # Not waited here (the reference blocks): DDP waits at the end of backward, so the
+            # reduction overlaps it. A failure resolves to the (garbage) bucket, reported.
             return work.as_future()
         # The manager already failed this step: no communication, the step won't commit.
         return _completed(buffer)
@@ -88,10 +77,8 @@ class DistributedDataParallel(parallel.DistributedDataParallel):
 class PureDistributedDataParallel(nn.Module):
     """Per-parameter fault-tolerant data parallelism (no bucketing; simple, slower).
 
-    Each gradient is allreduced as soon as it is accumulated; a callback at the end of the
-    backward pass waits for all of them, so every gradient is averaged over the participating
-    replicas before the optimizer can step. (The reference never waits, so its gradients are
-    summed, not averaged.)
+    Each gradient is allreduced once accumulated, and the end of backward waits for all of them
+    (the reference never waits, so its gradients are summed, not averaged).
 
     Args:
         manager: the Manager of this rank.

@@ -1,17 +1,9 @@
 """Fault-tolerant HSDP: a device mesh whose replicate dimension is driven by a Manager.
 
-``ft_init_device_mesh`` builds a normal ``init_device_mesh`` over the ranks of *one* replica
-group and adds the replicate dimension as a
-:class:`~torchheal.process_group.managed.ManagedProcessGroup`: FSDP2's cross-replica gradient
-all-reduce then goes through ``Manager.allreduce`` and survives replica groups coming and going.
-
-:class:`ManagedDeviceMesh` is a real ``DeviceMesh`` (so ``fully_shard`` and DTensor accept it)
-whose replicate dimension is, underneath, a world-size-1 dimension: replicas are kept identical
-by the Manager, not by DTensor. Its public queries report the managed view: the replicate size is
-the number of participating replicas (at least 1), and the replicate coordinate is 0, as in the
-reference (callers that shard data across replicas add ``Manager.participating_rank()``).
-
-Difference from the reference: ``get_coordinate`` puts the replicate coordinate at the
+:class:`ManagedDeviceMesh` is a real ``DeviceMesh`` whose replicate dimension is, underneath, of
+world size 1: the Manager keeps replicas identical, not DTensor. Its queries report the managed
+view: the replicate size is the number of participants (at least 1), the replicate coordinate 0,
+as in the reference. Unlike the reference, ``get_coordinate`` puts that coordinate at the
 replicate dimension (the reference swapped ``list.insert``'s arguments).
 """
 
@@ -52,20 +44,15 @@ def _mesh_groups(mesh: DeviceMesh) -> list[dist.ProcessGroup]:
 def extend_device_mesh(
     mesh: DeviceMesh, pg: dist.ProcessGroup, name: str = "dp", dim: int = 0
 ) -> DeviceMesh:
-    """Adds ``pg`` to ``mesh`` as a new world-size-1 dimension.
+    """Adds ``pg`` to ``mesh`` as a new world-size-1 dimension (DTensor never communicates over it).
 
-    The new dimension holds only this process, so DTensor never communicates over it; the
-    numerics across that dimension are the process group's job (for a torchheal group: the
-    Manager). A torchheal ``ProcessGroup`` that is not registered yet is registered as ``name``.
+    A torchheal ``ProcessGroup`` not registered yet is registered as ``name``.
 
     Args:
         mesh: the existing mesh (every dimension must have a process group).
         pg: the process group of the new dimension.
         name: the new dimension's name.
         dim: where the new dimension goes (0 = outermost).
-
-    Raises:
-        ValueError: if ``dim`` is out of range or ``name`` is already a dimension of ``mesh``.
     """
     names = list(mesh.mesh_dim_names or ())
     if len(names) != mesh.ndim:
@@ -87,15 +74,8 @@ def extend_device_mesh(
 
 
 class _FlattenDeviceMesh:
-    """A flattened view of a :class:`ManagedDeviceMesh`: only ``size()`` and ``get_local_rank()``.
-
-    There is no real process group spanning every rank of every replica group (replicas talk
-    only through the Manager), so only the sizes and ranks of the flattened view are defined.
-
-    Args:
-        managed_mesh: the mesh being flattened.
-        name: the flattened dimension's name.
-    """
+    """A flattened view of a :class:`ManagedDeviceMesh`: only ``size()`` and ``get_local_rank()``
+    (no process group spans every replica group's ranks)."""
 
     def __init__(self, managed_mesh: ManagedDeviceMesh, name: str) -> None:
         self.managed_mesh = managed_mesh
@@ -112,31 +92,19 @@ class _FlattenDeviceMesh:
         return 1
 
     def size(self, mesh_dim: int | None = None) -> int:
-        """Total number of ranks across participating replica groups.
-
-        Args:
-            mesh_dim: ``None`` or ``0``.
-        """
+        """Total number of ranks across participating replica groups."""
         if mesh_dim not in (None, 0):
             raise IndexError(f"a flattened mesh has one dimension, got mesh_dim={mesh_dim}")
         return self.managed_mesh.size()
 
     def get_local_rank(self, mesh_dim: int | None = None) -> int:
-        """This rank's index in the flattened view.
-
-        Args:
-            mesh_dim: ``None`` or ``0``.
-        """
+        """This rank's index in the flattened view."""
         if mesh_dim not in (None, 0):
             raise IndexError(f"a flattened mesh has one dimension, got mesh_dim={mesh_dim}")
         return self.managed_mesh.get_local_rank()
 
     def get_group(self, mesh_dim: int | str | None = None) -> dist.ProcessGroup:
-        """Not available: no single process group spans the flattened view.
-
-        Args:
-            mesh_dim: unused.
-        """
+        """Not available: no single process group spans the flattened view."""
         raise NotImplementedError(
             f"flattened managed mesh {self.name!r} has no process group (replicas communicate "
             "through the Manager)"
@@ -163,8 +131,7 @@ class ManagedDeviceMesh(DeviceMesh):
             ``"cuda"`` when available, else ``"cpu"``).
     """
 
-    # The replicate group of this process, restored into unpickled meshes (a process group
-    # cannot be pickled). Set by ft_init_device_mesh.
+    # Restored into unpickled meshes (process groups do not pickle); set by ft_init_device_mesh.
     replicate_pg_singleton: ClassVar[ManagedProcessGroup | None] = None
 
     def __init__(
@@ -245,15 +212,8 @@ class ManagedDeviceMesh(DeviceMesh):
         return dim - 1 if dim > self.replicate_dim else dim
 
     def __getitem__(self, mesh_dim_names: str | tuple[str, ...]) -> DeviceMesh:  # type: ignore[override]
-        """Slices the mesh by dimension name(s).
-
-        The replicate name alone gives a 1-D ``ManagedDeviceMesh``; a tuple containing it gives
-        a ``ManagedDeviceMesh`` over the remaining dimensions; other names give the inner
-        mesh's slice; names made by :meth:`_flatten` give the flattened view.
-
-        Args:
-            mesh_dim_names: one name or a tuple of names.
-        """
+        """Slices the mesh by dimension name(s): a ``ManagedDeviceMesh`` when the replicate name
+        is among them, else the inner mesh's slice, or a view made by :meth:`_flatten`."""
         names = (mesh_dim_names,) if isinstance(mesh_dim_names, str) else tuple(mesh_dim_names)
         if names == self.mesh_dim_names:
             return self
@@ -277,12 +237,7 @@ class ManagedDeviceMesh(DeviceMesh):
         )
 
     def _flatten(self, mesh_dim_name: str | None = None, backend_override: Any = None) -> Any:  # type: ignore[override]
-        """A flattened view of this mesh, also reachable as ``root[mesh_dim_name]``.
-
-        Args:
-            mesh_dim_name: the flattened dimension's name (required).
-            backend_override: not supported (must be ``None``).
-        """
+        """A flattened view of this mesh, also reachable as ``root[mesh_dim_name]``."""
         if not mesh_dim_name:
             raise ValueError("ManagedDeviceMesh._flatten needs a mesh_dim_name")
         if backend_override is not None:
@@ -294,11 +249,7 @@ class ManagedDeviceMesh(DeviceMesh):
     # -- groups and sizes (the managed view) -------------------------------------------------
 
     def get_group(self, mesh_dim: int | str | None = None) -> dist.ProcessGroup:
-        """The process group of a dimension; the replicate dimension's is the managed group.
-
-        Args:
-            mesh_dim: index or name; ``None`` means the replicate dimension.
-        """
+        """The process group of a dimension (index or name; ``None``: the replicate one)."""
         if mesh_dim is None:
             return self.replicate_pg
         dim = self._dim_index(mesh_dim)
@@ -318,16 +269,11 @@ class ManagedDeviceMesh(DeviceMesh):
 
     def _replicate_rank(self) -> int:
         # The façade's rank (0), not the participating rank: torchtitan adds its replica offset
-        # to the flattened dp rank, and a rank that moved with participation would count it twice
-        # once a quorum exists (and reshuffle data shards when membership changes).
+        # itself, and a rank moving with participation would reshuffle data shards.
         return self.replicate_pg.rank()
 
     def size(self, mesh_dim: int | str | None = None) -> int:  # type: ignore[override]
-        """Number of ranks in a dimension, or in the whole mesh.
-
-        Args:
-            mesh_dim: index or name; ``None`` for the whole mesh (inner size x replicas).
-        """
+        """Number of ranks in a dimension (index or name), or in the whole mesh (``None``)."""
         inner_size = 1 if self._inner is None else self._inner.size()
         if mesh_dim is None:
             return inner_size * self._replicate_size()
@@ -350,13 +296,8 @@ class ManagedDeviceMesh(DeviceMesh):
         return tuple(sizes)
 
     def get_local_rank(self, mesh_dim: int | str | None = None) -> int:
-        """This rank's index in a dimension, or in the whole mesh.
-
-        Args:
-            mesh_dim: index or name; ``None`` gives the rank in the flattened mesh
-                (``inner_size * replicate_coordinate + inner_rank``, the coordinate being 0;
-                needs ``replicate_dim == 0``).
-        """
+        """This rank's index in a dimension, or (``None``, needs ``replicate_dim == 0``) in the
+        flattened mesh."""
         if mesh_dim is None:
             if self._inner is None:
                 return self._replicate_rank()
@@ -449,11 +390,9 @@ def ft_init_device_mesh(
 ) -> ManagedDeviceMesh:
     """Builds a device mesh whose replicate dimension is fault tolerant.
 
-    Every dimension except ``replicate_dim`` is made with ``init_device_mesh`` over this
-    replica group's ranks (so their product must be the group's world size); the replicate
-    dimension is a :class:`ManagedProcessGroup` over ``manager``, registered under its name.
-    Its size in ``mesh_shape`` is only nominal: the real size is the number of replica groups
-    participating in each step.
+    The other dimensions come from ``init_device_mesh`` over this replica group's ranks; the
+    replicate one is a registered :class:`ManagedProcessGroup` over ``manager``, whose size in
+    ``mesh_shape`` is only nominal (the real one is the number of participants).
 
     Args:
         device_type: ``"cpu"``, ``"cuda"``, ...
@@ -461,9 +400,6 @@ def ft_init_device_mesh(
         mesh_dim_names: name of every dimension.
         replicate_dim: index of the replicate dimension.
         manager: this replica group's ``torchheal.Manager``.
-
-    Raises:
-        ValueError: if the shapes, names or ``replicate_dim`` do not fit together.
     """
     mesh_shape = tuple(mesh_shape)
     mesh_dim_names = tuple(mesh_dim_names)

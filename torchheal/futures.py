@@ -1,26 +1,10 @@
 """Timeouts on futures, CUDA streams and blocks of code.
 
-Everything here is driven by one lazily started daemon thread, the *timeout manager*: a heap of
-deadlines under a condition variable, running the callback of each deadline not cancelled in
-time. The only job is "call this at time T unless cancelled", which needs no event loop.
-
-Callbacks run on the manager thread, so they must be short; one that raises is logged. One that
-never returns would silently disable every timeout in the process, so a watchdog ends the process
-with exit code 1 ("TimeoutManager is stuck. Exiting.") when a callback runs longer than
-``TORCHHEAL_WATCHDOG_TIMEOUT_SEC`` (fallback ``TORCHFT_WATCHDOG_TIMEOUT_SEC``, default 30 s), so
-the replica restarts and heals instead of hanging. Difference from the reference: its
-``sys.exit`` from a thread only ended the watchdog; ours calls ``sys.exit(1)`` (a test may
-replace it) and turns the real one's ``SystemExit`` into ``os._exit(1)``.
-
-Public helpers:
-
-* :func:`future_timeout` - a new future with the original outcome, or ``TimeoutError``.
-* :func:`timed_then` - ``future_timeout`` and ``then`` in one callback; an :class:`Expiry`
-  can end it early.
-* :func:`future_wait` - block on a future for at most ``timeout``.
-* :func:`context_timeout` - call ``callback`` if a ``with`` block is still running after ``timeout``.
-* :func:`stream_timeout` - call ``callback`` if work queued on the current accelerator stream has
-  not finished ``timeout`` after the call.
+One lazily started daemon thread runs the callback of each deadline not cancelled in time (a heap
+under a condition variable). Callbacks must be short: one that never returns would disable every
+timeout, so a watchdog exits the process ("TimeoutManager is stuck. Exiting.") when a callback
+outlasts ``TORCHHEAL_WATCHDOG_TIMEOUT_SEC`` and the replica restarts instead of hanging. Unlike the
+reference (whose ``sys.exit`` only ended the watchdog thread), that ends in ``os._exit(1)``.
 """
 
 from __future__ import annotations
@@ -76,13 +60,8 @@ def _exit_stuck() -> None:
 
 
 class _TimeoutManager:
-    """One daemon thread running callbacks at deadlines (a heap under a condition).
-
-    Args:
-        watchdog_timeout: longest time one callback may run before ``on_stuck`` is called;
-            read from the environment when ``None``.
-        on_stuck: what to do when a callback is stuck (default: log and exit the process).
-    """
+    """One daemon thread running callbacks at deadlines; ``on_stuck`` when one outlasts
+    ``watchdog_timeout`` (read from the environment when None)."""
 
     def __init__(
         self,
@@ -103,12 +82,7 @@ class _TimeoutManager:
         self._del_queue: deque[Any] = deque()
 
     def schedule(self, timeout: timedelta | float, callback: Callable[[], None]) -> TimerHandle:
-        """Runs ``callback`` on the manager thread after ``timeout`` unless cancelled.
-
-        Args:
-            timeout: delay before the callback runs.
-            callback: function of no arguments.
-        """
+        """Runs ``callback`` on the manager thread after ``timeout`` unless cancelled."""
         handle = TimerHandle(time.monotonic() + to_seconds(timeout), callback)
         with self._cond:
             if self._thread is None or not self._thread.is_alive():
@@ -126,9 +100,7 @@ class _TimeoutManager:
             earliest = not self._heap or handle.deadline < self._heap[0][0]
             heapq.heappush(self._heap, (handle.deadline, next(self._seq), handle))
             if earliest:
-                # The thread sleeps until the earliest deadline; a later one needs no wake-up
-                # (every collective of every step schedules one: waking for each cost a
-                # context switch per collective).
+                # Only an earlier deadline needs a wake-up (every collective schedules one).
                 self._cond.notify()
         return handle
 
@@ -205,8 +177,7 @@ def future_timeout(fut: Future[T], timeout: timedelta | float) -> Future[T]:
 
     Args:
         fut: the future to watch.
-        timeout: how long to wait before failing the returned future with
-            ``TimeoutError("future did not complete within {timeout}")``.
+        timeout: how long before the returned future fails with ``TimeoutError``.
     """
     return timed_then(fut, timeout, _outcome)
 
@@ -218,12 +189,9 @@ def _outcome(fut: Future[T]) -> T:
 class Expiry:
     """Ends a set of timed futures before their timeout, all at once, with one error.
 
-    For futures that can no longer matter: the Manager gives one to each configuration of its
-    cross-replica process group, and when the lighthouse says that configuration's quorum is
-    over for this group, every collective still pending in it ends now instead of at its
-    timeout (a Gloo receive is not always woken by its peers' close, and would wait it out).
-    It is final: a future registered after :meth:`expire` ends at once. A future that settles
-    is forgotten (:meth:`discard`), so a long-lived expiry holds only the pending ones.
+    The Manager gives one to each configuration of its process group: when its quorum is over,
+    pending collectives end now, not at their timeout (a Gloo receive may never be woken).
+    Final: a future registered after :meth:`expire` ends at once.
     """
 
     def __init__(self) -> None:
@@ -243,13 +211,9 @@ class Expiry:
             return len(self._enders or ())
 
     def add(self, end: Callable[[BaseException], None]) -> int | None:
-        """Registers ``end(error)``, called once on :meth:`expire` (at once if it happened).
+        """Registers ``end(error)`` (quick, never raising), called once on :meth:`expire`.
 
-        Args:
-            end: settles one future early; it must be quick and never raise.
-
-        Returns:
-            the key to :meth:`discard` it with (None: it was called already).
+        Returns the key to :meth:`discard` it with (None: it was called already).
         """
         with self._lock:
             if self._enders is not None:
@@ -270,14 +234,7 @@ class Expiry:
                 self._enders.pop(key, None)
 
     def expire(self, error: BaseException) -> int:
-        """Ends every pending registered future with ``error`` (once: later calls do nothing).
-
-        Args:
-            error: what each future ends with (its ``fn`` sees a future failed with it).
-
-        Returns:
-            how many futures it ended.
-        """
+        """Ends every pending registered future with ``error`` (once); how many it ended."""
         with self._lock:
             enders, self._enders = self._enders, None
             if enders is None:
@@ -297,22 +254,10 @@ def timed_then(
     fn: Callable[[Future[Any]], T],
     expiry: Expiry | None = None,
 ) -> Future[T]:
-    """``future_timeout(fut, timeout).then(fn)`` in one callback instead of two.
+    """``future_timeout(fut, timeout).then(fn)`` in one callback (each callback takes the GIL).
 
-    ``fn`` gets ``fut`` itself once it completed (the very object: a caller can tell it from
-    the other case by identity), or after ``timeout`` a future failed with
-    ``TimeoutError("future did not complete within {timeout}")``; the returned future holds
-    what it returns (or the exception it raises, as is). ``fn`` runs once, on the thread that
-    completed ``fut`` or on the timeout thread. Each callback of a collective's future runs
-    with the GIL on the thread completing the collective, so the chains the Manager builds
-    for every gradient bucket keep them few.
-
-    Args:
-        fut: the future to watch.
-        timeout: how long ``fut`` may take.
-        fn: maps the outcome (or the timeout) to the returned future's value.
-        expiry: when it expires first, ``fn`` gets a future failed with its error (on the
-            thread that expires it), as on a timeout.
+    ``fn`` runs once and gets ``fut`` itself (tell it apart by identity), or a future failed with
+    ``TimeoutError`` or with ``expiry``'s error; its exception reaches the returned future as is.
     """
     out: Future[T] = Future()
     lock = threading.Lock()
@@ -363,11 +308,11 @@ def timed_then(
 
 
 def future_wait(fut: Future[T], timeout: timedelta | float) -> T:
-    """Blocks until ``fut`` completes and returns its value (or raises its exception).
+    """Blocks until ``fut`` completes and returns its value (``TimeoutError`` after ``timeout``).
 
     Args:
         fut: the future to wait on.
-        timeout: the longest time to block; ``TimeoutError`` after that.
+        timeout: the longest time to block.
     """
     if fut.done():
         return fut.wait()
@@ -404,15 +349,12 @@ def stream_timeout(
 ) -> TimerHandle:
     """Calls ``callback`` if the current accelerator stream's queued work is not done in time.
 
-    An event is recorded on the current stream now; after ``timeout`` the manager thread queries
-    it and calls ``callback`` if it has not completed. Without an accelerator there is nothing
-    asynchronous to watch and nothing is scheduled unless ``event`` is given.
+    Without an accelerator nothing is scheduled unless ``event`` is given.
 
     Args:
         callback: what to do when the stream is late (typically ``pg.abort``).
         timeout: how long the stream may take.
-        event: an already recorded event to watch instead of recording one (anything with
-            ``query() -> bool``).
+        event: an already recorded event to watch (anything with ``query() -> bool``).
     """
     _TIMEOUT_MANAGER.drain_deletions()
     if event is None:

@@ -1,7 +1,6 @@
 """An IPv6 threading HTTP server (public path ``torchheal.http``, as the reference's).
 
-Binding ``::`` with an IPv6 socket accepts IPv4 clients too on dual-stack hosts, so one server
-class serves both. A deep listen backlog absorbs bursts of healing peers connecting at once.
+``::`` accepts IPv4 clients too on dual-stack hosts; a deep backlog absorbs bursts of healing peers.
 """
 
 from __future__ import annotations

@@ -1,8 +1,4 @@
-"""A pipe wrapper with bounded receives, used to talk to child processes that may die or hang.
-
-The peer is always one of our own child processes (the baby process groups), so objects are
-pickled over a local pipe exactly as :mod:`multiprocessing` does; nothing here crosses the network.
-"""
+"""A pipe wrapper with bounded receives, for our own child processes that may die or hang."""
 
 from __future__ import annotations
 
@@ -14,31 +10,18 @@ from torchheal._base.timeouts import to_seconds
 
 
 class _MonitoredPipe:
-    """Wraps a :class:`multiprocessing.connection.Connection` with timeouts and error passing.
-
-    Args:
-        pipe: one end of a ``multiprocessing.Pipe``.
-    """
+    """Wraps one end of a ``multiprocessing.Pipe`` with timeouts and error passing."""
 
     def __init__(self, pipe: Connection) -> None:
         self._pipe = pipe
 
     def send(self, obj: object) -> None:
-        """Sends ``obj``; raises ``OSError("handle is closed")`` after :meth:`close`.
-
-        Args:
-            obj: any picklable object (an exception object is re-raised by the receiver).
-        """
+        """Sends ``obj`` (an exception is raised by the receiver); OSError after :meth:`close`."""
         self._pipe.send(obj)
 
     def recv(self, timeout: timedelta | float | None = None) -> Any:
-        """Receives one object; exceptions sent by the peer are raised here.
-
-        Args:
-            timeout: the longest time to wait (``None`` waits forever). On expiry raises
-                ``TimeoutError("pipe.recv() timed out after {t} seconds")``. A closed peer raises
-                ``EOFError``.
-        """
+        """Receives one object, raising exceptions the peer sent (``TimeoutError`` after
+        ``timeout``, ``EOFError`` when the peer closed)."""
         if timeout is not None:
             seconds = to_seconds(timeout)
             if not self._pipe.poll(seconds):

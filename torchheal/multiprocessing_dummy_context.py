@@ -1,8 +1,6 @@
 """A ``multiprocessing`` context whose "processes" are threads (``multiprocessing.dummy``).
 
-Code written against ``multiprocessing.get_context(...)`` (``ctx.Process``, ``ctx.Pipe``,
-``ctx.Queue``, ``ctx.Event``, ``ctx.Lock``) runs in one process with it, which makes child-process
-designs (such as the baby process groups) debuggable and testable without spawning.
+Child-process designs (the baby process groups) can then be debugged and tested without spawning.
 """
 
 from __future__ import annotations
@@ -16,11 +14,8 @@ __all__ = ["DummyContext", "get_context"]
 
 
 class DummyContext:
-    """The subset of a ``multiprocessing`` context that thread-based code needs.
-
-    Args:
-        method: ignored (accepted for signature compatibility with ``get_context``).
-    """
+    """The subset of a ``multiprocessing`` context that thread-based code needs (``method``
+    is ignored)."""
 
     def __init__(self, method: object = None) -> None:
         self.method = method
@@ -34,35 +29,18 @@ class DummyContext:
         kwargs: Mapping[str, Any] | None = None,
         daemon: bool | None = None,
     ) -> Any:
-        """A thread with the ``Process`` interface (``start``, ``join``, ``is_alive``).
-
-        Args:
-            group: must be None, as for ``threading.Thread``.
-            target: the callable to run.
-            name: thread name.
-            args: positional arguments of ``target``.
-            kwargs: keyword arguments of ``target``.
-            daemon: whether the thread is a daemon (None: inherit).
-        """
+        """A thread with the ``Process`` interface (``start``, ``join``, ``is_alive``)."""
         proc = _dummy.Process(group=group, target=target, name=name, args=args, kwargs=kwargs)
         if daemon is not None:
             proc.daemon = daemon
         return proc
 
     def Pipe(self, duplex: bool = True) -> tuple[Any, Any]:
-        """A pair of connected in-process connections.
-
-        Args:
-            duplex: accepted for compatibility; the dummy pipe is always bidirectional.
-        """
+        """A pair of connected in-process connections (always bidirectional)."""
         return _dummy.Pipe(duplex)
 
     def Queue(self, maxsize: int = 0) -> Any:
-        """A thread-safe queue.
-
-        Args:
-            maxsize: capacity (0 = unbounded).
-        """
+        """A thread-safe queue (``maxsize`` 0: unbounded)."""
         return _dummy.Queue(maxsize)
 
     def Event(self) -> threading.Event:
@@ -75,9 +53,5 @@ class DummyContext:
 
 
 def get_context(method: object = None) -> DummyContext:
-    """Returns a :class:`DummyContext` (same call shape as ``multiprocessing.get_context``).
-
-    Args:
-        method: ignored.
-    """
+    """Returns a :class:`DummyContext` (same call shape as ``multiprocessing.get_context``)."""
     return DummyContext(method)

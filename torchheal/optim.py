@@ -27,19 +27,11 @@ class OptimizerWrapper(Optimizer):
         self.manager = manager
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Adds a parameter group to the wrapped optimizer.
-
-        Args:
-            param_group: as ``torch.optim.Optimizer.add_param_group``.
-        """
+        """Adds a parameter group to the wrapped optimizer."""
         self.optim.add_param_group(param_group)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Loads the wrapped optimizer's state.
-
-        Args:
-            state_dict: as ``torch.optim.Optimizer.load_state_dict``.
-        """
+        """Loads the wrapped optimizer's state."""
         self.optim.load_state_dict(state_dict)
 
     def state_dict(self) -> dict[str, Any]:
@@ -47,20 +39,12 @@ class OptimizerWrapper(Optimizer):
         return self.optim.state_dict()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Starts the step's quorum, then zeroes the gradients.
-
-        Args:
-            set_to_none: as ``torch.optim.Optimizer.zero_grad``.
-        """
+        """Starts the step's quorum, then zeroes the gradients."""
         self.manager.start_quorum()
         self.optim.zero_grad(set_to_none)
 
     def step(self, closure: Callable[[], float] | None = None) -> None:
-        """Steps the wrapped optimizer only if the replica group commits this step.
-
-        Args:
-            closure: unsupported; must be None.
-        """
+        """Steps the wrapped optimizer if the replica group commits (``closure`` must be None)."""
         assert closure is None, "optimizers that use closures are not supported"
         if self.manager.should_commit():
             self.optim.step()

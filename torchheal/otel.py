@@ -1,16 +1,9 @@
 """OpenTelemetry export of torchheal's structured log records (the reference's ``torchft.otel``).
 
-The Manager writes one record per new quorum on the logger ``torchft_quorums``, one per commit
-decision on ``torchft_commits``, and the process group one per abort on ``torchft_errors``
-(empty message, the data in the record's fields, as the reference does). With
-``TORCHHEAL_USE_OTEL`` or ``TORCHFT_USE_OTEL`` set (to anything but ``false``/``0``/``no``/
-``off``), :func:`setup_logger` sends such a logger's records to the console and to an OTLP/HTTP
-collector (standard ``OTEL_EXPORTER_OTLP_*`` variables), with resource attributes from the JSON
-file named by ``TORCHHEAL_OTEL_RESOURCE_ATTRIBUTES_JSON`` / ``TORCHFT_OTEL_RESOURCE_ATTRIBUTES_JSON``
-(``{logger name: {attribute: value}}``). :func:`shutdown` flushes everything.
-
-OpenTelemetry is an optional extra (``pip install 'torchheal[otel]'``), imported only when export
-is switched on.
+With ``TORCHHEAL_USE_OTEL`` (or ``TORCHFT_USE_OTEL``) on, :func:`setup_logger` sends a logger's
+records (``torchft_quorums``, ``torchft_commits``, ``torchft_errors``) to the console and to an
+OTLP/HTTP collector, with resource attributes from the JSON file named by
+``TORCHHEAL_OTEL_RESOURCE_ATTRIBUTES_JSON``. OpenTelemetry is an optional extra, imported only then.
 """
 
 from __future__ import annotations
@@ -69,24 +62,14 @@ def _otel() -> dict[str, Any]:
 
 
 class TeeLogExporter:
-    """Hands each batch of log records to several exporters (console and OTLP).
-
-    Args:
-        exporters: OpenTelemetry log record exporters.
-    """
+    """Hands each batch of log records to several exporters (console and OTLP)."""
 
     def __init__(self, exporters: Sequence[Any]) -> None:
         self._exporters = list(exporters)
 
     def export(self, batch: Sequence[Any]) -> Any:
-        """Exports ``batch`` with every exporter; a failing one does not stop the others.
-
-        Args:
-            batch: the records.
-
-        Returns:
-            SUCCESS when every exporter succeeded, else FAILURE.
-        """
+        """Exports ``batch`` with every exporter (a failing one does not stop the others);
+        SUCCESS when all succeeded."""
         result = _otel()["ExportResult"]
         ok = True
         for exporter in self._exporters:
@@ -98,11 +81,7 @@ class TeeLogExporter:
         return result.SUCCESS if ok else result.FAILURE
 
     def force_flush(self, timeout_millis: int = 30_000) -> bool:
-        """Flushes every exporter that can be flushed.
-
-        Args:
-            timeout_millis: the longest wait, shared by the exporters.
-        """
+        """Flushes every exporter that can be flushed, within ``timeout_millis`` in all."""
         deadline = time.monotonic() + timeout_millis / 1000.0
         ok = True
         for exporter in self._exporters:
@@ -137,16 +116,12 @@ def _resource_attributes(path: str | None, name: str) -> dict[str, Any]:
 def setup_logger(name: str, env: TelemetryEnv | None = None) -> None:
     """Exports the records of logger ``name`` over OpenTelemetry, when switched on (once).
 
-    Does nothing when export is off or the logger is already set up.
-
     Args:
-        name: the logger (``torchft_quorums``, ``torchft_commits``, ``torchft_errors``, or
-            any other).
+        name: the logger (``torchft_quorums``, ``torchft_commits``, ``torchft_errors``, ...).
         env: the parsed environment (default: read now).
 
     Raises:
-        ImportError: export is on but OpenTelemetry is not installed (the message says how to
-            install it).
+        ImportError: export is on but OpenTelemetry is not installed.
         ValueError: the resource-attribute file cannot be read.
     """
     env = env or TelemetryEnv.from_env()
@@ -165,8 +140,7 @@ def setup_logger(name: str, env: TelemetryEnv | None = None) -> None:
         provider.add_log_record_processor(otel["BatchLogRecordProcessor"](exporter))
         logger = logging.getLogger(name)
         logger.addHandler(otel["LoggingHandler"](level=logging.NOTSET, logger_provider=provider))
-        # The records are INFO; a logger left at the root's default (WARNING) would drop them
-        # before any handler saw them.
+        # The records are INFO; the root's default (WARNING) would drop them.
         if logger.level == logging.NOTSET or logger.level > logging.INFO:
             logger.setLevel(logging.INFO)
         _LOGGER_PROVIDER[name] = provider

@@ -1,15 +1,9 @@
 """A prototype parameter server: one fresh two-member process group per client session.
 
-The server runs a TCPStore (the rendezvous for every session) and a small HTTP server. A client
-asks ``GET /new_session`` and gets a session id and a store address unique to that session; both
-sides then configure a new process group on it (server rank 0, client rank 1) and the server
-hands it to :meth:`ParameterServer.forward`. A client that dies only breaks its own session.
-
-Subclasses implement :meth:`ParameterServer.new_process_group` and :meth:`ParameterServer.forward`.
-
-Differences from the reference: a malformed request gets a 400 naming the problem (and an
-optional token guards the endpoint); :meth:`ParameterServer.shutdown` stops the server; the
-advertised host name can be chosen.
+A client's ``GET /new_session`` gets a session id and a store address of its own; both sides
+configure a process group on it (server rank 0, client rank 1), so a dead client breaks only its
+session. Unlike the reference: a 400 names a malformed request, an optional token guards the
+endpoint, :meth:`ParameterServer.shutdown` stops the server, and the advertised host can be set.
 """
 
 from __future__ import annotations
@@ -100,12 +94,8 @@ class ParameterServer(ABC):
 
     @abstractmethod
     def forward(self, session_id: str, pg: ProcessGroup) -> None:
-        """Runs one session (on its own thread); returning or raising ends the session.
-
-        Args:
-            session_id: the session's id (as the client received it).
-            pg: the session's process group: this server is rank 0, the client rank 1.
-        """
+        """Runs one session on its own thread (``pg``: server rank 0, client rank 1); returning
+        or raising ends it."""
 
     # -- addresses and lifecycle ---------------------------------------------------------
 
@@ -124,12 +114,7 @@ class ParameterServer(ABC):
             return len(self._active_sessions)
 
     def shutdown(self, timeout: float = 60.0) -> None:
-        """Stops accepting requests and waits for running sessions to end.
-
-        Args:
-            timeout: seconds to wait for running sessions (each is bounded by its group's
-                timeout); sessions still running afterwards are left to their threads.
-        """
+        """Stops accepting requests and waits up to ``timeout`` seconds for sessions to end."""
         self._server.shutdown()
         self._server.server_close()
         self._thread.join(timeout=10)
@@ -152,9 +137,6 @@ class ParameterServer(ABC):
             address: the server's :meth:`address`.
             token: the server's shared token, if it has one.
             timeout: seconds to wait for the HTTP answer.
-
-        Raises:
-            RuntimeError: if the server's answer is not a valid session description.
         """
         request = urllib.request.Request(address)
         if token is not None:

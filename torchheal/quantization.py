@@ -1,22 +1,10 @@
 """Per-row 8-bit quantization written with plain torch ops (runs on CPU and on any accelerator).
 
-This is the numeric half of the quantized collectives in :mod:`torchheal.collectives`. Every
-input tensor is viewed as a 2-D matrix (dim 0 = rows, the product of the other dims = columns;
-1-D and 0-d tensors become ``(n, 1)``). Each row is quantized on its own:
-
-* ``scale = QMAX / absmax(row)`` (``1.0`` for an all-zero row, where the quotient is ``inf``),
-* values ``round(x * scale)`` stored as ``int8`` (``QMAX = 127``), or as ``float8_e4m3fn``
-  (``QMAX = 448``) on CUDA devices of compute capability >= 9.0, where fp8 is native,
-* the row is stored as its fp32 scale (4 bytes) immediately followed by its values, padded so
-  every row takes ``(ceil(cols / 4) + 1) * 4`` bytes (4-byte alignment keeps the scale readable
-  as fp32 in place).
-
-A *group* buffer holds several tensors for ``group_size`` ranks: it is ``group_size`` equal
-chunks, chunk ``r`` holding rows ``[r * R/g, (r + 1) * R/g)`` of every tensor (rows padded with
-zeros up to a multiple of ``group_size``). Rank ``r`` of a collective owns chunk ``r``.
-
-The function names of the reference (``fused_*_fp8``) are kept so code written against it
-still imports; here they are ordinary torch code, not fused kernels.
+Tensors are viewed as 2-D (1-D and 0-d as ``(n, 1)``). Each row is stored as its fp32 scale
+``QMAX / absmax`` (1.0 for an all-zero row) followed by its scaled values as int8 (or fp8 e4m3 on
+CUDA capability >= 9.0), 4-byte aligned so the scale reads as fp32 in place. A *group* buffer is
+``group_size`` chunks, chunk ``r`` holding rows ``[r * R/g, (r + 1) * R/g)`` of every tensor.
+The reference's names (``fused_*_fp8``) are kept; these are not fused kernels.
 """
 
 from __future__ import annotations
@@ -49,14 +37,9 @@ _SCALE_BYTES = 4  # one fp32 scale per row
 
 
 def quantized_dtype_for(device: torch.device) -> torch.dtype:
-    """Element type used to quantize tensors living on ``device``.
+    """fp8 e4m3 where the device has it natively (CUDA capability >= 9.0), else int8.
 
-    fp8 e4m3 where the hardware has it natively (CUDA compute capability >= 9.0), int8
-    everywhere else. Every rank of a collective must pick the same type, which holds when the
-    ranks run on the same kind of device.
-
-    Args:
-        device: device of the tensors being quantized.
+    Every rank of a collective must pick the same type: ranks must run on one kind of device.
     """
     if device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0):
         return torch.float8_e4m3fn
@@ -64,11 +47,7 @@ def quantized_dtype_for(device: torch.device) -> torch.dtype:
 
 
 def qmax_for(qdtype: torch.dtype) -> float:
-    """Largest magnitude a row is scaled to for the quantized element type ``qdtype``.
-
-    Args:
-        qdtype: ``torch.int8`` or ``torch.float8_e4m3fn``.
-    """
+    """Largest magnitude a row is scaled to for ``torch.int8`` or ``torch.float8_e4m3fn``."""
     if qdtype == torch.int8:
         return _INT8_MAX
     if qdtype == torch.float8_e4m3fn:
@@ -77,11 +56,7 @@ def qmax_for(qdtype: torch.dtype) -> float:
 
 
 def row_bytes(cols: int) -> int:
-    """Bytes one quantized row of ``cols`` values takes: fp32 scale + values, 4-byte aligned.
-
-    Args:
-        cols: number of values in the row.
-    """
+    """Bytes one quantized row of ``cols`` values takes: fp32 scale + values, 4-byte aligned."""
     return (math.ceil(cols / 4) + 1) * 4
 
 
@@ -93,15 +68,7 @@ def _as_matrix_shape(t: torch.Tensor) -> tuple[int, int]:
 
 
 def quantize_rows(x: torch.Tensor, qdtype: torch.dtype = torch.int8) -> torch.Tensor:
-    """Quantize each row of a 2-D tensor into ``row_bytes(cols)`` bytes.
-
-    Args:
-        x: 2-D floating tensor (any of :data:`SUPPORTED_DTYPES`).
-        qdtype: quantized element type (see :func:`quantized_dtype_for`).
-
-    Returns:
-        A ``uint8`` tensor of shape ``(rows, row_bytes(cols))`` on ``x``'s device.
-    """
+    """Quantize each row of a 2-D tensor: ``uint8`` of shape ``(rows, row_bytes(cols))``."""
     if x.dim() != 2:
         raise ValueError(f"quantize_rows expects a 2-D tensor, got shape {tuple(x.shape)}")
     rows, cols = x.shape
@@ -123,13 +90,7 @@ def quantize_rows(x: torch.Tensor, qdtype: torch.dtype = torch.int8) -> torch.Te
 
 
 def dequantize_rows(buf: torch.Tensor, cols: int, qdtype: torch.dtype = torch.int8) -> torch.Tensor:
-    """Inverse of :func:`quantize_rows`: fp32 ``(rows, cols)`` values from quantized rows.
-
-    Args:
-        buf: ``uint8`` tensor of shape ``(rows, row_bytes(cols))``.
-        cols: number of values per row.
-        qdtype: the element type the rows were quantized with.
-    """
+    """Inverse of :func:`quantize_rows`: fp32 ``(rows, cols)`` values from quantized rows."""
     if buf.dim() != 2 or buf.shape[1] != row_bytes(cols):
         raise ValueError(
             f"quantized rows of {cols} values need shape (rows, {row_bytes(cols)}), "
@@ -168,27 +129,16 @@ def _layout(inputs: Sequence[torch.Tensor], group_size: int) -> list[tuple[int, 
 
 
 def group_chunk_bytes(inputs: Sequence[torch.Tensor], group_size: int) -> int:
-    """Bytes of one rank's chunk of the group buffer built from ``inputs``.
-
-    Args:
-        inputs: the tensors that go into the buffer.
-        group_size: number of ranks (chunks).
-    """
+    """Bytes of one rank's chunk of the group buffer built from ``inputs``."""
     return sum(rpr * row_bytes(cols) for _, cols, rpr in _layout(inputs, group_size))
 
 
 def fused_quantize_into_fp8(
     inputs: Sequence[torch.Tensor], group_size: int, qdtype: torch.dtype | None = None
 ) -> torch.Tensor:
-    """Quantize ``inputs`` into one flat ``uint8`` group buffer of ``group_size`` chunks.
+    """Quantize ``inputs`` (one dtype, one device) into one flat ``uint8`` group buffer.
 
-    Args:
-        inputs: tensors of one supported dtype on one device.
-        group_size: number of ranks the buffer is split between.
-        qdtype: quantized element type; default :func:`quantized_dtype_for` the device.
-
-    Returns:
-        ``uint8`` tensor of ``group_size * group_chunk_bytes(inputs, group_size)`` bytes.
+    ``qdtype`` defaults to :func:`quantized_dtype_for` the device (as in the functions below).
     """
     _check_inputs(inputs)
     qdtype = qdtype or quantized_dtype_for(inputs[0].device)
@@ -218,14 +168,7 @@ def fused_dequantize_from_fp8(
     group_size: int,
     qdtype: torch.dtype | None = None,
 ) -> None:
-    """Dequantize a whole group buffer back into ``inputs``, in place (cast to their dtype).
-
-    Args:
-        inputs: the tensors the buffer was built from; overwritten.
-        buffer: flat ``uint8`` group buffer (see :func:`fused_quantize_into_fp8`).
-        group_size: number of chunks in the buffer.
-        qdtype: quantized element type; default :func:`quantized_dtype_for` the device.
-    """
+    """Dequantize a whole group buffer back into ``inputs``, in place (cast to their dtype)."""
     _check_inputs(inputs)
     qdtype = qdtype or quantized_dtype_for(inputs[0].device)
     chunk_bytes = group_chunk_bytes(inputs, group_size)
@@ -248,14 +191,7 @@ def dequantize_chunk(
     group_size: int,
     qdtype: torch.dtype | None = None,
 ) -> list[torch.Tensor]:
-    """Dequantize one rank's chunk into fp32 ``(rows per rank, cols)`` slices, one per input.
-
-    Args:
-        inputs: the tensors the group buffer was built from (for shapes only).
-        chunk: flat ``uint8`` chunk of ``group_chunk_bytes(inputs, group_size)`` bytes.
-        group_size: number of ranks of the group buffer.
-        qdtype: quantized element type; default :func:`quantized_dtype_for` the device.
-    """
+    """Dequantize one rank's chunk into fp32 ``(rows per rank, cols)`` slices, one per input."""
     qdtype = qdtype or quantized_dtype_for(inputs[0].device)
     pieces = _chunk_pieces(inputs, chunk.reshape(1, -1), group_size)
     out = []
@@ -274,17 +210,8 @@ def fused_reduce_fp8(
 ) -> None:
     """Reduce the ``group_size`` quantized copies of this rank's slice; requantize in place.
 
-    ``buffer`` is what an all-to-all delivers: chunk ``j`` is rank ``j``'s quantization of the
-    slice owned by ``rank``. The copies are dequantized, summed in fp32 (divided by
-    ``group_size`` for AVG) and the result is written, requantized, into chunk ``rank``.
-
-    Args:
-        inputs: the tensors the group buffer was built from (for shapes only).
-        buffer: flat ``uint8`` buffer of ``group_size`` chunks; chunk ``rank`` is overwritten.
-        group_size: number of ranks.
-        rank: this rank; selects the chunk written.
-        reduce_op: ``ReduceOp.SUM`` or ``ReduceOp.AVG``.
-        qdtype: quantized element type; default :func:`quantized_dtype_for` the device.
+    Chunk ``j`` of ``buffer`` (what an all-to-all delivers) is rank ``j``'s copy of ``rank``'s
+    slice; the fp32 sum (or mean) is written, requantized, into chunk ``rank``.
     """
     _check_inputs(inputs)
     # `==`, not `in`: a ReduceOp object never equals a tuple member by identity or hash.

@@ -1,8 +1,6 @@
 """Accelerator-generic stream helpers (public path ``torchheal.utils``, as the reference's).
 
-One place that knows whether the current accelerator is CUDA or an Intel XPU, so callers that
-overlap work on side streams do not branch on the device type themselves. On a CPU-only
-machine the stream context is a no-op.
+The one place that knows whether the accelerator is CUDA or an Intel XPU; no-ops on CPU.
 """
 
 from __future__ import annotations
@@ -29,11 +27,7 @@ def _xpu_available() -> bool:
 
 
 def get_stream_context(stream: Any | None) -> AbstractContextManager[Any]:
-    """A context manager that makes ``stream`` current (a no-op for ``None`` or on CPU).
-
-    Args:
-        stream: a ``torch.cuda.Stream`` / ``torch.xpu.Stream``, or ``None``.
-    """
+    """A context manager that makes ``stream`` current (a no-op for ``None`` or on CPU)."""
     if stream is None:
         return nullcontext()
     if torch.cuda.is_available():
@@ -44,13 +38,7 @@ def get_stream_context(stream: Any | None) -> AbstractContextManager[Any]:
 
 
 def record_event() -> Any:
-    """Records an event on the current accelerator stream and returns it.
-
-    On CUDA the event is interprocess, so another process can wait on this stream's work.
-
-    Raises:
-        RuntimeError: no CUDA or XPU device is available.
-    """
+    """Records an event on the current accelerator stream (interprocess on CUDA) and returns it."""
     if _xpu_available():
         event = torch.xpu.Event()
         torch.xpu.current_stream().record_event(event)
@@ -71,11 +59,7 @@ def synchronize() -> None:
 
 
 def extract_trailing_digits(s: str) -> int:
-    """The number at the end of ``s`` (``"torchtitan_ft_12"`` -> 12), 0 when there is none.
-
-    Args:
-        s: a replica id or any string.
-    """
+    """The number at the end of ``s`` (``"torchtitan_ft_12"`` -> 12), 0 when there is none."""
     digits = len(s) - len(s.rstrip("0123456789"))
     return int(s[-digits:]) if digits else 0
 
@@ -85,14 +69,8 @@ def quorum_global_ranks(
 ) -> list[int] | None:
     """Global rank of this group rank in each replica of a quorum, in replica-rank order.
 
-    A replica id's number (before the ``:uuid`` suffix the Manager adds) is its replica-group
-    index ``i``; its rank ``group_rank`` has global rank ``i * group_world_size + group_rank``.
-    None when the ids do not give distinct numbers (ranks would collide).
-
-    Args:
-        replica_ids: the quorum's replica ids, in replica-rank order.
-        group_rank: this process's rank within its replica group.
-        group_world_size: the number of ranks in a replica group.
+    A replica id's number (before the Manager's ``:uuid`` suffix) is its group index ``i``: global
+    rank ``i * group_world_size + group_rank``. None when the numbers are not distinct.
     """
     indices = [extract_trailing_digits(rid.split(":", 1)[0]) for rid in replica_ids]
     if not indices or len(set(indices)) != len(indices):
@@ -103,9 +81,7 @@ def quorum_global_ranks(
 def dtensor_type() -> type | None:
     """Returns the DTensor class, or None while nothing in this process has imported it.
 
-    No object can be a DTensor before its module is imported, and importing it is slow (it
-    pulls in sympy): a first checkpoint staged or received in a process without DTensors (a
-    survivor serving its first healer, mid-step) must not pay that.
+    Importing it is slow (sympy), and no object is a DTensor before its module is imported.
     """
     module = sys.modules.get("torch.distributed.tensor")
     return getattr(module, "DTensor", None) if module is not None else None

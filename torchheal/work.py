@@ -1,11 +1,9 @@
 """Fault-tolerant work objects returned by ``Manager.allreduce``.
 
-A :class:`_ManagedWork` wraps the process group's ``Work`` and a lazy chain of callbacks, built
-only when someone waits, so DDP's comm hook and the normalisation run in the order attached and
-on the waiting thread, not on whichever thread completes the collective. Failures never escape
-into the training loop: they go to ``report_error`` and :meth:`_ManagedWork.wait` returns
-``False``. With a :class:`StepSink` the first continuation runs as one callback on the
-collective's future, since each callback takes the GIL from the training thread once per bucket.
+A :class:`_ManagedWork` holds a lazy chain of callbacks, built only when someone waits, so they
+run in the order attached on the waiting thread. Failures never escape into the training loop:
+they are reported and ``wait`` returns ``False``. With a :class:`StepSink` the first continuation
+runs as one callback on the collective's future (each callback takes the GIL once per bucket).
 """
 
 from __future__ import annotations
@@ -20,8 +18,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-# The reference's torchft.work also defines the completed no-op work; ours lives with the
-# process groups and is re-exported here so the reference's import path resolves.
+# _DummyWork is re-exported so the reference's import path resolves.
 from torchheal.futures import Expiry
 from torchheal.process_group.work import _DummyWork, _ErrorRecordingWork
 
@@ -41,8 +38,8 @@ class _ErrorSink(Protocol):
 
 
 class StepSink(Protocol):
-    """What the Manager hands a managed work beside the reference's sink: it times the first
-    continuation itself and fails the step (torchheal's extensions; the Manager satisfies it)."""
+    """The Manager's extensions beside the reference's sink: it times the first continuation
+    itself and fails the step."""
 
     def wrap_future_then(
         self,
@@ -55,13 +52,7 @@ class StepSink(Protocol):
     ) -> torch.futures.Future[Any]:
         """``wrap_future(fut.then(then), default)`` in one callback on ``fut``.
 
-        Args:
-            fut: the collective's future.
-            then: the first continuation.
-            default: the value when ``fut`` or ``then`` fails, times out or expires.
-            timeout: defaults to the manager's timeout.
-            foreign: the failure is the loop's own, not the step's collectives'.
-            expiry: ends the wait early (the process group was aborted for its quorum).
+        ``foreign``: a failure is the loop's own, not the step's; ``expiry`` ends the wait early.
         """
         ...
 
@@ -73,15 +64,7 @@ class StepSink(Protocol):
         trace: bool = False,
         cause: bool = True,
     ) -> None:
-        """Fails the step: it will not commit.
-
-        Args:
-            e: what failed.
-            foreign: the failure is the loop's own, not the step's collectives'.
-            how: what failed, for the log.
-            trace: log the traceback.
-            cause: the error may explain the step's failure (else only counted).
-        """
+        """Fails the step: it will not commit (``cause`` False: only counted)."""
         ...
 
 
@@ -97,11 +80,8 @@ def _current_stream() -> torch.cuda.Stream | None:
 
 
 class _ManagedFuture(torch.futures.Future):
-    """One node of a managed work's lazy callback chain.
-
-    Only ``then`` and ``wait`` are supported: the value of a node exists only once the chain is
-    materialised by a wait, so the rest of the Future API raises ``NotImplementedError``.
-    """
+    """One node of a managed work's lazy callback chain: only ``then`` and ``wait`` work (a
+    node has a value only once a wait materialised the chain)."""
 
     def __init__(
         self, work: _ManagedWork, callback: Callable[[torch.futures.Future[Any]], Any] | None
@@ -114,11 +94,7 @@ class _ManagedFuture(torch.futures.Future):
         self._future: torch.futures.Future[Any] | None = None
 
     def then(self, callback: Callable[[torch.futures.Future[Any]], Any]) -> _ManagedFuture:  # type: ignore[override]
-        """Records ``callback`` to run after this node; returns the new tail node.
-
-        Args:
-            callback: called with a completed future holding this node's value.
-        """
+        """Records ``callback`` to run after this node; returns the new tail node."""
         return self._work._append(self, callback)
 
     def wait(self) -> Any:
@@ -144,10 +120,8 @@ class _ManagedFuture(torch.futures.Future):
 
 
 def _extended(manager: Any, step: StepSink | None) -> StepSink | None:
-    """``step``, unless ``manager`` must be used as the reference's plain sink (``wrap_future``
-    + ``report_error``): ``wrap_future`` was replaced on the instance (the reference's tests do),
-    and the replacement must see the first continuation, which fusing skips.
-    """
+    """``step``, unless ``wrap_future`` was replaced on the manager instance (the reference's
+    tests do): the replacement must see the first continuation, which fusing skips."""
     if step is None or "wrap_future" in getattr(manager, "__dict__", {}):
         return None
     return step
@@ -156,17 +130,9 @@ def _extended(manager: Any, step: StepSink | None) -> StepSink | None:
 class _ManagedWork(dist.Work):
     """A process-group work whose errors are reported to the manager instead of raised.
 
-    Args:
-        manager: receives errors (``report_error``) and wraps the first derived future
-            (``wrap_future``) with the manager's timeout.
-        work: the process group's work.
-        default_result: the value the chain resolves to when the collective fails (normally
-            the tensor being reduced, untouched or partially reduced: garbage the step discards).
-        expiry: ends the collective early (the manager's process group was aborted for its
-            quorum): the chain resolves to ``default_result`` at once, and ``wait`` returns
-            False, even if the operation itself is never woken.
-        step: the Manager's extensions (normally the manager itself): the first continuation
-            runs in one timed callback and failures fail the step. None: the plain sink.
+    ``default_result`` is what the chain resolves to when the collective fails (garbage the step
+    discards); ``expiry`` ends it early; ``step`` (normally the manager) fuses the first
+    continuation into one timed callback, None keeps the reference's plain sink.
     """
 
     def __init__(
@@ -309,14 +275,8 @@ class _ManagedWork(dist.Work):
     def as_future(self) -> torch.futures.Future[Any]:
         """Builds the callback chain without waiting and returns its real tail future.
 
-        For callers that must hand a future on (DDP's comm hook) rather than block: the
-        collective then overlaps with whatever the caller does next. The future never fails:
-        an error or timeout is reported to the manager and resolves to the default result.
-        The chain's callbacks run on the thread that completes the collective.
-
-        Only a manager that times the chain itself (a :class:`StepSink`) bounds it: with
-        any other sink this waits first, as the reference's comm hook does, so a collective
-        whose future never completes cannot hang the caller.
+        For callers that hand a future on (DDP's comm hook). It never fails: an error resolves to
+        the default result. Without a :class:`StepSink` to time the chain, this waits first.
         """
         if self._wrap_then is None:
             if not self.wait():
@@ -329,20 +289,15 @@ class _ManagedWork(dist.Work):
     def wait(self, timeout: timedelta | None = None) -> bool:
         """Waits for the collective and runs the callback chain on this thread.
 
-        Args:
-            timeout: passed to the underlying work's ``wait`` when given.
-
-        Returns:
-            True on success; False when anything failed (the error is reported to the manager).
+        Returns False when anything failed (the error is reported to the manager).
         """
         self._waited = True
         try:
             if self._stream is not None and torch.cuda.current_stream() != self._stream:
                 raise RuntimeError("_ManagedWork.wait must run on the stream that created it")
             if self._expiry is not None and self._stream is None and timeout is None:
-                # On CPU the chain's end is the collective's end, and the expiry can bring it
-                # sooner: the operation's own wait may never be woken (Gloo, after a freeze).
-                # Its callbacks then run on the thread completing the collective.
+                # On CPU the expiry can end the chain sooner than the operation's own wait,
+                # which may never be woken (Gloo, after a freeze).
                 self._materialize()
                 assert self._tail._future is not None
                 self._tail._future.wait()
@@ -356,8 +311,6 @@ class _ManagedWork(dist.Work):
             self._tail._future.wait()
             return True
         except Exception as e:
-            # The Manager tells the step's own collective failures from the loop's reports,
-            # and logs only the step's first failure.
             if self._step is not None:
                 self._step.fail_step(e, how="collective failed, the step will not commit")
             else:

@@ -1,16 +1,13 @@
 """The one place torchheal reads ``os.environ``, and the parsing every settings module shares.
 
-The settings modules beside this one (``manager_env``, ``manager_timeouts``, ``launch_env``,
-``security``, ``telemetry_env``) parse variables into validated values; only :func:`source`
-touches the process environment (``tests/test_import_graph.py`` holds this). Each reader takes an
-optional mapping in place of ``os.environ``, so tests need not patch it.
+Only :func:`source` touches the process environment (``tests/test_import_graph.py`` holds
+this). Every reader in the settings modules takes an optional ``environ`` mapping in place of
+``os.environ``, so tests need not patch it. A variable the reference also reads has a
+``TORCHHEAL_*`` name that wins over the reference's ``TORCHFT_*``. Malformed values raise
+:class:`ValueError` naming the variable, so a typo fails at start-up.
 
-Every variable the reference also reads has a ``TORCHHEAL_*`` name and the reference's
-``TORCHFT_*`` name as a fallback; the torchheal name wins. Malformed values raise
-:class:`ValueError` naming the variable, so a typo fails at start-up instead of using a default.
-
-Difference from the reference: ``TORCH_NCCL_NONBLOCKING_TIMEOUT`` is never written; torchheal
-bounds NCCL operations and the group's construction with its own timer.
+Unlike the reference, ``TORCH_NCCL_NONBLOCKING_TIMEOUT`` is never written: torchheal bounds
+NCCL operations with its own timer.
 """
 
 from __future__ import annotations

@@ -34,11 +34,7 @@ class TorchrunEnv:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> TorchrunEnv:
-        """Reads ``MASTER_ADDR``, ``MASTER_PORT``, ``RANK`` and ``WORLD_SIZE``.
-
-        Args:
-            environ: the environment to read; ``os.environ`` when None.
-        """
+        """Reads ``MASTER_ADDR``, ``MASTER_PORT``, ``RANK`` and ``WORLD_SIZE``."""
         env = source(environ)
         # A patched os.environ (a plain dict in tests, the reference's among them) may hold an
         # int such as MASTER_PORT=store.port: read it as the string it stands for.
@@ -48,13 +44,8 @@ class TorchrunEnv:
     def require(self, field: str, argument: str) -> str | int:
         """The value of ``field`` (an int, except ``master_addr``), which must be set.
 
-        Args:
-            field: ``master_addr``, ``master_port``, ``rank`` or ``world_size``.
-            argument: the constructor argument that could have given it (for the message).
-
-        Raises:
-            KeyError: the variable is not set (as a plain environment lookup would).
-            ValueError: a number is malformed; the message names the variable.
+        ``argument`` names the constructor argument that could have given it. Raises
+        ``KeyError`` when unset (as a plain environment lookup would).
         """
         variable = field.upper()
         raw = getattr(self, field)
@@ -96,14 +87,7 @@ class LauncherEnv:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> LauncherEnv:
-        """Reads and validates the variables.
-
-        Args:
-            environ: the environment to read; ``os.environ`` when None.
-
-        Raises:
-            ValueError: a number is malformed; the message names the variable.
-        """
+        """Reads and validates the variables."""
         env = source(environ)
         group = env.get("REPLICA_GROUP_ID", "").strip()
         groups = env.get("NUM_REPLICA_GROUPS", "").strip()

@@ -5,10 +5,8 @@
 * :func:`watchdog_timeout_s` - how long one timeout callback may run (``torchheal.futures``).
 * :func:`use_bucketization` - DiLoCo's flat-bucket allreduce switch.
 
-Difference from the reference: it reads overrides in several places and some components get the
-raw constructor arguments; here the environment is parsed once into :class:`EnvConfig`, merged
-into ``ManagerTimeouts`` (``manager_timeouts.py``), and that one object is passed to every
-component.
+Unlike the reference, which reads overrides in several places, the environment is parsed once
+into :class:`EnvConfig`, merged into ``ManagerTimeouts``, and passed to every component.
 """
 
 from __future__ import annotations
@@ -44,14 +42,14 @@ DEFAULT_WATCHDOG_TIMEOUT_S = 30.0
 
 @dataclass(frozen=True)
 class EnvConfig:
-    """The Manager's environment overrides; ``None`` means the variable is not set.
+    """The Manager's environment overrides (timeouts in whole seconds); ``None``: not set.
 
     Attributes:
         lighthouse: lighthouse address (``TORCHHEAL_LIGHTHOUSE`` / ``TORCHFT_LIGHTHOUSE``).
         manager_port: ManagerServer port (``*_MANAGER_PORT``), 0 means ephemeral.
-        timeout_sec: whole seconds overriding ``Manager(timeout=...)`` (``*_TIMEOUT_SEC``).
-        quorum_timeout_sec: whole seconds overriding ``quorum_timeout`` (``*_QUORUM_TIMEOUT_SEC``).
-        connect_timeout_sec: whole seconds overriding ``connect_timeout`` (``*_CONNECT_TIMEOUT_SEC``).
+        timeout_sec: overrides ``Manager(timeout=...)`` (``*_TIMEOUT_SEC``).
+        quorum_timeout_sec: overrides ``quorum_timeout`` (``*_QUORUM_TIMEOUT_SEC``).
+        connect_timeout_sec: overrides ``connect_timeout`` (``*_CONNECT_TIMEOUT_SEC``).
         quorum_retries: overrides ``quorum_retries`` (``*_QUORUM_RETRIES``).
     """
 
@@ -64,15 +62,7 @@ class EnvConfig:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> EnvConfig:
-        """Reads and validates the overrides.
-
-        Args:
-            environ: the environment to read; ``os.environ`` when None.
-
-        Raises:
-            ValueError: a variable is set to something that is not a valid value; the message
-                names the variable.
-        """
+        """Reads and validates the overrides."""
         env = source(environ)
         values: dict[str, object] = {}
         found = lookup(env, _ENV_NAMES["lighthouse"])
@@ -96,12 +86,6 @@ def watchdog_timeout_s(environ: Mapping[str, str] | None = None) -> float:
     """How long one timeout callback may run before the process is declared stuck.
 
     ``TORCHHEAL_WATCHDOG_TIMEOUT_SEC`` / ``TORCHFT_WATCHDOG_TIMEOUT_SEC``, default 30 s.
-
-    Args:
-        environ: the environment to read; ``os.environ`` when None.
-
-    Raises:
-        ValueError: the value is not a positive number of seconds.
     """
     found = lookup(source(environ), _ENV_NAMES["watchdog_timeout_sec"])
     if found is None:
@@ -123,14 +107,7 @@ SALVAGE_STEP_ENV: str = "TORCHHEAL_SALVAGE_STEP"
 def salvage_step(environ: Mapping[str, str] | None = None) -> bool:
     """Whether a Manager built with ``salvage_step=None`` salvages the step in flight.
 
-    ``TORCHHEAL_SALVAGE_STEP``: ``1`` turns it on, ``0`` or unset leaves it off (the
-    reference has no such setting).
-
-    Args:
-        environ: the environment to read; ``os.environ`` when None.
-
-    Raises:
-        ValueError: the variable is set to anything else.
+    ``TORCHHEAL_SALVAGE_STEP``: ``1`` turns it on, ``0`` or unset leaves it off.
     """
     value = source(environ).get(SALVAGE_STEP_ENV, "0").strip()
     if value not in ("0", "1"):
@@ -152,15 +129,7 @@ def divergence_guard(
 ) -> tuple[int, str]:
     """The divergence guard's ``(interval, policy)``: arguments win, then the environment.
 
-    Args:
-        interval: the Manager's ``divergence_check_interval`` (None: the environment's, else
-            ``default_interval``; 0: off).
-        policy: the Manager's ``on_divergence`` (None: the environment's, else ``repair``).
-        environ: the environment to read; ``os.environ`` when None.
-        default_interval: the interval when neither says (the guard's own default).
-
-    Raises:
-        ValueError: a variable or argument is invalid.
+    ``interval`` (0: off) falls back to ``default_interval``, ``policy`` to ``repair``.
     """
     env = source(environ)
     if interval is None:
@@ -184,9 +153,6 @@ def use_bucketization(environ: Mapping[str, str] | None = None) -> bool:
 
     ``TORCHHEAL_USE_BUCKETIZATION`` / ``TORCHFT_USE_BUCKETIZATION``; on only for the exact
     string ``True``, as the reference reads it.
-
-    Args:
-        environ: the environment to read; ``os.environ`` when None.
     """
     env = source(environ)
     for name in _ENV_NAMES["use_bucketization"]:

@@ -23,15 +23,7 @@ class TimeoutBudgetWarning(UserWarning):
 
 
 def get_timeout(env_value: str | None, default: timedelta) -> timedelta:
-    """Returns the timeout given by an environment value, or ``default``.
-
-    Args:
-        env_value: the raw variable value (integer seconds) or None when unset.
-        default: the timeout to use when the variable is unset.
-
-    Raises:
-        ValueError: ``env_value`` is not an integer.
-    """
+    """Returns the timeout given by an environment value (integer seconds), or ``default``."""
     if env_value is None or env_value.strip() == "":
         return default
     try:
@@ -65,18 +57,7 @@ class ManagerTimeouts:
         connect_timeout: timedelta,
         quorum_retries: int,
     ) -> ManagerTimeouts:
-        """Applies the environment overrides (environment wins, as in the reference).
-
-        Args:
-            env: the parsed environment.
-            timeout: the constructor's ``timeout``.
-            quorum_timeout: the constructor's ``quorum_timeout``.
-            connect_timeout: the constructor's ``connect_timeout``.
-            quorum_retries: the constructor's ``quorum_retries``.
-
-        Raises:
-            ValueError: a resulting timeout is not positive or retries are negative.
-        """
+        """Applies the environment overrides to the constructor's values, then validates."""
 
         def pick(sec: int | None, default: timedelta) -> timedelta:
             return default if sec is None else timedelta(seconds=sec)
@@ -116,13 +97,7 @@ def timeout_budget_problems(
     dies: the survivors' own collectives timing out (``timeout``) and the lighthouse noticing
     the dead peer's silence (its heartbeat expiry).
 
-    Args:
-        timeouts: the effective timeouts.
-        heartbeat_interval: how often this replica group heartbeats the lighthouse.
-        lighthouse_heartbeat_timeout: the lighthouse's heartbeat expiry (default 5 s).
-
-    Returns:
-        one human-readable sentence per problem; empty when the budget is sound.
+    Returns one sentence per problem; empty when the budget is sound.
     """
     problems = []
     if timeouts.quorum_timeout < timeouts.timeout:

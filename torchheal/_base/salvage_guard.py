@@ -12,13 +12,6 @@ def refuse_salvage(manager: Any, who: str) -> None:
 
     A salvaged step redoes its allreduces after the failed attempt, into the same tensors; a
     reader that copied them earlier keeps the failed attempt's values.
-
-    Args:
-        manager: the Manager (duck-typed: its ``salvage_step``).
-        who: the class that refuses (for the message).
-
-    Raises:
-        ValueError: the Manager was built with ``salvage_step=True``.
     """
     if getattr(manager, "salvage_step", False) is True:
         raise ValueError(

@@ -25,18 +25,8 @@ TOKEN_FILE_ENV: str = "TORCHHEAL_TOKEN_FILE"
 def job_token(environ: Mapping[str, str] | None = None) -> str | None:
     """The job token: ``TORCHHEAL_TOKEN``, or the contents of ``TORCHHEAL_TOKEN_FILE``.
 
-    Surrounding white space (a file's final newline) is not part of the token. A token is
-    printable ASCII without spaces, so that it fits an HTTP header and gRPC metadata as is.
-
-    Args:
-        environ: the environment to read; ``os.environ`` when None.
-
-    Returns:
-        The token, or None when neither variable is set (or both are blank).
-
-    Raises:
-        ValueError: both variables are set, the file cannot be read or is empty, or the token
-            has a character outside printable ASCII; the message names the variable.
+    None when neither is set. Surrounding white space is stripped; a token is printable ASCII
+    without spaces, so that it fits an HTTP header and gRPC metadata as is.
     """
     env = source(environ)
     value = env.get(JOB_TOKEN_ENV, "").strip()
@@ -68,15 +58,7 @@ def checkpoint_token(environ: Mapping[str, str] | None = None) -> str | None:
     """The HTTP checkpoint transport's shared secret, or None.
 
     ``TORCHHEAL_CHECKPOINT_TOKEN`` (its older, transport-only name) when set, else the job
-    token (:func:`job_token`), so one ``TORCHHEAL_TOKEN`` guards the transport too. Either is
-    stripped and checked as the job token is.
-
-    Args:
-        environ: the environment to read; ``os.environ`` when None.
-
-    Raises:
-        ValueError: the token has a character outside printable ASCII, or the job token's file
-            cannot be read or holds no valid token; the message names the variable.
+    token (:func:`job_token`), checked the same way.
     """
     env = source(environ)
     override = _checkpoint_override(env)
@@ -103,18 +85,16 @@ class SecurityEnv:
     """Who may talk to torchheal's endpoints, and over what: read from the environment.
 
     With nothing set, every endpoint speaks the reference's plain wire (no token, no TLS).
-    Built once at an edge (a CLI command, the ``Manager``, a public server or client
-    constructor given none) and passed down to the I/O code, which takes it as an argument.
+    Built once at an edge and passed down to the I/O code.
 
     Attributes:
         token: the job token every server requires and every client sends (:func:`job_token`).
-        tls_cert: ``TORCHHEAL_TLS_CERT``: the certificate chain servers present (PEM path).
-        tls_key: ``TORCHHEAL_TLS_KEY``: its private key (PEM path).
-        tls_ca: ``TORCHHEAL_TLS_CA``: the authorities clients verify servers with (PEM path);
-            None with TLS on: the system's default authorities.
-        metrics_auth: ``TORCHHEAL_METRICS_AUTH``: ``/metrics`` requires the token as well.
-        checkpoint_token: ``TORCHHEAL_CHECKPOINT_TOKEN``: the checkpoint transport's own
-            secret (None: the job token guards it; see :attr:`transport_token`).
+        tls_cert: the certificate chain servers present (PEM path).
+        tls_key: its private key (PEM path).
+        tls_ca: the authorities clients verify servers with (PEM path); None with TLS on: the
+            system's defaults.
+        metrics_auth: ``/metrics`` requires the token as well.
+        checkpoint_token: the checkpoint transport's own secret (None: the job token).
     """
 
     token: str | None = None
@@ -136,15 +116,7 @@ class SecurityEnv:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> SecurityEnv:
-        """Reads and validates the variables.
-
-        Args:
-            environ: the environment to read; ``os.environ`` when None.
-
-        Raises:
-            ValueError: a token problem (see :func:`job_token`), a certificate without its key
-                (or the reverse), or a file that does not exist; the message names the variable.
-        """
+        """Reads and validates the variables (a certificate needs its key, files must exist)."""
         env = source(environ)
         paths: dict[str, str | None] = {}
         for field, name in (
@@ -170,16 +142,10 @@ class SecurityEnv:
 class SecurityFlags:
     """A command line's security flags (``--token-file``, ``--tls-*``); None: not given.
 
-    Each flag stands for its variable. :meth:`environment` applies them to a copy of an
-    environment: the command reads its settings from that copy (:meth:`SecurityEnv.from_env`)
-    and its child processes start with it, so they see a path, never the token itself (it
-    stays out of ``ps``). This process's own environment is never written.
-
-    Attributes:
-        token_file: ``--token-file`` (replaces ``TORCHHEAL_TOKEN``, which is then removed).
-        tls_cert: ``--tls-cert``.
-        tls_key: ``--tls-key``.
-        tls_ca: ``--tls-ca``.
+    :meth:`environment` applies them to a copy of an environment, which the command reads its
+    settings from and starts its children with: they see a token path, never the token (out
+    of ``ps``). ``token_file`` replaces ``TORCHHEAL_TOKEN``. This process's environment is
+    never written.
     """
 
     token_file: str | None = None
@@ -188,11 +154,8 @@ class SecurityFlags:
     tls_ca: str | None = None
 
     def environment(self, environ: Mapping[str, str] | None = None) -> dict[str, str]:
-        """A copy of ``environ`` with each flag given in place of its variable.
-
-        Args:
-            environ: the environment the flags apply to; ``os.environ`` when None.
-        """
+        """A copy of ``environ`` (``os.environ`` when None) with each flag given in place of its
+        variable."""
         env = dict(source(environ))
         if self.token_file is not None:
             env.pop(JOB_TOKEN_ENV, None)

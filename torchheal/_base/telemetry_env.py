@@ -27,11 +27,7 @@ OTEL_RESOURCE_ATTRIBUTES_JSON_ENVS: tuple[str, str] = (
 
 
 def job_id(environ: Mapping[str, str] | None = None) -> str:
-    """The job's name in structured log records (``JOB_ID``, default ``"unknown"``).
-
-    Args:
-        environ: the environment to read; ``os.environ`` when None.
-    """
+    """The job's name in structured log records (``JOB_ID``, default ``"unknown"``)."""
     return source(environ).get(JOB_ID_ENV, "unknown")
 
 
@@ -40,16 +36,14 @@ class TelemetryEnv:
     """What a trainer exports about itself: metrics port, job id, OpenTelemetry.
 
     Attributes:
-        metrics_port: ``TORCHHEAL_METRICS_PORT``: serve ``/metrics`` on group rank 0 at this
-            port (0: any free port); None (unset): no metrics server.
-        metrics_host: ``TORCHHEAL_METRICS_HOST``: the address it listens on ("" : every one).
-        job_id: ``JOB_ID`` (default ``"unknown"``), put in every structured log record.
-        use_otel: ``TORCHHEAL_USE_OTEL`` / ``TORCHFT_USE_OTEL``: export the structured log
-            records over OpenTelemetry. The reference enables it for any value but ``false``;
-            here ``false``, ``0``, ``no``, ``off`` (any case) and empty all mean off.
-        otel_resource_attributes_json: ``TORCHHEAL_OTEL_RESOURCE_ATTRIBUTES_JSON`` /
-            ``TORCHFT_OTEL_RESOURCE_ATTRIBUTES_JSON``: a JSON file ``{logger name: {attribute:
-            value}}`` of OpenTelemetry resource attributes, or None.
+        metrics_port: serve ``/metrics`` on group rank 0 at this port (0: any free port);
+            None: no metrics server.
+        metrics_host: the address it listens on ("" : every one).
+        job_id: put in every structured log record.
+        use_otel: export the structured log records over OpenTelemetry. Unlike the reference
+            (on for anything but ``false``), any of :data:`~torchheal._base.env.OFF` is off.
+        otel_resource_attributes_json: a JSON file ``{logger name: {attribute: value}}`` of
+            OpenTelemetry resource attributes, or None.
     """
 
     metrics_port: int | None = None
@@ -60,14 +54,7 @@ class TelemetryEnv:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> TelemetryEnv:
-        """Reads and validates the variables.
-
-        Args:
-            environ: the environment to read; ``os.environ`` when None.
-
-        Raises:
-            ValueError: the metrics port is not a port number; the message names the variable.
-        """
+        """Reads and validates the variables."""
         env = source(environ)
         port: int | None = None
         raw = env.get(METRICS_PORT_ENV, "").strip()
@@ -91,11 +78,7 @@ NCCL_DEBUG_PIPE_ENV: str = "TORCH_NCCL_DEBUG_INFO_PIPE_FILE"
 
 
 def nccl_debug_pipe_prefix(environ: Mapping[str, str] | None = None) -> str:
-    """The prefix of NCCL's flight-recorder pipes (``TORCH_NCCL_DEBUG_INFO_PIPE_FILE``), or "".
-
-    Args:
-        environ: the environment to read; ``os.environ`` when None.
-    """
+    """The prefix of NCCL's flight-recorder pipes (``TORCH_NCCL_DEBUG_INFO_PIPE_FILE``), or ""."""
     return source(environ).get(NCCL_DEBUG_PIPE_ENV, "")
 
 
@@ -104,14 +87,7 @@ DASHBOARD_PORT_ENV: str = "TORCHHEAL_DASHBOARD_PORT"
 
 
 def dashboard_port(environ: Mapping[str, str] | None = None) -> int | None:
-    """The dashboard port from ``TORCHHEAL_DASHBOARD_PORT`` (0: any free port), or None.
-
-    Args:
-        environ: the environment to read; ``os.environ`` when None.
-
-    Raises:
-        ValueError: the value is not a port number; the message names the variable.
-    """
+    """The dashboard port from ``TORCHHEAL_DASHBOARD_PORT`` (0: any free port), or None."""
     value = source(environ).get(DASHBOARD_PORT_ENV, "").strip()
     if not value:
         return None

@@ -12,14 +12,9 @@ __all__ = ["to_seconds"]
 
 
 def to_seconds(timeout: timedelta | float | int) -> float:
-    """Returns ``timeout`` as float seconds.
+    """Returns ``timeout`` (a ``timedelta`` or a number of seconds, not a bool) as float seconds.
 
-    Args:
-        timeout: a ``timedelta`` (the public API's type) or a number of seconds.
-
-    Raises:
-        TypeError: the timeout is neither a timedelta nor a number (a bool is not a number).
-        ValueError: the timeout is negative.
+    Raises ``TypeError`` for any other type, ``ValueError`` when negative.
     """
     if isinstance(timeout, timedelta):
         seconds = timeout.total_seconds()

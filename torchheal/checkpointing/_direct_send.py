@@ -19,10 +19,8 @@ __all__ = ["SocketDirectSend"]
 class SocketDirectSend:
     """Non-blocking sends on ``sock`` and bounded waits for room (a ``DirectSend``).
 
-    Args:
-        sock: a connected stream socket with a timeout (its descriptor is already
-            non-blocking; a blocking one would turn non-blocking under its owner).
-        timeout: how long :meth:`ready` waits for the reader to make room (seconds).
+    ``sock`` must have a timeout (its descriptor is then already non-blocking; a blocking one
+    would turn non-blocking under its owner). ``timeout``: how long :meth:`ready` waits.
     """
 
     def __init__(self, sock: socket.socket, timeout: float) -> None:
@@ -35,11 +33,7 @@ class SocketDirectSend:
         self._poll.register(self._twin, select.POLLOUT)
 
     def ready(self) -> None:
-        """Waits until the socket takes bytes (or has failed: the next send says how).
-
-        Raises:
-            TimeoutError: the reader took nothing for ``timeout`` seconds.
-        """
+        """Waits until the socket takes bytes (or has failed: the next send says how)."""
         if not self._poll.poll(self._timeout * 1000):
             raise TimeoutError(f"the reader took no bytes for {self._timeout} s")
 

@@ -28,14 +28,7 @@ def _int_list(value: Any, what: str) -> tuple[int, ...]:
 
 
 def describe_dtensor(t: Any) -> dict[str, Any]:
-    """Describes a DTensor's mesh and placements as plain JSON data (its shard travels apart).
-
-    Args:
-        t: the DTensor.
-
-    Raises:
-        CheckpointError: a placement kind the wire format does not know.
-    """
+    """Describes a DTensor's mesh and placements as plain JSON data (its shard travels apart)."""
     placements = []
     for p in t.placements:
         if p.is_shard():
@@ -67,15 +60,7 @@ _MAX_MESH_RANKS = 1 << 20
 def parse_dtensor(what: str, dt: Any) -> dict[str, Any]:
     """Validates a received DTensor description; returns it as plain, checked data.
 
-    Nothing in it reaches torch before it passed: device type from an allowlist, a
-    rectangular mesh of distinct ranks, one known placement per mesh dimension.
-
-    Args:
-        what: where it sits in the description, for messages.
-        dt: the received ``dtensor`` entry.
-
-    Raises:
-        CheckpointError: anything malformed, naming the field.
+    Nothing in it reaches torch before it passed; ``what`` names its place in messages.
     """
 
     def bad(field: str) -> CheckpointError:
@@ -142,17 +127,8 @@ def parse_dtensor(what: str, dt: Any) -> dict[str, Any]:
 def rebuild_dtensor(local: torch.Tensor, spec: Mapping[str, Any]) -> Any:
     """Rebuilds a DTensor around the received local shard, with the sender's mesh and placements.
 
-    The receiver is usually not in the sender's mesh (a healing replica group's ranks are not
-    its source's), so ``DTensor.from_local`` would hand it an empty local tensor, the way a
-    rank outside a mesh sees any DTensor. The DTensor is built directly from its spec instead,
-    keeping the shard that arrived (the reference does the same).
-
-    Args:
-        local: the received shard.
-        spec: what :func:`parse_dtensor` returned.
-
-    Raises:
-        CheckpointError: torch could not build the mesh or the DTensor.
+    The receiver is usually not in the sender's mesh, where ``DTensor.from_local`` would give
+    an empty local tensor, so the DTensor is built from its spec (as the reference does).
     """
     try:
         from torch.distributed.device_mesh import DeviceMesh

@@ -49,9 +49,6 @@ def byte_view(buf: torch.Tensor) -> memoryview:
     """A zero-copy writable ``memoryview`` over a contiguous 1-D ``uint8`` CPU tensor.
 
     The view does not keep ``buf`` alive: the caller must.
-
-    Args:
-        buf: a contiguous ``uint8`` CPU tensor.
     """
     n = buf.numel()
     if n == 0:
@@ -64,21 +61,10 @@ def storage_bytes(t: torch.Tensor) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
 
 
-def crc_blocks(view: memoryview, block_bytes: int) -> list[int]:
-    """CRC-32 of each ``block_bytes`` block of ``view`` (the last block may be short)."""
-    return [crc32(view[i : i + block_bytes]) for i in range(0, len(view), block_bytes)]
-
-
 @dataclass(frozen=True)
 class Segment:
-    """One block of one storage: the unit that is written, read and checksummed.
-
-    Args:
-        storage: index of the storage.
-        start: first byte in the storage.
-        end: one past the last byte.
-        crc: expected CRC-32 of the bytes.
-    """
+    """One block ``[start, end)`` of storage ``storage``, with its CRC-32: the unit that is
+    written, read and checksummed."""
 
     storage: int
     start: int
@@ -91,10 +77,6 @@ def split_chunks(segments: Sequence[Segment], num_chunks: int) -> list[list[Segm
 
     Both ends compute this from the same description, so a receiver may ask for chunk ``k``
     of ``n`` and know exactly which bytes arrive.
-
-    Args:
-        segments: all segments in stream order.
-        num_chunks: number of chunks (>= 1).
     """
     if num_chunks < 1:
         raise ValueError(f"num_chunks must be >= 1, got {num_chunks}")

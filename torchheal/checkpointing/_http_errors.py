@@ -1,12 +1,8 @@
 """The HTTP transport's receive errors: ``CheckpointError`` and the reference's urllib errors.
 
-The reference fetches with ``urllib``, so its callers catch ``urllib.error.URLError`` (and its
-``HTTPError`` for a refused request); torchheal's callers catch ``CheckpointError``. Each error
-of a receive is both: a refusal is a :class:`CheckpointHTTPError` (``HTTPError``, with the
-status code), a failed or timed-out connection a :class:`CheckpointURLError` or
-:class:`CheckpointURLTimeoutError` (``URLError``, printed as ``<urlopen error ...>``).
-Integrity failures (checksum, truncation, a malformed description) stay plain
-``CheckpointError``: the reference has no counterpart for them.
+The reference fetches with ``urllib``, so its callers catch ``URLError``/``HTTPError``;
+torchheal's catch ``CheckpointError``. Each receive error is both, except integrity failures,
+which stay plain ``CheckpointError`` (the reference has no counterpart).
 """
 
 from __future__ import annotations
@@ -30,13 +26,7 @@ __all__ = [
 
 
 class CheckpointHTTPError(CheckpointError, urllib.error.HTTPError):
-    """The source's server refused the request (a status other than 200).
-
-    Args:
-        url: the path requested.
-        code: the HTTP status.
-        message: what the server said.
-    """
+    """The source's server refused the request (a status other than 200)."""
 
     def __init__(self, url: str, code: int, message: str) -> None:
         text = f"checkpoint server answered {code} for {url}: {message}"
@@ -48,11 +38,7 @@ class CheckpointHTTPError(CheckpointError, urllib.error.HTTPError):
 
 
 class CheckpointURLError(CheckpointError, urllib.error.URLError):
-    """The fetch failed on the way (connection refused or reset, a bad address).
-
-    Args:
-        reason: what failed.
-    """
+    """The fetch failed on the way (connection refused or reset, a bad address)."""
 
     def __init__(self, reason: str) -> None:
         urllib.error.URLError.__init__(self, reason)
@@ -60,11 +46,7 @@ class CheckpointURLError(CheckpointError, urllib.error.URLError):
 
 
 class CheckpointURLTimeoutError(CheckpointTimeoutError, urllib.error.URLError):
-    """A connect or read of the fetch timed out (also a ``TimeoutError``).
-
-    Args:
-        reason: what timed out.
-    """
+    """A connect or read of the fetch timed out (also a ``TimeoutError``)."""
 
     def __init__(self, reason: str) -> None:
         urllib.error.URLError.__init__(self, reason)
@@ -72,13 +54,8 @@ class CheckpointURLTimeoutError(CheckpointTimeoutError, urllib.error.URLError):
 
 
 def receive_error(error: BaseException, source: str, aborted: bool) -> CheckpointError:
-    """The error a failed receive raises.
-
-    Args:
-        error: what the fetch raised (a ``CheckpointError`` or an ``OSError``).
-        source: the source's address, for the message.
-        aborted: the receive was ended by ``abort_receives`` (its source is gone).
-    """
+    """The error a receive from ``source`` raises for ``error`` (``aborted``: by
+    ``abort_receives``)."""
     if aborted:
         why = f"checkpoint fetch from {source} aborted (its source is gone): {error}"
         return (TornCheckpointError if isinstance(error, TornCheckpointError) else CheckpointError)(

@@ -1,11 +1,8 @@
 """The healer's side of the HTTP checkpoint transport: fetch, verify, rebuild.
 
-:func:`fetch` reads the description, validates it, then reads every storage's bytes straight
-into preallocated buffers (or into the healer's own tensors, ``into``), one stream or
-``num_chunks`` parallel ones. Each block's CRC-32 is computed as its bytes arrive, a slice at a
-time while they are still in cache (``read_segments``): one pass over the memory, not two, which
-on a host whose cores also train is most of the difference to a raw socket copy
-(``bench/transport.py``). Nothing is returned before every block has been verified.
+:func:`fetch` reads the description, then every storage's bytes straight into preallocated
+buffers (or the healer's own tensors, ``into``), over one stream or ``num_chunks`` parallel
+ones, checksumming each slice while it is still in cache. Nothing is returned unverified.
 """
 
 from __future__ import annotations
@@ -38,18 +35,9 @@ __all__ = ["Aborts", "Client", "fetch"]
 
 
 def fetch(client: Client, base: str, step: int, num_chunks: int, into: Any = None) -> Any:
-    """Fetches, verifies and rebuilds the checkpoint of ``step`` under ``base``.
+    """Fetches, verifies and rebuilds the checkpoint of ``step`` under ``base`` (a URL path).
 
-    Args:
-        client: the connection factory for the source's server.
-        base: the URL path of the step (``/checkpoint/{step}``).
-        step: the expected step.
-        num_chunks: 0 reads one stream; ``n > 0`` reads ``n`` chunks in parallel.
-        into: the healer's own state: matching CPU storages are received into directly.
-
-    Raises:
-        TornCheckpointError: the receive failed after bytes had landed in ``into``.
-        CheckpointError: refused, wrong step, truncated, corrupted or malformed.
+    Raises ``TornCheckpointError`` when the receive failed after bytes had landed in ``into``.
     """
     key = "full" if num_chunks == 0 else "metadata"
     with client.get(f"{base}/{key}") as resp:
@@ -108,11 +96,10 @@ def _read_data(
 
 
 class Aborts:
-    """The connections of one receive, which :meth:`abort` ends at once (a blocked read
-    returns: the receive fails as a truncated stream), and any it would open later.
+    """The connections of one receive, which :meth:`abort` ends at once (and any opened later).
 
-    Each is marked foreign to Gloo until :meth:`close`: a healer's fetch runs beside the build
-    of its cross-replica group, whose abort must tell the group's connections from it.
+    Each is marked foreign to Gloo until :meth:`close`: a fetch runs beside the build of the
+    cross-replica group, whose abort must tell the group's connections from it.
     """
 
     def __init__(self) -> None:

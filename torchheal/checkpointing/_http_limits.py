@@ -1,11 +1,9 @@
 """What a client can make the HTTP checkpoint server hold before its request has been read.
 
 The server gives every connection a thread and checks the token only once a request's head is
-complete, so anyone reaching the port can hold a thread. :class:`HttpLimits` bounds that: at most
-256 connections awaiting a head, each head complete within 10 s and at most 64 KiB (431 when
-over). Past the cap a newcomer closes the oldest connection still sending its head; connections
-being answered never count, so honest healers (a fresh connection, a small head sent at once)
-are never turned away.
+complete, so anyone reaching the port can hold a thread. :class:`HttpLimits` bounds that; past
+the cap a newcomer closes the oldest connection still sending its head. Connections being
+answered never count, so honest healers are never turned away.
 
 :class:`Gate` decides (plain data and ``now``); :class:`LimitedServer` and
 :class:`LimitedHandler`, mixed into the stdlib server and handler, close what it says.
@@ -34,15 +32,13 @@ logger = logging.getLogger("torchheal.checkpointing.http_transport.limits")
 
 @dataclass(frozen=True)
 class HttpLimits:
-    """What connections may make the checkpoint server hold (see the module's header).
+    """What connections may make the checkpoint server hold.
 
     Args:
         connections: the most open connections awaiting a request head (each a thread).
-            Connections being answered (a healer's transfer: one, or ``num_chunks + 1`` when
-            it fetches chunks) do not count: honest healers are never turned away.
-        head_s: how long a request head may take to arrive: from accepting the connection, or
-            from the end of the previous answer on a kept-alive one.
-        head_bytes: the most bytes of a request head (request line, headers and blank line).
+        head_s: how long a request head may take, from accepting the connection or the end of
+            the previous answer.
+        head_bytes: the most bytes of a request head (answered 431 when over).
     """
 
     connections: int = 256
@@ -57,9 +53,7 @@ LIMITS = HttpLimits()
 class HeadRefused(Exception):
     """A request head that the limits end: its connection is closed.
 
-    Args:
-        why: what to log, or None when it was logged already (the gate closed it).
-        answer: answer 431 before closing (the head was too large).
+    ``why`` is None when already logged (the gate closed it); ``answer``: send 431 first.
     """
 
     def __init__(self, why: str | None, answer: bool = False) -> None:
@@ -80,11 +74,7 @@ class Connection:
 class Gate:
     """The open connections and where each stands; says which to close, closes nothing.
 
-    Thread-safe: the accepting thread admits and sweeps, each connection's thread reports where
-    its requests stand.
-
-    Args:
-        limits: the limits to keep.
+    Thread-safe: the accepting thread admits and sweeps, each connection's thread reports.
     """
 
     def __init__(self, limits: HttpLimits) -> None:
@@ -95,8 +85,7 @@ class Gate:
     def admit(self, key: Hashable, peer: Any, now: float) -> Connection | None:
         """A new connection (always let in): the connection to close for it, if any.
 
-        At the cap of connections awaiting a head, the one awaited longest makes room; one
-        being answered never does, nor counts (a healer's transfers are as many as its chunks).
+        At the cap, the connection whose head was awaited longest makes room.
         """
         with self._lock:
             evicted = None
@@ -166,9 +155,7 @@ def _end(connection: Connection) -> None:
 class LimitedServer(TCPServer):
     """The server's side of the limits, mixed in before ``ThreadingHTTPServer``.
 
-    Admits connections on the accepting thread and sweeps late heads once per poll of
-    ``serve_forever`` (serve with a short ``poll_interval``). The limits are :data:`LIMITS`
-    when it is made.
+    Sweeps late heads once per poll of ``serve_forever`` (serve with a short ``poll_interval``).
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:

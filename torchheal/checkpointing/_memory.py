@@ -1,10 +1,8 @@
 """Fresh host buffers with their pages already there.
 
-A freshly allocated buffer has no pages: the first write to each 4 KiB page faults and the
-kernel zeroes it. Receiving a state into fresh memory, or copying one into a fresh staging
-buffer, pays that fault page by page, which dominates on a virtual machine. Linux's
+Writing into fresh memory faults page by page, which dominates on a virtual machine; Linux's
 ``MADV_POPULATE_WRITE`` (5.14+) faults a whole range in one call (``docs/failures.md``).
-Where it is missing (older kernels, other systems) buffers are used as they are.
+Where it is missing buffers are used as they are.
 """
 
 from __future__ import annotations
@@ -35,13 +33,9 @@ _supported = _madvise is not None
 
 
 def populate(buf: torch.Tensor) -> bool:
-    """Faults in the pages of a CPU tensor's memory now, in one system call.
+    """Faults in the whole pages of a contiguous CPU tensor now, in one system call.
 
-    Args:
-        buf: a contiguous CPU tensor (its whole pages inside it are populated).
-
-    Returns:
-        whether the kernel did it (False: unsupported here, or too small to bother).
+    Returns whether the kernel did it (False: unsupported here, or too small to bother).
     """
     global _supported
     nbytes = buf.numel() * buf.element_size()

@@ -1,11 +1,8 @@
 """Checksum verification overlapped with receiving.
 
-A receiver hands each block to ``BlockVerifier`` as soon as its bytes have arrived and goes
-on reading the next one; worker threads check the block's CRC-32 meanwhile (``zlib.crc32``
-releases the GIL on large buffers), so a transfer costs about max(wire, CRC) instead of
-their sum. Leaving the ``with`` block waits for every check, also on error: the workers read
-the receive buffers, which must not be freed under them. Nothing may be returned to the
-caller before the ``with`` block has exited without error.
+A receiver hands each block to ``BlockVerifier`` as soon as it has arrived and reads the next
+while worker threads check it. Leaving the ``with`` block waits for every check, also on error
+(the workers read the receive buffers); return nothing before it has exited without error.
 """
 
 from __future__ import annotations
@@ -26,11 +23,7 @@ def default_workers() -> int:
 
 
 class BlockVerifier:
-    """Checks received blocks against their CRC-32 on worker threads.
-
-    Args:
-        workers: checksum threads; defaults to ``default_workers()``.
-    """
+    """Checks received blocks against their CRC-32 on ``workers`` threads."""
 
     def __init__(self, workers: int | None = None) -> None:
         self._pool = ThreadPoolExecutor(
@@ -46,25 +39,12 @@ class BlockVerifier:
     def submit(self, view: memoryview, seg: Segment) -> None:
         """Queues the check of ``seg`` within ``view`` (the whole storage's bytes).
 
-        Safe to call from several receiving threads. Raises the first mismatch already found,
-        so a corrupted transfer stops early.
-
-        Raises:
-            CheckpointError: an earlier block failed its check.
+        Thread-safe; raises the first mismatch already found, so a bad transfer stops early.
         """
-        if self._error is not None:
-            raise self._error
-        future = self._pool.submit(verify_segment, view, seg)
-        future.add_done_callback(self._done)
-        with self._lock:
-            self._futures.append(future)
+        self.submit_batch([(view, seg)])
 
     def submit_batch(self, items: list[tuple[memoryview, Segment]]) -> None:
-        """Queues the checks of many small blocks as one job (less per-block overhead).
-
-        Raises:
-            CheckpointError: an earlier block failed its check.
-        """
+        """Queues the checks of many small blocks as one job (less per-block overhead)."""
         if self._error is not None:
             raise self._error
 

@@ -1,22 +1,17 @@
 """Receiving side of the pickle-free checkpoint format: parse, validate, read, verify, rebuild.
 
-The description is parsed with ``json`` and validated in full (dtypes from an allowlist,
-non-negative sizes, every view inside its storage, tree depth, indices in range) before a byte
-of tensor data is accepted. Storage bytes are read straight into preallocated buffers; every
-block is checked against its CRC-32 before the state is rebuilt with ``view``/``as_strided``,
-and a template's own storages (in-place receive) only ever get verified bytes. Any problem
-raises ``CheckpointError`` and nothing is returned.
+The JSON description is validated in full before a byte of tensor data is accepted, and every
+block is checked against its CRC-32 before the state is rebuilt; a template's own storages only
+ever get verified bytes. Any problem raises ``CheckpointError`` and nothing is returned.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
 import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,13 +53,7 @@ class TensorSpec:
 class Description:
     """A received description, parsed and fully validated (see ``parse_description``).
 
-    Args:
-        step: the step the sender staged.
-        block_bytes: checksum block size.
-        storage_nbytes: byte size of each storage.
-        tensors: the tensor entries.
-        tree: the validated JSON tree.
-        segments: every block of every storage in stream order, with its expected CRC.
+    ``segments``: every block of every storage in stream order, with its expected CRC.
     """
 
     step: int
@@ -81,11 +70,7 @@ class Description:
 
 
 def parse_header(data: bytes) -> tuple[int, int]:
-    """Checks a frame header; returns (description length, description CRC).
-
-    Raises:
-        CheckpointError: not a torchheal checkpoint, or an absurd description length.
-    """
+    """Checks a frame header; returns (description length, description CRC)."""
     if len(data) != HEADER.size:
         raise CheckpointError(f"truncated checkpoint header: {len(data)} of {HEADER.size} bytes")
     magic, length, crc = HEADER.unpack(data)
@@ -109,15 +94,7 @@ def _int_list(value: Any, what: str) -> tuple[int, ...]:
 
 
 def parse_description(data: bytes, crc: int | None = None) -> Description:
-    """Parses and validates a received description; nothing in it is executed.
-
-    Args:
-        data: the description bytes.
-        crc: the CRC-32 announced in the frame header, checked when given.
-
-    Raises:
-        CheckpointError: corrupted, malformed or inconsistent description.
-    """
+    """Parses and validates a received description; ``crc`` (the header's) is checked if given."""
     if crc is not None and zlib.crc32(data) != crc:
         raise CheckpointError("checkpoint description checksum mismatch (corrupted transfer)")
     try:
@@ -277,18 +254,9 @@ def allocate_buffers(
 ) -> tuple[list[torch.Tensor], dict[int, torch.Tensor]]:
     """Allocates one receive buffer per storage, reusing template storages where they fit.
 
-    A template tensor at the same key path is written in place when its dtype, device and
-    storage byte size match the incoming tensor's. Such a buffer is the caller's live tensor:
-    write only verified bytes into it (``decode_bytes`` checks every block first,
-    ``PGTransport`` receives into a staging buffer and copies after verification).
-
-    Args:
-        desc: the validated description.
-        template: optional state dict with tensors to receive into.
-        device: where fresh buffers live.
-
-    Returns:
-        (buffers, templates used by tensor index).
+    A template tensor at the same key path is used when its dtype, device and storage size
+    match. Such a buffer is the caller's live tensor: write only verified bytes into it.
+    Returns (buffers, templates used by tensor index).
     """
     buffers: list[torch.Tensor | None] = [None] * len(desc.storage_nbytes)
     used: dict[int, torch.Tensor] = {}
@@ -327,11 +295,7 @@ def allocate_buffers(
 
 
 def verify_segment(view: memoryview, seg: Segment) -> None:
-    """Checks a received block against its CRC.
-
-    Raises:
-        CheckpointError: the bytes differ from what was sent.
-    """
+    """Checks a received block against its CRC; raises ``CheckpointError`` if it differs."""
     if crc32(view[seg.start : seg.end]) != seg.crc:
         raise _mismatch(seg)
 
@@ -356,16 +320,8 @@ def read_segments(
 ) -> None:
     """Reads ``segments`` from a stream straight into ``buffers`` (CPU), verifying each.
 
-    Args:
-        readinto: a stream's ``readinto``; returning 0 means end of stream.
-        buffers: the receive buffers from ``allocate_buffers``.
-        segments: the segments expected, in stream order.
-        verify: called with (storage bytes, segment) once a segment has arrived. By default
-            each block's CRC-32 is computed as it arrives, slice by slice, while the bytes just
-            received are still in cache (no second pass over memory), and checked at its end.
-
-    Raises:
-        CheckpointError: truncated stream or checksum mismatch.
+    ``readinto`` returning 0 means end of stream. Without ``verify``, each block's CRC-32 is
+    computed slice by slice as it arrives, while the bytes are still in cache.
     """
     views = [byte_view(b) for b in buffers]
     for seg in segments:
@@ -392,13 +348,7 @@ def rebuild(
 ) -> Any:
     """Rebuilds the state dict from verified buffers.
 
-    Template tensors that were received in place and have the same shape/stride/offset are
-    returned as the very same objects.
-
-    Args:
-        desc: the validated description.
-        buffers: verified buffers, one per storage.
-        used: template tensors received into, by tensor index.
+    Template tensors received in place with the same shape/stride/offset are returned as is.
     """
 
     def tensor(i: int) -> torch.Tensor:
@@ -429,15 +379,7 @@ def rebuild(
 
 
 def decode_bytes(data: bytes | memoryview, template: Any = None) -> Any:
-    """Decodes a whole framed checkpoint held in memory (header, description, data).
-
-    Args:
-        data: the complete stream.
-        template: optional state dict to receive into in place.
-
-    Raises:
-        CheckpointError: truncated, corrupted, trailing or malformed data.
-    """
+    """Decodes a whole framed checkpoint held in memory, optionally into ``template``."""
     view = memoryview(data).cast("B")
     length, crc = parse_header(bytes(view[: HEADER.size]))
     end = HEADER.size + length
@@ -471,25 +413,3 @@ def decode_bytes(data: bytes | memoryview, template: Any = None) -> Any:
 
 def _verified(view: memoryview, seg: Segment) -> None:
     """``read_segments``' check for blocks already verified in place."""
-
-
-def verify_buffers(buffers: Sequence[torch.Tensor], segments: Sequence[Segment]) -> None:
-    """Checks every block of received CPU buffers against its CRC (threads for big states).
-
-    Args:
-        buffers: the received buffers (CPU), one per storage.
-        segments: every segment of the description.
-
-    Raises:
-        CheckpointError: a block differs from what was sent.
-    """
-    views = [byte_view(b) for b in buffers]
-    total = sum(s.end - s.start for s in segments)
-    workers = min(8, os.cpu_count() or 1)
-    if total < (64 << 20) or workers == 1:
-        for seg in segments:
-            verify_segment(views[seg.storage], seg)
-        return
-    with ThreadPoolExecutor(workers, thread_name_prefix="torchheal-crc") as pool:
-        for f in [pool.submit(verify_segment, views[s.storage], s) for s in segments]:
-            f.result()

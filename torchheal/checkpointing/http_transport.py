@@ -1,24 +1,15 @@
 """HTTP checkpoint transport: a healthy replica serves its staged state, healers pull it.
 
-Server: a stdlib ``ThreadingHTTPServer`` on all interfaces (IPv6 dual-stack when available),
-ephemeral port, serving ``GET /checkpoint/{step}/{key}`` once ``send_checkpoint`` stages a step.
-Each request holds the checkpoint it reads (``LiveCheckpoint.open_request``); the next
-``send_checkpoint`` retires it without waiting for them, so a healer that stalls mid-transfer
-never delays this replica's next heal of another peer. Keys: ``full`` (header, description and
-all data), ``metadata`` (header and description), ``{i}`` (chunk ``i`` of ``n``; ``n`` from the
-``?n=`` query, else the server's ``num_chunks``). Bodies are the pickle-free format of
-``serialization``: raw storage bytes. Large CPU storages are served from where they lie until
-``disallow_checkpoint`` (``live``); small and accelerator ones as copies.
+Server: a dual-stack ``ThreadingHTTPServer`` serving ``GET /checkpoint/{step}/{key}``, keys
+``full`` (header, description, data), ``metadata`` (header, description) and ``{i}`` (chunk ``i``
+of ``?n=``, else ``num_chunks``). Each request holds the checkpoint it reads; the next
+``send_checkpoint`` retires it without waiting, so a stalled healer never delays the next heal.
 
-Client: reads the description, validates it, preallocates every storage and ``readinto``\\ s
-the bytes directly into them (``num_chunks`` parallel connections when > 0), checking each
-block's CRC before anything is returned.
+Client (``_http_fetch``): reads straight into preallocated storages, verifying every block.
 
-Access control (``docs/security.md``): with a token (argument, else the ``security`` settings'
-``transport_token``) every request must carry ``Authorization: Bearer <token>``, or is answered
-401. With TLS configured the server speaks HTTPS only and the client verifies its certificate; a
-TLS client refuses a plain ``http://`` peer. What a client can make the server hold before that
-is bounded by ``_http_limits``.
+Access control (``docs/security.md``): with a token every request must carry ``Authorization:
+Bearer <token>`` (else 401); with TLS the server speaks HTTPS only and a TLS client refuses a
+plain ``http://`` peer. ``_http_limits`` bounds what a client can make the server hold.
 """
 
 from __future__ import annotations
@@ -60,8 +51,7 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _MAX_CHUNKS = 1024
-#: How long a request for a step newer than the one served waits for a send of that step to
-#: begin (thread start-up on a busy host, not staging: once begun, it waits the timeout).
+#: How long a request for a newer step waits for a send of that step to begin.
 UNANNOUNCED_WAIT_S = 2.0
 
 
@@ -146,17 +136,13 @@ class _Handler(LimitedHandler):
                 return
         url = urlsplit(self.path)
         parts = url.path.split("/")
-        if len(parts) != 4 or parts[1] != "checkpoint":
+        step_text = parts[2] if len(parts) == 4 and parts[1] == "checkpoint" else ""
+        if not (step_text.isascii() and step_text.isdigit()):  # int() takes "+5", "5_0", " 5"
             self._error(
                 400, f"invalid url format, expected /checkpoint/step/key but got {url.path}"
             )
             return
-        if not (parts[2].isascii() and parts[2].isdigit()):  # int() takes "+5", "5_0", " 5"
-            self._error(
-                400, f"invalid url format, expected /checkpoint/step/key but got {url.path}"
-            )
-            return
-        step = int(parts[2])
+        step = int(step_text)
         # A healer may ask before its source has staged that step (both run beside the step's
         # collectives): wait for it rather than refuse the newer step.
         transport._wait_for_step(step)
@@ -222,20 +208,15 @@ class HTTPTransport(CheckpointTransport[T]):
     """Serves checkpoints over HTTP from this replica and fetches them from peers.
 
     What is served is the state itself until ``disallow_checkpoint``, then a copy of what the
-    healers had not yet received (:class:`~torchheal.checkpointing.live.LiveCheckpoint`; copies
-    go into buffers kept between heals, up to one state's worth of host memory).
+    healers had not yet received (:class:`~torchheal.checkpointing.live.LiveCheckpoint`).
 
     Args:
         timeout: bound on every lock wait and socket operation (``timedelta`` or seconds).
-        num_chunks: 0 fetches one stream; ``n > 0`` fetches ``n`` byte-balanced chunks over
-            parallel connections.
-        token: shared secret required on every request (both directions); None: the
-            settings' ``transport_token`` (``TORCHHEAL_CHECKPOINT_TOKEN``, else the job
-            token); empty disables it.
+        num_chunks: 0 fetches one stream; ``n > 0`` fetches ``n`` chunks in parallel.
+        token: shared secret required on every request; None: the settings'
+            ``transport_token``; empty disables it.
         hostname: name published in ``metadata()``; defaults to ``socket.gethostname()``.
-        security: token and TLS settings (None: read from the environment here, as a
-            transport built directly is an edge; the Manager passes its own); with TLS on the
-            server speaks HTTPS and the client verifies its peers.
+        security: token and TLS settings (None: read from the environment).
     """
 
     def __init__(
@@ -306,11 +287,7 @@ class HTTPTransport(CheckpointTransport[T]):
         return None if live is None else live.staged
 
     def allow_checkpoint(self, step: int) -> None:
-        """Starts serving the staged state as ``step`` (idempotent).
-
-        Args:
-            step: the step to serve.
-        """
+        """Starts serving the staged state as ``step`` (idempotent)."""
         with self._state_lock:
             self._step = step
         with self._served:
@@ -319,9 +296,8 @@ class HTTPTransport(CheckpointTransport[T]):
     def _wait_for_step(self, step: int) -> None:
         """Waits until ``step`` or a later one is served, if a send of ``step`` is coming.
 
-        A request can come before the source has begun staging its step (both start when the
-        quorum arrives): it waits up to :data:`UNANNOUNCED_WAIT_S` for that send to begin, then
-        up to the timeout for it to be served, so a step no send is coming for is answered soon.
+        A request may come before its source began staging (both start at the quorum): wait
+        briefly for that send to begin, then up to the timeout for it to be served.
         """
         with self._served:
             if self._step >= step:
@@ -334,12 +310,8 @@ class HTTPTransport(CheckpointTransport[T]):
                 self._served.wait_for(lambda: self._step >= step, self._timeout)
 
     def disallow_checkpoint(self) -> None:
-        """The state may change once this returns (idempotent).
-
-        What the expected healers have not yet received of the served state is copied first;
-        they finish from that copy, and nothing is read from the state any more. Returns at
-        once when every healer was done.
-        """
+        """The state may change once this returns (idempotent): what the expected healers have
+        not yet received is copied first, and they finish from that copy."""
         live = self._live
         if live is not None and not live.frozen:
             mark("freeze.begin")
@@ -372,16 +344,9 @@ class HTTPTransport(CheckpointTransport[T]):
     ) -> None:
         """Serves ``state_dict``: its large CPU storages live, the rest as private copies.
 
-        The state must not change until ``disallow_checkpoint`` has returned. The previous
-        checkpoint stops being served; downloads of it still running are not waited for: they
-        finish from buffers that are reused only once they have ended.
-
-        Args:
-            dst_ranks: the healers expected (any healer holding the token may fetch; blocks
-                delivered this many times are not copied by ``disallow_checkpoint``).
-            step: the step served.
-            state_dict: the state.
-            timeout: unused; the constructor's timeout bounds the server.
+        The state must not change until ``disallow_checkpoint`` has returned. Downloads of the
+        previous checkpoint are not waited for. Blocks delivered ``len(dst_ranks)`` times are
+        not copied by ``disallow_checkpoint``; ``timeout`` is unused (the constructor's bounds).
         """
         with self._served:
             self._staging = step  # a request for it may wait for it now
@@ -426,16 +391,13 @@ class HTTPTransport(CheckpointTransport[T]):
             metadata: the source's ``metadata()`` URL.
             step: the expected step.
             timeout: socket timeout; defaults to the constructor's.
-            into: the receiver's own state (same tree): CPU tensors whose storage matches the
-                incoming one in size and dtype are received into directly and returned as
-                themselves (no fresh memory, nothing to copy when loading).
+            into: the receiver's own state: CPU tensors whose storage matches in size and dtype
+                are received into directly and returned as themselves.
 
         Raises:
-            CheckpointTimeoutError: a connect or read timed out (also a ``URLError``).
-            CheckpointHTTPError: the source refused the request (also an ``HTTPError``).
-            CheckpointURLError: the connection failed (also a ``URLError``).
-            TornCheckpointError: the receive failed after bytes had landed in ``into``.
-            CheckpointError: wrong step, truncated, corrupted or malformed.
+            CheckpointError: refused (``CheckpointHTTPError``), failed or timed out
+                (``CheckpointURLError``, ``CheckpointTimeoutError``), torn after bytes landed
+                in ``into`` (``TornCheckpointError``), or wrong, truncated or corrupted data.
         """
         seconds = self._timeout if timeout is None else to_seconds(timeout)
         url = urlsplit(metadata)
@@ -476,11 +438,7 @@ class HTTPTransport(CheckpointTransport[T]):
             aborts.abort()
 
     def shutdown(self, wait: bool = True) -> None:
-        """Stops the server.
-
-        Args:
-            wait: block until the serving thread has exited.
-        """
+        """Stops the server; ``wait``: block until the serving thread has exited."""
         if wait:
             self._server.shutdown()
             self._server.server_close()

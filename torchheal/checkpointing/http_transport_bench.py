@@ -21,12 +21,7 @@ __all__ = ["main"]
 
 
 def main(argv: list[str]) -> None:
-    """Runs one send and receive and prints how long it took.
-
-    Args:
-        argv: command-line flags (``--num-chunks``, ``--device``, ``--chunk-size``,
-            ``--total-size``, the reference's).
-    """
+    """Runs one send and receive with the reference's flags and prints how long it took."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--num-chunks", type=int, default=0, help="parallel connections")
     parser.add_argument("--device", default="cpu", help="where the tensors live")

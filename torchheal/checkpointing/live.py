@@ -1,16 +1,12 @@
 """Serving a checkpoint from the live state, with a copy made only of what is still to be sent.
 
 A healthy replica's state does not change between the quorum that asks it to heal a peer and its
-optimizer step, so its large storages are served from where they lie. When the trainer is about
-to change them (``disallow_checkpoint``), :meth:`LiveCheckpoint.freeze` copies only the blocks
-the expected healers have not received yet, so a heal never makes the source wait on a socket.
-A live block is sent straight from the state (:class:`DirectSend`) or through a bounce buffer
-(TLS and other ``write`` sinks).
+optimizer step, so its large storages are served from where they lie. Before the trainer changes
+them (``disallow_checkpoint``), :meth:`LiveCheckpoint.freeze` copies only the blocks the expected
+healers have not received yet, so a heal never makes the source wait on a socket.
 
-Safety: a live block that changed since staging fails its CRC check, ends the transfer and
-makes :attr:`LiveCheckpoint.unstable` switch the transport to private copies; the healer checks
-every block, so nothing unverified is loaded. After the freeze nothing is read from the live
-state. Nothing here knows about HTTP, so it is tested with plain byte sinks.
+A live block that changed since staging fails its CRC check, ends the transfer and makes
+:attr:`LiveCheckpoint.unstable` switch the transport to private copies.
 """
 
 from __future__ import annotations
@@ -31,8 +27,8 @@ __all__ = ["LIVE_FROM_BYTES", "DirectSend", "LiveCheckpoint"]
 
 logger = logging.getLogger(__name__)
 
-#: Storages of at least this size are served live; smaller ones are copied at staging (their
-#: copy costs little, and small tensors are the ones a forward pass may update: norm statistics).
+#: Storages of at least this size are served live; smaller ones are copied at staging (cheap, and
+#: small tensors are the ones a forward pass may update: norm statistics).
 LIVE_FROM_BYTES = 1 << 20
 
 
@@ -40,29 +36,17 @@ class DirectSend(Protocol):
     """A connection that takes bytes straight from memory without blocking (a TCP socket)."""
 
     def ready(self) -> None:
-        """Waits until the connection takes bytes again.
-
-        Raises:
-            TimeoutError: the reader stopped reading (bounded by the transport's timeout).
-        """
+        """Waits until the connection takes bytes again; ``TimeoutError`` if the reader stopped."""
 
     def send(self, data: memoryview) -> int:
-        """Sends what the connection takes now, without waiting.
-
-        Returns:
-            How many bytes of ``data`` it took (0 when none fit).
-        """
+        """Sends what the connection takes now, without waiting; returns how many bytes."""
 
 
 class LiveCheckpoint:
     """A staged checkpoint whose large storages are the trainer's own, until :meth:`freeze`.
 
-    Args:
-        staged: what ``stage(..., pool=pool, live_from=...)`` returned.
-        readers: how many healers are expected to fetch each block (the quorum's
-            destinations); a block delivered that many times is not copied by the freeze.
-        pool: where the freeze's copies come from (given back by :meth:`release`).
-        freeze_wait: how long :meth:`freeze` waits for bounce copies in flight (seconds).
+    ``readers``: healers expected to fetch each block; a block delivered that many times is
+    not copied by the freeze. ``freeze_wait``: how long the freeze waits for reads in flight.
     """
 
     def __init__(
@@ -113,17 +97,9 @@ class LiveCheckpoint:
     ) -> None:
         """Sends ``segments`` (of ``staged.segments``), in order, through ``write``.
 
-        Args:
-            write: e.g. a socket's ``sendall``; called with one block at a time (private bytes,
-                and live ones through a bounce buffer when there is no ``direct``).
-            segments: the blocks to send.
-            direct: the same connection's non-blocking sends: live blocks go straight from
-                the state.
-
-        Raises:
-            CheckpointError: a live block changed since staging, or a block is no longer
-                served (already delivered to every expected healer before the freeze).
-            TimeoutError: ``direct`` waited too long for the reader.
+        Live blocks go straight from the state through ``direct`` (the same connection's
+        non-blocking sends) when given, else through a bounce buffer. Raises
+        ``CheckpointError`` when a live block changed or is no longer served.
         """
         bounce: torch.Tensor | None = None
         for seg in segments:
@@ -181,13 +157,7 @@ class LiveCheckpoint:
     def _reading(self, i: int, seg: Segment) -> Iterator[bool]:
         """One read of live block ``i``, which the freeze waits for.
 
-        Yields:
-            True while the live state may be read; False (nothing held) when the freeze has
-            copied the block: read the copy.
-
-        Raises:
-            CheckpointError: the block is no longer served (delivered to every expected healer
-                before the freeze, so not copied).
+        Yields True while the live state may be read, False when the freeze has copied the block.
         """
         with self._cond:
             if self._copied[i]:
@@ -229,9 +199,7 @@ class LiveCheckpoint:
     def freeze(self) -> None:
         """Training thread, before the state changes: copies what is not yet delivered.
 
-        Returns once the live state is no longer read: every block that an expected healer
-        has not yet received is in a private copy (checksummed as it is copied), and no bounce
-        copy from the live state is in flight. Idempotent.
+        Returns once the live state is no longer read (no live read in flight). Idempotent.
         """
         if self._frozen:
             return
@@ -271,11 +239,7 @@ class LiveCheckpoint:
             return self._requests
 
     def open_request(self) -> None:
-        """A request starts reading this checkpoint (ended by :meth:`close_request`).
-
-        Raises:
-            CheckpointError: the checkpoint is retired (a newer one is served, or none).
-        """
+        """A request starts reading this checkpoint; ``CheckpointError`` once it is retired."""
         with self._cond:
             if self._retired:
                 raise CheckpointError(f"checkpoint of step {self.step} is no longer served")
@@ -290,12 +254,8 @@ class LiveCheckpoint:
             self.release()
 
     def retire(self) -> None:
-        """No request opens this checkpoint any more; its buffers go back to the pool now, or
-        when the last request still reading it ends (nobody waits for a stalled healer).
-
-        Called once the state may change or has changed; a checkpoint never frozen is frozen
-        first if a request still reads it, so that request never reads a changed state.
-        """
+        """No request opens this checkpoint any more; its buffers go back to the pool when the
+        last request reading it ends. Freezes first if a request still reads the live state."""
         with self._cond:
             self._retired = True
             busy = self._requests > 0
@@ -307,10 +267,7 @@ class LiveCheckpoint:
             self.release()
 
     def release(self) -> None:
-        """Gives the private buffers back to the pool (nobody reads this checkpoint any more).
-
-        Idempotent.
-        """
+        """Gives the private buffers back to the pool (idempotent)."""
         with self._cond:
             if self._released:
                 return

@@ -4,15 +4,12 @@ Wire protocol, per destination rank (tags are the PG's point-to-point tags):
 
 * tag 1: an ``int64`` tensor ``[description length, CRC-32 of the description]``;
 * tag 2: the JSON description as a ``uint8`` tensor (see ``serialization``);
-* tag 3: the storages of at most ``_SMALL_BYTES`` bytes packed into one message (each at a
-  64-byte aligned offset, in storage order; see ``_packed_layout``), when there are any: an
-  optimizer's thousands of scalar and bias tensors cost one message, not thousands;
+* tag 3: the storages of at most ``_SMALL_BYTES`` bytes packed into one message (see
+  ``_packed_layout``), when there are any: thousands of scalars and biases cost one message;
 * tag ``4 + i``: the raw bytes of each larger storage ``i``.
 
-Unlike the reference, nothing is pickled: the receiver parses and validates the description,
-receives every storage into a preallocated buffer and verifies every block's CRC before
-returning; a ``state_dict`` template's tensors are written only with verified bytes. Every wait
-is bounded by the timeout.
+Unlike the reference, nothing is pickled, and every block is verified before anything is
+returned or written into a template's tensors.
 """
 
 from __future__ import annotations
@@ -51,10 +48,7 @@ _ALIGN = 64
 
 
 def _packed_layout(nbytes: Sequence[int]) -> tuple[dict[int, int], int]:
-    """Offsets of the small storages in the packed message, and the message's size.
-
-    Both ends compute it from the storage sizes in the description.
-    """
+    """Offsets (64-byte aligned) of the small storages in the packed message, and its size."""
     offsets: dict[int, int] = {}
     pos = 0
     for i, n in enumerate(nbytes):
@@ -81,15 +75,11 @@ class PGTransport(CheckpointTransport[T]):
     """Sends checkpoints over a process group with point-to-point send/recv.
 
     Args:
-        pg: a ``torch.distributed.ProcessGroup``-like object (``send``/``recv`` returning
-            ``Work``); ranks are this PG's ranks (the replica ranks from the quorum).
+        pg: a ``ProcessGroup``-like object whose ranks are the quorum's replica ranks.
         timeout: bound on each individual wait.
-        device: where tensors travel (``cpu`` for gloo); received tensors without an
-            in-place target end up on CPU.
-        state_dict: optional callable returning a template state dict; tensors at the same
-            key path with the same dtype, device type and storage size are filled in place,
-            but only once every block has been verified (their bytes arrive in a staging
-            buffer first, at the cost of one copy): a failed transfer leaves them untouched.
+        device: where tensors travel (``cpu`` for gloo); received tensors end up on CPU.
+        state_dict: optional callable returning a template state dict, whose matching tensors
+            are filled in place once every block has been verified.
     """
 
     def __init__(
@@ -117,17 +107,7 @@ class PGTransport(CheckpointTransport[T]):
     def send_checkpoint(
         self, dst_ranks: list[int], step: int, state_dict: T, timeout: timedelta | None = None
     ) -> None:
-        """Sends ``state_dict`` for ``step`` to every rank in ``dst_ranks``.
-
-        Args:
-            dst_ranks: PG ranks to send to.
-            step: the step of the state.
-            state_dict: the state to send.
-            timeout: bound on each wait; defaults to the constructor's.
-
-        Raises:
-            CheckpointError: unsupported value, PG failure or timeout.
-        """
+        """Sends ``state_dict`` for ``step`` to every PG rank in ``dst_ranks``."""
         timeout = self._timeout if timeout is None else timeout
         staged = stage(state_dict, step, block_bytes=self._block_bytes)
         desc = torch.frombuffer(bytearray(staged.description), dtype=torch.uint8)
@@ -165,18 +145,7 @@ class PGTransport(CheckpointTransport[T]):
     def recv_checkpoint(
         self, src_rank: int, metadata: str, step: int, timeout: timedelta | None = None
     ) -> T:
-        """Receives the checkpoint of ``step`` from PG rank ``src_rank``.
-
-        Args:
-            src_rank: the sender's PG rank.
-            metadata: ignored (``"<n/a>"``).
-            step: the expected step.
-            timeout: bound on each wait; defaults to the constructor's.
-
-        Raises:
-            CheckpointTimeoutError: a wait timed out.
-            CheckpointError: wrong step, malformed description, checksum mismatch, PG failure.
-        """
+        """Receives the checkpoint of ``step`` from PG rank ``src_rank`` (``metadata`` ignored)."""
         timeout = self._timeout if timeout is None else timeout
         head = torch.zeros(2, dtype=torch.int64, device=self._device)
         _wait(self._pg.recv([head], src_rank, _TAG_LENGTH), timeout, "checkpoint length recv")
@@ -195,17 +164,15 @@ class PGTransport(CheckpointTransport[T]):
         template = self._state_dict() if self._state_dict is not None else None
         targets, used = allocate_buffers(desc, template, self._device)
         offsets, packed_bytes = _packed_layout(desc.storage_nbytes)
-        # A template's storage is the caller's live tensor: a large storage arrives in a
-        # staging buffer and is copied in after verification (a small one is unpacked from
-        # the verified packed message).
+        # A template's storage is the caller's live tensor: a large one arrives in a staging
+        # buffer and is copied in after verification.
         buffers = [
             torch.empty_like(t) if i not in offsets and _is_template(t, used) else t
             for i, t in enumerate(targets)
         ]
         works: list[tuple[Any, int | None]] = []
-        # A Gloo message shorter than the receive posted for it completes, and the receiver
-        # cannot tell: the bytes it did not carry keep what the buffer held, which the block
-        # checks then judge. Zeroed (small), so those are never bytes of an earlier transfer.
+        # A short Gloo message completes a longer receive unnoticed; zeroed, the bytes it did
+        # not carry are never an earlier transfer's (the block checks judge them).
         packed = torch.zeros(packed_bytes, dtype=torch.uint8, device=self._device)
         if packed_bytes:
             works.append((self._pg.recv([packed], src_rank, _TAG_PACKED), None))

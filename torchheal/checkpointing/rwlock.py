@@ -1,9 +1,7 @@
 """A reader-preferring readers/writer lock with bounded waits.
 
-The HTTP checkpoint server serves a staged checkpoint under the reader side (many peers may
-download at once) and the training thread takes the writer side to stop serving before the
-state is mutated again. Every acquire is bounded by ``timeout`` so a stuck peer can never
-hang the training loop forever: it raises ``TimeoutError`` instead.
+The reference's state-dict lock: readers serve a checkpoint, the training thread writes.
+Every acquire is bounded by ``timeout`` (``TimeoutError``), so a stuck peer never hangs training.
 """
 
 from __future__ import annotations
@@ -16,9 +14,8 @@ from contextlib import contextmanager
 class RWLock:
     """Reader-preferring two-mutex readers/writer lock.
 
-    Readers share the lock; a writer excludes everybody. While at least one reader holds the
-    lock, new readers get in even if a writer is waiting (reader preference: serving a
-    checkpoint to several healers at once must not be starved by the trainer).
+    Readers share the lock; a writer excludes everybody. New readers get in while a writer
+    waits, so serving several healers at once is not starved by the trainer.
 
     Args:
         timeout: seconds every acquire waits before raising ``TimeoutError``; ``-1`` waits
@@ -31,8 +28,8 @@ class RWLock:
         self._timeout = float(timeout)
         # Guards the reader count; held only for a moment.
         self._readers_lock = threading.Lock()
-        # Held by the writer, or on behalf of all readers while any reader is inside. A plain
-        # Lock (not RLock) because the last reader out may not be the first one in.
+        # Held by the writer, or for all readers while any is inside. Not an RLock: the last
+        # reader out may not be the first one in.
         self._global = threading.Lock()
         self._readers = 0
         self._writer = False

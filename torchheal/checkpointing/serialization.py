@@ -1,13 +1,10 @@
 """Pickle-free checkpoint encoding: a JSON description plus raw tensor bytes, verified.
 
-Sending (``stage``): the state dict becomes a JSON *description* (the tree, one entry per tensor,
-one per distinct storage with a CRC-32 per block) and the raw bytes of each distinct storage as
-a 1-D ``uint8`` CPU tensor; tensors sharing a storage share it on the wire, and, as in the
-reference, a view sends its whole storage. Receiving lives in ``deserialization`` (re-exported
-here): nothing received is unpickled.
+``stage`` turns a state dict into a JSON *description* (the tree, one entry per tensor, one per
+distinct storage with a CRC-32 per block) and the raw bytes of each distinct storage; as in the
+reference, a view sends its whole storage. Receiving lives in ``deserialization`` (re-exported).
 
-CRC-32 per block because it is cheap next to the wire (ISA-L's, with ``zlib.crc32`` as the
-fallback), runs in parallel on cached blocks, and lets a transfer be split over connections. It
+CRC-32 per block is cheap next to the wire and lets a transfer be split over connections; it
 detects corruption and truncation, not tampering: use the transport token (and TLS) for that.
 """
 
@@ -51,7 +48,6 @@ from torchheal.checkpointing.deserialization import (
     parse_header,
     read_segments,
     rebuild,
-    verify_buffers,
     verify_segment,
 )
 from torchheal.checkpointing.transport import CheckpointError
@@ -75,7 +71,6 @@ __all__ = [
     "rebuild",
     "split_chunks",
     "stage",
-    "verify_buffers",
     "verify_segment",
 ]
 
@@ -119,14 +114,8 @@ class StagingPool:
 
 @dataclass(frozen=True)
 class StagedCheckpoint:
-    """A state dict ready to send: its framed description and its storages' bytes.
-
-    Args:
-        step: the step the state belongs to.
-        description: the JSON description (UTF-8).
-        buffers: one contiguous 1-D ``uint8`` CPU tensor per storage.
-        segments: every block of every storage, in stream order, with its CRC.
-    """
+    """A state dict ready to send: its JSON description and one 1-D ``uint8`` CPU buffer per
+    storage, cut into ``segments`` (stream order, with their CRCs)."""
 
     step: int
     description: bytes
@@ -153,27 +142,15 @@ class StagedCheckpoint:
     def write_segments(
         self, write: Callable[[memoryview], object], segments: Sequence[Segment]
     ) -> None:
-        """Writes the bytes of ``segments`` with one large ``write`` each, without copying.
-
-        Args:
-            write: e.g. ``socket.sendall`` or a file's ``write``.
-            segments: the segments to write, in order.
-        """
+        """Writes the bytes of ``segments`` with one ``write`` each, without copying."""
         views = [byte_view(b) for b in self.buffers]
         for seg in segments:
             write(views[seg.storage][seg.start : seg.end])
 
 
 class _Encoder:
-    """Walks a state dict into a JSON tree, collecting tensors and their storages.
-
-    Args:
-        pool: when given, every storage is copied into a buffer taken from it (a private copy
-            that the caller may go on mutating the state after); without one, CPU storages are
-            referenced and accelerator storages copied to fresh CPU memory.
-        live_from: with a pool, CPU storages of at least this many bytes are referenced
-            instead (served live); None copies them all.
-    """
+    """Walks a state dict into a JSON tree, collecting tensors and their storages (see
+    ``stage`` for ``pool`` and ``live_from``)."""
 
     def __init__(self, pool: StagingPool | None = None, live_from: int | None = None) -> None:
         self.tensors: list[dict[str, Any]] = []
@@ -303,9 +280,7 @@ def _copy_checksums(
 ) -> list[list[int]]:
     """Copies each source storage into its buffer and checksums every block of the copy.
 
-    One pass: each megabyte is checksummed right after it is copied, while it is still in the
-    cache, so the copy and the checksum cost about one read and one write of the state.
-    Accelerator storages are copied block by block into the (pinned or not) CPU buffer.
+    Each megabyte is checksummed right after it is copied, while it is still in the cache.
     """
     out: list[list[int]] = []
     with torch.no_grad():
@@ -334,26 +309,14 @@ def stage(
 ) -> StagedCheckpoint:
     """Encodes ``state`` for sending: description, CPU storage bytes and checksums.
 
-    Without a ``pool``, accelerator tensors are copied to CPU and CPU tensors are referenced,
-    not copied, so the caller must not mutate them until the transfer is over (the transports'
-    lock ensures it). With a ``pool``, every storage is copied into a buffer of the pool (a
-    private copy, checksummed as it is copied): the caller may mutate the state as soon as
-    ``stage`` returns; give the copies back (``pool.give_back(staged.private)``) once they are
-    no longer served. With a pool and ``live_from``, CPU storages of at least that many bytes
-    are referenced (``staged.live``) and only the smaller ones copied: the caller must not
-    mutate the large ones until it has copied what is still to be sent
-    (:class:`~torchheal.checkpointing.live.LiveCheckpoint`).
+    Without a ``pool``, CPU tensors are referenced, not copied: the caller must not mutate them
+    until the transfer is over. With a ``pool``, every storage is copied into a pool buffer: the
+    caller may mutate the state at once, and gives the copies back
+    (``pool.give_back(staged.private)``) once they are no longer served. With ``live_from`` too,
+    CPU storages of at least that many bytes are referenced (``staged.live``), not copied.
 
-    Args:
-        state: nested dict/OrderedDict/list/tuple of tensors (DTensors send their local shard)
-            and plain values (int, float, bool, str, bytes, None, torch.dtype/device/Size).
-        step: the step the state belongs to; recorded in the description.
-        block_bytes: checksum block size.
-        pool: where private copies come from (None: no copy of CPU storages).
-        live_from: with a pool, the size from which CPU storages are referenced, not copied.
-
-    Raises:
-        CheckpointError: a value cannot be represented; the message names its key path.
+    ``state`` nests dict/OrderedDict/list/tuple over tensors (DTensors send their local shard)
+    and plain values; anything else raises ``CheckpointError`` naming its key path.
     """
     if block_bytes < 4096:
         raise ValueError(f"block_bytes must be >= 4096, got {block_bytes}")
@@ -396,13 +359,7 @@ def stage(
 
 
 def encode_bytes(state: Any, step: int, block_bytes: int = DEFAULT_BLOCK_BYTES) -> bytes:
-    """Encodes a state dict into one framed byte string (for tests and small states).
-
-    Args:
-        state: the state dict.
-        step: the step recorded in the description.
-        block_bytes: checksum block size.
-    """
+    """Encodes a state dict into one framed byte string (for tests and small states)."""
     staged = stage(state, step, block_bytes=block_bytes)
     parts: list[bytes] = [staged.header, staged.description]
     staged.write_segments(lambda mv: parts.append(bytes(mv)), staged.segments)

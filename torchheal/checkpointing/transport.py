@@ -15,11 +15,8 @@ T = TypeVar("T")
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint could not be sent or received: the step must fail, nothing is loaded.
-
-    Raised for integrity failures (size or checksum mismatch, truncated stream), malformed or
-    hostile descriptions, refused requests, and transport failures.
-    """
+    """A checkpoint could not be sent or received (integrity, malformed data, refusal,
+    transport failure): the step must fail, nothing is loaded."""
 
 
 class CheckpointTimeoutError(CheckpointError, TimeoutError):
@@ -27,55 +24,46 @@ class CheckpointTimeoutError(CheckpointError, TimeoutError):
 
 
 class TornCheckpointError(CheckpointError):
-    """A receive into the caller's own tensors (``into``) failed after bytes had landed there.
-
-    Those tensors now hold a mix of their old contents and unverified received bytes: the
-    receiver must not train on them, nor send them, until a later receive succeeds.
-    """
+    """A receive into the caller's own tensors (``into``) failed after bytes had landed there:
+    they must not be trained on nor sent until a later receive succeeds."""
 
 
 class CheckpointTransport(ABC, Generic[T]):
     """Moves a replica's state to healing peers; generic over the state type ``T``.
 
-    Its capabilities are the properties below, all False here: a transport that has one
-    overrides it (a class attribute will do), and the Manager reads them, never probes.
+    Its capabilities are the properties below, all False here: a transport overrides those it
+    has (a class attribute will do), so the Manager reads them rather than probes.
     """
 
     @property
     def copies_state(self) -> bool:
-        """``send_checkpoint`` serves a private copy taken before it returns: the caller may
-        change the state at once, and a healer's download may go on after
-        ``disallow_checkpoint`` would be due (the Manager then lets it finish instead of making
-        training wait)."""
+        """``send_checkpoint`` serves a private copy taken before it returns: the state may
+        change at once, and a download may outlive ``disallow_checkpoint``."""
         return False
 
     @property
     def copies_on_write(self) -> bool:
-        """``send_checkpoint`` serves the state where it lies, and ``disallow_checkpoint`` copies
-        what the healers have not yet received before it returns (copy on write): the Manager
-        makes no copy of its own, and calls ``disallow_checkpoint`` before the state changes."""
+        """``send_checkpoint`` serves the state where it lies and ``disallow_checkpoint`` copies
+        what is still to be sent: the Manager makes no copy, and calls it before the state
+        changes."""
         return False
 
     @property
     def runs_beside_collectives(self) -> bool:
-        """``send_checkpoint`` may run on another thread than the collectives and concurrently
-        with them (it does not use the cross-replica process group)."""
+        """``send_checkpoint`` may run concurrently with the collectives (it does not use the
+        cross-replica process group)."""
         return False
 
     @property
     def receives_in_place(self) -> bool:
-        """``recv_checkpoint`` takes ``into=``, a state of the receiver's own tensors, and
-        receives straight into those whose layout matches (no fresh buffers, nothing to copy
-        when loading). The bytes land before they are verified: a receive that fails after
-        that raises :class:`TornCheckpointError`."""
+        """``recv_checkpoint`` takes ``into=``, the receiver's own state, and receives straight
+        into matching tensors; a receive failing after bytes landed raises
+        :class:`TornCheckpointError`."""
         return False
 
     @abstractmethod
     def metadata(self) -> str:
-        """Returns the string a healing peer needs to reach this transport.
-
-        Published through the manager server to replicas that must recover from this one.
-        """
+        """Returns the string a healing peer needs to reach this transport."""
 
     @abstractmethod
     def send_checkpoint(
@@ -83,8 +71,8 @@ class CheckpointTransport(ABC, Generic[T]):
     ) -> None:
         """Makes ``state_dict`` for ``step`` available to (or sends it to) ``dst_ranks``.
 
-        Called only when some replica is behind. May return before the transfer finishes;
-        the state must not be mutated until ``disallow_checkpoint`` returns.
+        May return before the transfer finishes; the state must not be mutated until
+        ``disallow_checkpoint`` returns.
 
         Args:
             dst_ranks: replica ranks that will receive the checkpoint.
@@ -106,9 +94,6 @@ class CheckpointTransport(ABC, Generic[T]):
             step: the step expected; any other step is an error.
             timeout: bound on the transfer's waits.
 
-        Returns:
-            The received state.
-
         Raises:
             CheckpointError: the transfer failed, timed out or did not verify.
         """
@@ -116,14 +101,9 @@ class CheckpointTransport(ABC, Generic[T]):
     def abort_receives(self) -> None:
         """Ends the receives in flight now: their ``recv_checkpoint`` raises.
 
-        The Manager calls it when the lighthouse says the source is gone (a frozen or vanished
-        host sends no FIN: the receive would otherwise wait for its timeout). The default does
-        nothing, and such a receive ends at its timeout.
+        Called when the source is gone (a vanished host sends no FIN); by default such a
+        receive ends at its timeout.
         """
 
     def shutdown(self, wait: bool = True) -> None:
-        """Releases the transport's resources.
-
-        Args:
-            wait: wait for background threads to finish.
-        """
+        """Releases the transport's resources; ``wait`` for background threads to finish."""

@@ -5,9 +5,8 @@
     torchheal status lighthouse-host:29511      # one screen about a running job
 
 Adding a subcommand: write ``torchheal/cli/<name>.py`` with ``build_parser(parser) -> parser``
-(adds the subcommand's arguments to the given parser) and ``run(args) -> int`` (the exit code),
-then add one line to :data:`COMMANDS`. Only the module of the chosen subcommand is imported, so
-``torchheal --help`` and ``torchheal lighthouse`` never pay for torch or process groups.
+and ``run(args) -> int`` (the exit code), then add one line to :data:`COMMANDS`. Only the
+chosen subcommand's module is imported, so ``torchheal --help`` never pays for torch.
 """
 
 from __future__ import annotations
@@ -55,14 +54,7 @@ def _chosen_command(argv: list[str]) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``torchheal`` console script.
-
-    Args:
-        argv: arguments without the program name (default: ``sys.argv[1:]``).
-
-    Returns:
-        The process exit code.
-    """
+    """Entry point of the ``torchheal`` console script; returns the process exit code."""
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = argparse.ArgumentParser(
         prog="torchheal",

@@ -1,10 +1,7 @@
 """``torchheal demo``: three local replica groups, one SIGKILLed mid-run, healed live.
 
-Prints the URL of the lighthouse's dashboard first: open it to watch the quorum shrink when the
-group is killed and grow again when it heals, on the charts. ``--keep-open`` keeps the
-lighthouse and its page up after the summary, until Ctrl-C, so the whole run can be looked at.
-
-Exit code 0 when training survived the failure and every group ended with bit-identical weights.
+Prints the dashboard's URL first, to watch the quorum shrink and grow again; ``--keep-open``
+keeps it up after the summary, until Ctrl-C.
 """
 
 from __future__ import annotations
@@ -17,14 +14,7 @@ from torchheal.launcher.demo.run import DemoConfig, run_demo
 
 
 def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the demo options to ``parser``.
-
-    Args:
-        parser: the (sub)parser to fill.
-
-    Returns:
-        ``parser``.
-    """
+    """Add the demo options to ``parser`` and return it."""
     d = DemoConfig()
     parser.add_argument(
         "--replicas",
@@ -91,15 +81,8 @@ def _wait_for_ctrl_c(url: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the demo.
-
-    Args:
-        args: parsed options from :func:`build_parser`.
-
-    Returns:
-        0 when training survived the failure with identical weights everywhere, 1 otherwise,
-        2 on bad options.
-    """
+    """Run the demo: 0 when training survived the failure with identical weights everywhere,
+    1 otherwise, 2 on bad options."""
     from torchheal._base.telemetry_env import dashboard_port
 
     try:

@@ -3,14 +3,9 @@
     torchheal launch --replicas 3 --nproc-per-replica 2 --kill-every 30s -- python train.py --lr 0.1
 
 Starts a lighthouse and its dashboard in this process (or uses ``--lighthouse``) and runs each
-replica group as a torchrun-like job of ``--nproc-per-replica`` ranks: every start of a group
-gets its own TCPStore and the variables torchrun sets (``MASTER_ADDR``, ``MASTER_PORT``,
-``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``), plus ``TORCHHEAL_LIGHTHOUSE``,
-``REPLICA_GROUP_ID`` and ``NUM_REPLICA_GROUPS``. Each output line is prefixed with its group;
-a group that loses a rank is ended and restarted; ``--kill-every`` SIGKILLs a group (never
-group 0) at that interval to show that training survives. A progress line shows the job's step,
-rate, quorum and failures; a report closes the run. A group that dies before its first step
-``--max-startup-failures`` times in a row stops the launch with its last output lines.
+replica group as a torchrun-like job of ``--nproc-per-replica`` ranks (``launcher/group.py``).
+A group that loses a rank is ended and restarted; a progress line shows the job's step, rate,
+quorum and failures, and a report closes the run.
 """
 
 from __future__ import annotations
@@ -29,9 +24,6 @@ __all__ = ["build_parser", "main", "parse_duration", "run"]
 
 def parse_duration(text: str) -> float:
     """Seconds in ``text`` such as ``30s``, ``1.5m``, ``500ms`` or ``12`` (seconds).
-
-    Args:
-        text: the duration.
 
     Raises:
         argparse.ArgumentTypeError: not a positive duration.
@@ -74,14 +66,7 @@ def _port(text: str) -> int:
 
 
 def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the launch options to ``parser``.
-
-    Args:
-        parser: the (sub)parser to fill.
-
-    Returns:
-        ``parser``.
-    """
+    """Add the launch options to ``parser`` and return it."""
     parser.add_argument(
         "--replicas", type=_positive, default=2, help="replica groups to run (default %(default)s)"
     )
@@ -200,15 +185,8 @@ def _external_status(args: argparse.Namespace) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Launch the job and wait for it to end.
-
-    Args:
-        args: parsed options from :func:`build_parser`.
-
-    Returns:
-        0 when every group finished, 1 when the launch gave up or ran out of time, 2 on bad
-        options, 130 on Ctrl-C.
-    """
+    """Launch the job and wait for it to end: 0 when every group finished, 1 when the launch
+    gave up or ran out of time, 2 on bad options, 130 on Ctrl-C."""
     from torchheal._base.telemetry_env import dashboard_port
     from torchheal.launcher import KillPlan, Launcher
     from torchheal.launcher.group import describe_exit
@@ -333,14 +311,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run ``torchheal launch`` directly.
-
-    Args:
-        argv: arguments without the program name (default: ``sys.argv[1:]``).
-
-    Returns:
-        The process exit code.
-    """
+    """Run ``torchheal launch`` directly; returns the process exit code."""
     parser = build_parser(
         argparse.ArgumentParser(prog="torchheal launch", description=__doc__.split("\n\n")[0])
     )

@@ -2,17 +2,9 @@
 
     torchheal lighthouse --min_replicas 2 --join_timeout_ms 10000
 
-Flags and defaults are the reference's ``torchft_lighthouse`` ones (underscore spellings), with
-dash spellings accepted too. Logs every change of the quorum status and every issued quorum to
-stderr; SIGINT or SIGTERM stops it cleanly with exit code 0.
-
-It also serves its dashboard, ``/metrics`` and ``/api/status`` on ``--dashboard_port`` (default
-29511, or ``TORCHHEAL_DASHBOARD_PORT``) and prints ``dashboard: http://HOST:PORT/``; killing a
-replica group from the page needs ``TORCHHEAL_TOKEN`` when that is set.
-
-Security (``docs/security.md``): ``--token-file`` (or ``TORCHHEAL_TOKEN``/``TORCHHEAL_TOKEN_FILE``)
-makes every endpoint require the job token; ``--tls-cert``/``--tls-key`` (``TORCHHEAL_TLS_*``)
-serve gRPC and the dashboard over TLS.
+Flags and defaults are the reference's ``torchft_lighthouse`` ones (underscore spellings; dash
+spellings work too). It also serves its dashboard, ``/metrics`` and ``/api/status`` on
+``--dashboard_port``. SIGINT or SIGTERM stops it cleanly with exit code 0.
 """
 
 from __future__ import annotations
@@ -31,14 +23,7 @@ logger: logging.Logger = logging.getLogger("torchheal.lighthouse")
 
 
 def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the lighthouse options to ``parser``.
-
-    Args:
-        parser: the (sub)parser to fill.
-
-    Returns:
-        ``parser``.
-    """
+    """Add the lighthouse options to ``parser`` and return it."""
     parser.description = (
         "Run the lighthouse: every replica group of a training job connects to it (set "
         "TORCHHEAL_LIGHTHOUSE=http://<this host>:<port> in the trainers). Each step it decides "
@@ -135,14 +120,8 @@ def _dashboard_port(args: argparse.Namespace, bind_port: int) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Serve until SIGINT or SIGTERM.
-
-    Args:
-        args: parsed options from :func:`build_parser`.
-
-    Returns:
-        0 after a clean stop, 2 when the options are invalid or the address cannot be bound.
-    """
+    """Serve until SIGINT or SIGTERM: 0 after a clean stop, 2 on invalid options or an address
+    that cannot be bound."""
     # Imported here so that building the parser (for --help) stays cheap.
     from torchheal.cli.security_flags import security_settings
     from torchheal.coordination.lighthouse.dashboard import DashboardServer, LighthouseRecorder
@@ -230,14 +209,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run ``torchheal lighthouse`` directly (``python -m torchheal.cli.lighthouse``).
-
-    Args:
-        argv: arguments without the program name (default: ``sys.argv[1:]``).
-
-    Returns:
-        The process exit code.
-    """
+    """Run ``torchheal lighthouse`` directly (``python -m torchheal.cli.lighthouse``)."""
     parser = build_parser(argparse.ArgumentParser(prog="torchheal lighthouse"))
     return run(parser.parse_args(argv))
 

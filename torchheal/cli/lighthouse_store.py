@@ -1,13 +1,7 @@
 """``torchheal lighthouse`` options for keeping its last quorum across restarts.
 
-* ``--state-file PATH``: the last issued quorum is written to ``PATH`` (atomically) before any
-  group receives it, and read back at start: a restarted lighthouse numbers its quorums above
-  it. Needed for reference (torchft) peers; torchheal groups report their last quorum anyway.
-* ``--etcd URL[,URL...]`` (with ``--etcd-prefix`` and ``--etcd-lease-s``): high availability.
-  The record lives in etcd, and only the lighthouse holding the leadership lease serves; start
-  several, each on its own address, and give the replica groups every address
-  (``TORCHHEAL_LIGHTHOUSE=http://a:29510,http://b:29510``). A standby waits for the lease, so
-  one takes over within the lease time after the active one dies. See docs/lighthouse_ha.md.
+``--state-file`` keeps it in a file; ``--etcd`` in etcd, where only the lighthouse holding the
+leadership lease serves and standbys take over (docs/lighthouse_ha.md).
 """
 
 from __future__ import annotations
@@ -21,11 +15,7 @@ __all__ = ["add_store_flags", "open_store"]
 
 
 def add_store_flags(parser: argparse.ArgumentParser) -> None:
-    """Add ``--state-file`` and the ``--etcd*`` options to ``parser``.
-
-    Args:
-        parser: the lighthouse's parser.
-    """
+    """Add ``--state-file`` and the ``--etcd*`` options to ``parser``."""
     group = parser.add_argument_group("restart safety and high availability")
     where = group.add_mutually_exclusive_group()
     where.add_argument(
@@ -65,18 +55,11 @@ def add_store_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def open_store(args: argparse.Namespace, stop: threading.Event) -> QuorumStore | None:
-    """The store the options ask for; with ``--etcd``, once this lighthouse leads.
-
-    Args:
-        args: the parsed options.
-        stop: set when the process is asked to stop (ends a standby's wait).
-
-    Returns:
-        The store, or None without ``--state-file``/``--etcd``.
+    """The store the options ask for (None: neither); with ``--etcd``, once this lighthouse
+    leads (``stop`` ends a standby's wait).
 
     Raises:
-        StoreError: the store cannot be opened (a damaged state file, a malformed ``--etcd``
-            address); an etcd outage is not one: a standby waits it out.
+        StoreError: the store cannot be opened (an etcd outage is not one: a standby waits).
         SystemExit: (0) asked to stop while standing by.
     """
     if args.state_file:

@@ -1,10 +1,7 @@
 """The security flags every ``torchheal`` command shares: ``--token-file`` and ``--tls-*``.
 
-Each flag stands for its environment variable (``docs/security.md``). :func:`security_settings`
-applies the flags given to a copy of this process's environment and reads the settings from it:
-the command passes the settings to the servers and clients it creates, and the copy to the
-processes it starts. The token itself is never a flag: a command line is visible to every user
-in ``ps``; a file path is not a secret.
+Each flag stands for its environment variable (``docs/security.md``). The token itself is never
+a flag: a command line is visible to every user in ``ps``.
 """
 
 from __future__ import annotations
@@ -17,11 +14,7 @@ __all__ = ["add_security_flags", "security_settings"]
 
 
 def add_security_flags(parser: argparse.ArgumentParser) -> None:
-    """Add ``--token-file``, ``--tls-cert``, ``--tls-key`` and ``--tls-ca`` to ``parser``.
-
-    Args:
-        parser: the (sub)parser to fill.
-    """
+    """Add ``--token-file``, ``--tls-cert``, ``--tls-key`` and ``--tls-ca`` to ``parser``."""
     group = parser.add_argument_group(
         "security", "job token and TLS (default: the TORCHHEAL_TOKEN*/TORCHHEAL_TLS_* variables)"
     )
@@ -60,18 +53,11 @@ def add_security_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def security_settings(args: argparse.Namespace) -> tuple[SecurityEnv, dict[str, str]]:
-    """The settings the flags give, and the environment the command's processes start with.
-
-    Args:
-        args: parsed options (from a parser given :func:`add_security_flags`).
-
-    Returns:
-        ``(settings, environment)``: the ``SecurityEnv`` in force, and a copy of this
-        process's environment with the flags given in place of their variables.
+    """The ``SecurityEnv`` the flags give, and a copy of this process's environment with the
+    flags in place of their variables, for the processes the command starts.
 
     Raises:
-        ValueError: the settings are invalid (an unreadable token file, a certificate without
-            its key, a missing file); the message names the variable.
+        ValueError: the settings are invalid; the message names the variable.
     """
     flags = SecurityFlags(
         token_file=getattr(args, "token_file", None),

@@ -3,9 +3,8 @@
     torchheal status                         # the dashboard on localhost:29511
     torchheal status lighthouse-host:29511 --watch 2
 
-Reads the lighthouse dashboard's ``/api/status`` (the same document the web page shows) and
-prints the quorum's members with their steps and rates, groups outside the quorum, the last
-failures and quorum changes. ``--json`` prints the document itself, for scripts.
+Reads the lighthouse dashboard's ``/api/status`` (the web page's document) and prints it as
+text, or as JSON with ``--json``.
 """
 
 from __future__ import annotations
@@ -26,14 +25,7 @@ DEFAULT_ADDR = "localhost:29511"
 
 
 def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the status options to ``parser``.
-
-    Args:
-        parser: the (sub)parser to fill.
-
-    Returns:
-        ``parser``.
-    """
+    """Add the status options to ``parser`` and return it."""
     parser.add_argument(
         "addr",
         nargs="?",
@@ -67,13 +59,9 @@ def _url(addr: str, tls: bool = False) -> str:
 def fetch_status(
     addr: str, timeout: float = 5.0, context: ssl.SSLContext | None = None
 ) -> dict[str, Any]:
-    """The status document of the lighthouse dashboard at ``addr``.
+    """The status document of the lighthouse dashboard at ``addr`` (``host:port`` or a URL).
 
-    Args:
-        addr: ``host:port`` or ``http(s)://host:port`` of the dashboard.
-        timeout: seconds to wait for the answer.
-        context: TLS settings for an ``https`` dashboard (a bare ``host:port`` then means
-            ``https``); None: the defaults.
+    With a TLS ``context`` a bare ``host:port`` means ``https``.
 
     Raises:
         RuntimeError: the dashboard could not be reached or answered something else.
@@ -95,14 +83,8 @@ def fetch_status(
 
 
 def run(args: argparse.Namespace) -> int:
-    """Print the status once, or every ``--watch`` seconds.
-
-    Args:
-        args: parsed options from :func:`build_parser`.
-
-    Returns:
-        0 on success, 1 when the dashboard cannot be read.
-    """
+    """Print the status once, or every ``--watch`` seconds: 0 on success, 1 when the dashboard
+    cannot be read, 2 on bad options."""
     from torchheal.cli.security_flags import security_settings
     from torchheal.coordination.lighthouse.dashboard.terminal import render
     from torchheal.coordination.rpc.tls import client_ssl_context

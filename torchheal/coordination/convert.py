@@ -45,9 +45,8 @@ __all__ = [
 _T = TypeVar("_T")
 
 
-# A frozen dataclass's __init__ sets each field through object.__setattr__, about twice the cost
-# of filling __dict__, and decoding builds one per quorum member on every request: the decoders
-# below fill instances directly, every field named (tests check them against dataclasses.fields).
+# A frozen dataclass's __init__ is slow (object.__setattr__ per field) and decoding builds one per
+# member per request: fill __dict__ directly, every field named (tests check dataclasses.fields).
 _new_instance = object.__new__
 
 
@@ -58,17 +57,7 @@ def _filled(cls: type[_T], fields: dict[str, Any]) -> _T:
 
 
 def data_to_wire(data: dict[str, Any] | None) -> str:
-    """Encode a member's ``data`` for the wire.
-
-    Args:
-        data: a JSON-serialisable dict, or None.
-
-    Returns:
-        ``""`` for None, else the JSON text.
-
-    Raises:
-        TypeError: ``data`` is not a dict or not JSON-serialisable.
-    """
+    """Encode a member's ``data`` (a JSON-serialisable dict, or None as ``""``) for the wire."""
     if data is None:
         return ""
     if not isinstance(data, dict):
@@ -77,17 +66,7 @@ def data_to_wire(data: dict[str, Any] | None) -> str:
 
 
 def data_from_wire(text: str) -> dict[str, Any] | None:
-    """Decode a member's ``data`` from the wire.
-
-    Args:
-        text: the string field; ``""`` means unset.
-
-    Returns:
-        None for ``""``, else the decoded JSON object.
-
-    Raises:
-        ValueError: ``text`` is not JSON or not a JSON object.
-    """
+    """Decode a member's ``data`` (``""``: None); ``ValueError`` if it is not a JSON object."""
     if text == "":
         return None
     try:
@@ -106,13 +85,9 @@ MAX_GROUP_DATA_CHARS = 1024
 
 
 def group_data(data: dict[str, Any] | str | None) -> dict[str, Any] | None:
-    """A rank's ``data`` as its manager server passes it on: bounded, never an error.
+    """A rank's ``data`` (dict, or JSON text over gRPC) as its manager server passes it on.
 
-    Args:
-        data: the rank's request data (a dict in process, the JSON text over gRPC).
-
-    Returns:
-        the JSON object, or None when there is none, it is not one, or it is too long.
+    None when there is none, it is not a JSON object, or it is too long: never an error.
     """
     try:
         text = data if isinstance(data, str) else data_to_wire(data)
@@ -124,32 +99,17 @@ def group_data(data: dict[str, Any] | str | None) -> dict[str, Any] | None:
 
 
 def timestamp_to_pb(ts: Timestamp) -> timestamp_pb2.Timestamp:
-    """Convert a :class:`Timestamp` to ``google.protobuf.Timestamp``.
-
-    Args:
-        ts: the value.
-    """
+    """Convert a :class:`Timestamp` to ``google.protobuf.Timestamp``."""
     return timestamp_pb2.Timestamp(seconds=ts.seconds, nanos=ts.nanos)
 
 
 def timestamp_from_pb(msg: timestamp_pb2.Timestamp) -> Timestamp:
-    """Convert ``google.protobuf.Timestamp`` to a :class:`Timestamp`.
-
-    Args:
-        msg: the protobuf message.
-    """
+    """Convert ``google.protobuf.Timestamp`` to a :class:`Timestamp`."""
     return _filled(Timestamp, {"seconds": msg.seconds, "nanos": msg.nanos})
 
 
 def member_to_pb(member: QuorumMember) -> pb.QuorumMember:
-    """Convert a :class:`QuorumMember` to its protobuf message.
-
-    Args:
-        member: the value.
-
-    Raises:
-        TypeError: ``member.data`` cannot be encoded as JSON.
-    """
+    """Convert a :class:`QuorumMember` to its protobuf message (``TypeError``: bad ``data``)."""
     return pb.QuorumMember(
         replica_id=member.replica_id,
         address=member.address,
@@ -165,13 +125,8 @@ def member_to_pb(member: QuorumMember) -> pb.QuorumMember:
 def member_from_pb(msg: pb.QuorumMember, *, strict_data: bool = True) -> QuorumMember:
     """Convert a protobuf ``QuorumMember`` to the value type.
 
-    Args:
-        msg: the protobuf message.
-        strict_data: if False, a ``data`` string that is not a JSON object becomes None instead
-            of an error (the lighthouse treats ``data`` as opaque and echoes the raw message).
-
-    Raises:
-        ValueError: ``data`` is not a JSON object and ``strict_data`` is True.
+    ``data`` that is not a JSON object raises ``ValueError``, or becomes None if not
+    ``strict_data`` (the lighthouse treats ``data`` as opaque and echoes the raw message).
     """
     data = msg.data
     if data:
@@ -203,11 +158,8 @@ def quorum_to_pb(
 ) -> pb.Quorum:
     """Convert a :class:`Quorum` to its protobuf message.
 
-    Args:
-        quorum: the value.
-        raw_members: replica_id -> the protobuf member exactly as that replica sent it; used in
-            place of a fresh conversion so that fields unknown to us (sent by newer peers) are
-            echoed back untouched.
+    ``raw_members``: replica_id -> the member exactly as that replica sent it, used in place of
+    a fresh conversion so that fields unknown to us (from newer peers) are echoed untouched.
     """
     raw_members = raw_members or {}
     msg = pb.Quorum(quorum_id=quorum.quorum_id, created=timestamp_to_pb(quorum.created))
@@ -220,14 +172,8 @@ def quorum_to_pb(
 def quorum_from_pb(msg: pb.Quorum, *, strict_data: bool = True) -> Quorum:
     """Convert a protobuf ``Quorum`` to the value type.
 
-    Args:
-        msg: the protobuf message.
-        strict_data: if False, a member whose ``data`` is not a JSON object gets ``data=None``
-            instead of failing the whole conversion (clients and managers use this: another
-            group's opaque data must not make a quorum unusable).
-
-    Raises:
-        ValueError: a member's ``data`` is not a JSON object and ``strict_data`` is True.
+    Not ``strict_data``: a member whose ``data`` is not a JSON object gets None instead of a
+    ``ValueError`` (another group's opaque data must not make a quorum unusable).
     """
     return _filled(
         Quorum,
@@ -245,9 +191,6 @@ def quorum_result_to_pb(result: QuorumResult) -> pb.ManagerQuorumResponse:
     """Convert a :class:`QuorumResult` to ``ManagerQuorumResponse``.
 
     ``replica_ids`` travels in field 13, as in newer reference wheels (older peers skip it).
-
-    Args:
-        result: the value.
     """
     msg = pb.ManagerQuorumResponse(
         quorum_id=result.quorum_id,
@@ -270,11 +213,7 @@ def quorum_result_to_pb(result: QuorumResult) -> pb.ManagerQuorumResponse:
 
 
 def quorum_result_from_pb(msg: pb.ManagerQuorumResponse) -> QuorumResult:
-    """Convert ``ManagerQuorumResponse`` to a :class:`QuorumResult`.
-
-    Args:
-        msg: the protobuf message.
-    """
+    """Convert ``ManagerQuorumResponse`` to a :class:`QuorumResult`."""
     return QuorumResult(
         quorum_id=msg.quorum_id,
         replica_rank=msg.replica_rank,
@@ -295,11 +234,7 @@ def quorum_result_from_pb(msg: pb.ManagerQuorumResponse) -> QuorumResult:
 
 
 def quorum_ask_to_pb(ask: QuorumAsk) -> pb.ManagerQuorumRequest:
-    """Convert a :class:`QuorumAsk` to its request message (its timeout is the call's deadline).
-
-    Args:
-        ask: the value.
-    """
+    """Convert a :class:`QuorumAsk` to its request (its timeout is the call's deadline)."""
     return pb.ManagerQuorumRequest(
         group_rank=ask.group_rank,
         step=ask.step,
@@ -312,12 +247,7 @@ def quorum_ask_to_pb(ask: QuorumAsk) -> pb.ManagerQuorumRequest:
 
 
 def quorum_ask_from_pb(msg: pb.ManagerQuorumRequest, timeout: timedelta) -> QuorumAsk:
-    """Convert a ``ManagerQuorumRequest`` to a :class:`QuorumAsk`.
-
-    Args:
-        msg: the request.
-        timeout: the call's remaining deadline (gRPC carries it outside the message).
-    """
+    """Convert a ``ManagerQuorumRequest`` and the call's deadline to a :class:`QuorumAsk`."""
     return QuorumAsk(
         group_rank=msg.group_rank,
         step=msg.step,
@@ -331,12 +261,7 @@ def quorum_ask_from_pb(msg: pb.ManagerQuorumRequest, timeout: timedelta) -> Quor
 
 
 def notice_from_pb(lost: spb.MemberLost, own_replica_id: str) -> Notice:
-    """The one decoding of a lighthouse's ``MemberLost`` notice, as heard by group ``own_replica_id``.
-
-    Args:
-        lost: the notice as received.
-        own_replica_id: the full id of the group that heard it.
-    """
+    """The one decoding of a ``MemberLost`` notice, as heard by group ``own_replica_id``."""
     if lost.replica_id != own_replica_id:
         kind = NoticeKind.LOST
     elif lost.gave_up:

@@ -1,11 +1,8 @@
 """A replica group's divergence-guard report, as it rides in its quorum requests (pure).
 
-Group rank 0's Manager puts its guard's counts in the ``data`` of the group's quorum request
-(``QuorumMember.data``, field 7 of the reference's wire, which its lighthouse echoes as opaque
-JSON), so the lighthouse's dashboard and ``torchheal status`` can show each group's last
-verified step and its mismatches. ``data`` is anyone's: a reference group's, or a user's of
-``LighthouseClient``. So :func:`from_data` takes only a report whose three keys hold plausible
-integers and ignores everything else, never raising.
+Group rank 0's Manager puts its guard's counts in ``QuorumMember.data`` (opaque JSON the
+lighthouse echoes) for the dashboard and ``torchheal status``. ``data`` may be anyone's, so
+:func:`from_data` takes only plausible integers under the three keys and never raises.
 """
 
 from __future__ import annotations
@@ -50,14 +47,7 @@ def _count(value: Any, lowest: int) -> int | None:
 
 
 def from_data(data: Any) -> GuardReport | None:
-    """The guard report in a member's ``data``, or None when it holds none.
-
-    Args:
-        data: ``QuorumMember.data`` as the lighthouse decoded it (a dict, None, or anything).
-
-    Returns:
-        the report; None for missing, foreign or malformed data (never an error).
-    """
+    """The guard report in a member's ``data``; None for missing, foreign or malformed data."""
     if not isinstance(data, dict):
         return None
     verified = _count(data.get(VERIFIED), -1)

@@ -1,11 +1,9 @@
 """What one rank of one replica group does with an issued quorum (reference §5, §6.3).
 
-The one home of *which replica rank am I, who is up to date, whose TCPStore hosts the
-cross-group rendezvous, who heals from whom* (:func:`compute_quorum_results`, run by each
-manager server once per waiting rank) and of *who contributes to this step's reductions, with
-which rank and divided by how many* (:func:`participation`, run by the Manager on the result).
-Both are pure functions of plain data; since every group computes the same plan from the same
-quorum, senders and receivers agree without talking.
+The one home of *my replica rank, who is up to date, whose TCPStore hosts the rendezvous, who
+heals from whom* (:func:`compute_quorum_results`, in each manager server) and of *who contributes
+to this step's reductions, with which rank, divided by how many* (:func:`participation`, in the
+Manager). Pure: every group computes the same plan from the same quorum, so all agree unspoken.
 """
 
 from __future__ import annotations
@@ -46,19 +44,7 @@ def compute_quorum_results(
     ``max_step`` heal; with ``init_sync`` and everyone at step 0, every group except this group
     rank's primary heals from it, so all start from identical weights. Healers are spread
     round-robin over the up-to-date groups, offset by ``group_rank`` so that different group
-    ranks of a healer pull from different sources.
-
-    Args:
-        replica_id: the asking replica group's full id.
-        group_rank: the asking rank's index inside its replica group.
-        quorum: the quorum issued by the lighthouse.
-        init_sync: whether replicas starting at step 0 must sync from the primary.
-
-    Returns:
-        The rank's :class:`QuorumResult`.
-
-    Raises:
-        NotParticipatingError: ``replica_id`` is not among the participants.
+    ranks of a healer pull from different sources. Raises :class:`NotParticipatingError`.
     """
     # Sorting here (not trusting the lighthouse) keeps every group's plan identical even if a
     # peer lighthouse sent participants in another order.
@@ -140,7 +126,7 @@ class Participation:
 
     Args:
         rank: its index among the contributors; None when it only keeps the collectives in
-            step without contributing (a spare, or not among the contributors this step).
+            step without contributing (a spare, or behind).
         count: how many replicas contribute; what an averaged reduction divides by.
     """
 
@@ -148,12 +134,8 @@ class Participation:
     count: int
 
     def contributes(self, healing: bool) -> bool:
-        """Whether this replica's data counts this step.
-
-        Args:
-            healing: the replica is still receiving its state (asynchronous quorum only: a
-                synchronous one loads the state before the step computes anything).
-        """
+        """Whether this replica's data counts this step; not while it is still ``healing``
+        (asynchronous quorum only: a synchronous one heals before computing anything)."""
         return self.rank is not None and not healing
 
 
@@ -170,13 +152,7 @@ def participation(
     when healing is off) only replicas at ``max_step`` count and healers send zeros; a
     synchronous one heals before the forward pass, so every member counts. With spares the
     divisor is capped at ``min_replica_size`` and those ranked beyond it send zeros.
-
-    Args:
-        result: this rank's quorum result.
-        use_async_quorum: whether the Manager runs the quorum in the background.
-        allow_heal: the ``start_quorum`` argument of this step.
-        world_size_mode: DYNAMIC or FIXED_WITH_SPARES.
-        min_replica_size: the Manager's ``min_replica_size``.
+    ``allow_heal`` is this step's ``start_quorum`` argument.
     """
     heals_before_compute = allow_heal and not use_async_quorum
     if heals_before_compute:

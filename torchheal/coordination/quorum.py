@@ -1,14 +1,10 @@
 """The lighthouse's quorum decision, as pure functions of its state and the time.
 
 Every rule that decides *who is in the next quorum, and under which id* lives here (reference §4):
-which replicas count as healthy, the fast path that keeps a stable membership, the
-``min_replicas``/split-brain/straggler checks, ``shrink_only`` filtering and when the quorum id
-moves. The lighthouse server holds one :class:`LighthouseState` under a lock and feeds it
-requests (:func:`join`), heartbeats (:func:`heartbeat`), the opening and end of torchheal
-sessions (:func:`session_opened`, :func:`session_ended`), what it learns of quorums issued
-before it (re)started (:func:`restore`) and ticks (:func:`tick`); it never decides anything
-itself. Nothing here does I/O, starts threads or reads a clock: ``now`` is a monotonic
-time in float seconds supplied by the caller, ``wall`` the wall-clock stamp put on issued quorums.
+healthy replicas, the fast path, the ``min_replicas``/split-brain/straggler checks, ``shrink_only``
+and when the id moves. The lighthouse server holds one :class:`LighthouseState` under a lock and
+feeds it events and ticks (:func:`tick`); it never decides anything itself. No I/O, threads or
+clock: ``now`` is monotonic seconds from the caller, ``wall`` the stamp put on issued quorums.
 
 Reason strings match the reference byte for byte because operators and tests read them (the
 dashboard shows the reason of a fresh :func:`quorum_compute`).
@@ -63,16 +59,8 @@ def quorum_compute(
 ) -> tuple[list[QuorumMember] | None, str]:
     """Decide whether a quorum can be issued now, and who is in it (reference §4).
 
-    Does not change ``state``.
-
-    Args:
-        state: the lighthouse state.
-        config: the quorum options.
-        now: monotonic time in seconds.
-
-    Returns:
-        ``(candidates sorted by replica_id, reason)`` when a quorum is ready, else
-        ``(None, reason)``.
+    Returns ``(candidates sorted by replica_id, reason)``, or ``(None, reason)`` when not ready;
+    does not change ``state``.
     """
     heartbeat_timeout_s = config.heartbeat_timeout_ms / 1000.0
     healthy_replicas = {
@@ -288,16 +276,7 @@ def propose(
 
     The id moves when the membership changed or any member reports failed commits. A
     lighthouse that records each quorum proposes, saves, then calls :func:`issue`, so a quorum
-    that could not be saved leaves the state as it was.
-
-    Args:
-        state: the lighthouse state (not changed).
-        config: the quorum options.
-        now: monotonic time in seconds.
-        wall: wall-clock time stamped on the quorum.
-
-    Returns:
-        ``(quorum, reason)`` if one is ready, else ``(None, reason)``.
+    that could not be saved leaves the state as it was. Returns ``(quorum or None, reason)``.
     """
     candidates, reason = quorum_compute(state, config, now)
     if candidates is None:
@@ -364,13 +343,7 @@ def _healing_if_superseded(
 def issue(state: LighthouseState, quorum: Quorum, now: float) -> None:
     """Record ``quorum`` (from :func:`propose`) as issued at ``now``.
 
-    It becomes the last quorum and its id the latest; ``participants`` is cleared, so every
-    member must ask again for the next round.
-
-    Args:
-        state: the lighthouse state to update.
-        quorum: the proposed quorum, delivered now.
-        now: monotonic time in seconds.
+    ``participants`` is cleared, so every member must ask again for the next round.
     """
     state.quorum_id = quorum.quorum_id
     state.prev_quorum = quorum
@@ -389,14 +362,7 @@ def tick(
 ) -> tuple[Quorum | None, str]:
     """Run one lighthouse tick: issue a quorum if one is ready (:func:`propose`, :func:`issue`).
 
-    Args:
-        state: the lighthouse state to update.
-        config: the quorum options.
-        now: monotonic time in seconds.
-        wall: wall-clock time stamped on an issued quorum.
-
-    Returns:
-        ``(quorum, reason)`` if one was issued, else ``(None, reason)``.
+    Returns ``(quorum, reason)`` if one was issued, else ``(None, reason)``.
     """
     quorum, reason = propose(state, config, now, wall)
     if quorum is not None:

@@ -1,18 +1,13 @@
 """One replica group's quorum round inside its manager server, as plain data (reference §5).
 
-Every rank of a group asks its manager server for a quorum each step; the server makes one
-lighthouse request for the group once all ranks have asked. The rules, free of gRPC, threads
-and clocks (``now`` in seconds):
+The server (``group/server.py``) makes one lighthouse request once all ranks have asked, and
+only carries requests, time (``now`` in seconds) and answers to these objects. Rules:
 
-* each rank's latest request counts until its deadline passes or it leaves (a stale request
-  must not start or complete a round on its own);
-* the round starts when every rank is in; the last rank speaks for the group's ``shrink_only``
-  and ``commit_failures``, as in the reference, but the group's step is its lowest rank's, so a
-  heal that failed on some ranks makes the whole group heal again;
+* each rank's latest request counts until its deadline passes or it leaves;
+* the last rank speaks for ``shrink_only`` and ``commit_failures``, as in the reference, but the
+  group's step is its lowest rank's, so a heal that failed on some ranks makes all heal again;
 * the group's ``data`` is its rank 0's (rank 0's Manager alone reports the group);
 * :class:`RetryPolicy` says, after a failed lighthouse attempt, whether and when to retry.
-
-The server (``group/server.py``) only carries requests, time and answers to these objects.
 """
 
 from __future__ import annotations
@@ -30,9 +25,8 @@ class RoundStart:
     """The group is complete: ask the lighthouse now.
 
     Args:
-        round_id: the round that started (the one its ranks waited on).
-        member: the group's request, as the last rank to arrive made it, at the lowest step of
-            the group's ranks, with rank 0's ``data``.
+        round_id: the round that started.
+        member: the last rank's request, at the lowest rank's step, with rank 0's ``data``.
         timeout_s: that rank's remaining time, which bounds the lighthouse request.
     """
 
@@ -61,13 +55,10 @@ class _Request:
 
 
 class QuorumRound:
-    """Collects the quorum requests of the ``world_size`` ranks of one replica group.
+    """Collects the quorum requests of the ranks of one replica group.
 
     Args:
         world_size: the group's number of ranks (>= 1).
-
-    Raises:
-        ValueError: ``world_size`` is not an integer >= 1.
     """
 
     def __init__(self, world_size: int) -> None:
@@ -88,16 +79,7 @@ class QuorumRound:
         return frozenset(self._requests)
 
     def check(self, group_rank: int, step: int, commit_failures: int) -> None:
-        """Validates a request before it joins.
-
-        Args:
-            group_rank: the asking rank.
-            step: its step.
-            commit_failures: its consecutive failed commits.
-
-        Raises:
-            ValueError: a value is impossible; the message says which.
-        """
+        """Validate a request before it joins (``ValueError`` naming the impossible value)."""
         if not 0 <= group_rank < self._world_size:
             raise ValueError(
                 f"group_rank {group_rank} is outside [0, {self._world_size}) for a replica group "
@@ -109,17 +91,7 @@ class QuorumRound:
             raise ValueError(f"commit_failures must be >= 0, got {commit_failures}")
 
     def join(self, group_rank: int, member: QuorumMember, now: float, remaining: float) -> Joined:
-        """A rank asks for a quorum; its request replaces any earlier one of the same rank.
-
-        Args:
-            group_rank: the asking rank (already :meth:`check` ed).
-            member: its request.
-            now: the current time, in seconds.
-            remaining: how long the rank will wait, in seconds.
-
-        Returns:
-            the round the rank waits on, and the start of that round if it is now complete.
-        """
+        """A rank asks for a quorum, waiting ``remaining`` seconds; replaces its earlier request."""
         for rank in [r for r, request in self._requests.items() if request.deadline <= now]:
             del self._requests[rank]
         self._requests[group_rank] = _Request(member, now + remaining)
@@ -135,16 +107,7 @@ class QuorumRound:
         return Joined(start.round_id, start)
 
     def leave(self, group_rank: int, round_id: int, member: QuorumMember) -> bool:
-        """A rank gave up waiting; it leaves if its request still sits in an unstarted round.
-
-        Args:
-            group_rank: the rank that gave up.
-            round_id: the round it waited on.
-            member: its request (a newer request of the same rank stays).
-
-        Returns:
-            whether the request was taken out.
-        """
+        """A rank gave up waiting; take out that very request if its round has not started."""
         request = self._requests.get(group_rank)
         if round_id != self._round_id or request is None or request.member is not member:
             return False
@@ -154,7 +117,7 @@ class QuorumRound:
 
 @dataclass(frozen=True)
 class Retry:
-    """Try the lighthouse again after ``sleep_s`` seconds.
+    """Try the lighthouse again.
 
     Args:
         sleep_s: the pause before the next attempt.
@@ -193,17 +156,8 @@ class RetryPolicy:
     ) -> Retry | GiveUp:
         """What to do after attempt number ``attempt`` (0-based) failed.
 
-        A call that ended with a status (an error from the lighthouse, or the call's own
-        deadline) pauses for a share of the round's time, so that the attempts spread over
-        it; a call our own timer had to abandon (no status at all) retries after the minimum
-        pause.
-
-        Args:
-            attempt: the failed attempt, counting from 0.
-            timeout_s: the round's time for one attempt.
-            got_status: the call ended with a gRPC status (else our timer abandoned it).
-            timed_out: the failure was a deadline or a cancellation.
-            error: the failure, for the final message.
+        A call that ended with a gRPC status pauses for a share of ``timeout_s`` so attempts
+        spread over it; one our own timer abandoned (no status) retries after the minimum pause.
         """
         if attempt >= self.retries:
             return GiveUp(

@@ -1,18 +1,13 @@
 """The client's end of a torchheal session with the lighthouse (``session.proto``), without I/O.
 
-Two shells drive it, carrying bytes and time: a manager server's link (``group/link*.py``,
-asyncio; its session speaks for its group and is reopened) and a blocking client's detached
-session (``clients/direct_session.py``). The client side's rules live here: the hello and what a
-welcome says, request ids, which pending request an answer or refusal settles, when a heartbeat
-asks for an ack, when a session is silent too long, that a broken session fails every pending
-request, and what the next session must say.
+Two shells carry bytes and time to it: a manager server's link (``group/link*.py``, asyncio,
+reopened for its group) and a blocking client's detached session (``clients/direct_session.py``).
+The rules live here: hello and welcome, request ids, which waiter an answer settles, heartbeat
+acks, silence, failing every pending request when a session breaks, what the next one says.
 
-No sockets, tasks, threads, locks or clock reads: ``now`` is passed in. A pending request is held
-as the shell's own *waiter* (a future, a slot), handed back to be completed when it is settled or
-the session ends. A shell sharing a session between threads holds its lock around each call.
-
-An issued quorum is found in its event without a parse (:func:`issued_quorum`), so clients in one
-process decode its bytes once between them, however many members it has.
+No sockets, tasks, threads, locks or clock reads (``now`` is passed in). A pending request is the
+shell's own *waiter* (a future, a slot), handed back when settled or when the session ends; a shell
+sharing a session between threads holds its lock around each call.
 """
 
 from __future__ import annotations
@@ -43,9 +38,8 @@ __all__ = [
 
 #: A quorum event carries every member of the job: far more than a request.
 MAX_EVENT_BYTES = 256 * 1024 * 1024
-#: A session that has carried no event (answer, notice, heartbeat acknowledgement) for this long
-#: is taken for dead: the reference's heartbeat timeout, after which the lighthouse has given the
-#: group up anyway. Heartbeats ask for an acknowledgement after a quarter of it.
+#: A session silent this long is taken for dead: the reference's heartbeat timeout, after which
+#: the lighthouse has given the group up anyway. Heartbeats ask for an ack after a quarter of it.
 SILENT_SESSION_S = 5.0
 
 W = TypeVar("W")
@@ -147,12 +141,10 @@ def _varint_at(data: bytes, pos: int) -> tuple[int, int]:
 
 
 def issued_quorum(event: bytes) -> tuple[int, bytes] | None:
-    """``(request_id, serialized torchft.Quorum)`` of a ``QuorumIssued`` event, read without
-    parsing the quorum; None when ``event`` is not laid out as the lighthouse writes one (the
-    caller then parses it in full).
+    """``(request_id, serialized torchft.Quorum)`` of a serialized ``QuorumIssued`` event.
 
-    Args:
-        event: a serialized ``SessionEvent``.
+    Read without parsing, so clients in one process decode a quorum's bytes once between them;
+    None when not laid out as the lighthouse writes one (the caller then parses it in full).
     """
     try:
         if not event or event[0] != 0x12:  # field 2 (quorum), length-delimited
@@ -186,12 +178,9 @@ class SessionClient(Generic[W]):
     Args:
         label: the group's full id (a detached session's label, for the lighthouse's logs).
         detached: a session that speaks for no group (``Hello.detached``).
-        silent_s: how long a session may carry nothing before it counts as broken.
+        silent_s: how long a session may carry nothing before it counts as broken (> 0).
         last_quorum_id: the last quorum id an earlier process of this group received (0: none),
             told in the hello until a quorum comes.
-
-    Raises:
-        ValueError: ``silent_s`` is not positive.
     """
 
     def __init__(
@@ -236,12 +225,8 @@ class SessionClient(Generic[W]):
     # Sending
 
     def hello(self, now: float, token: str = "") -> bytes:
-        """A new session starts (the first, or one after a break): the hello to send.
-
-        Args:
-            now: the time; silence is counted from it until the first event.
-            token: the job token (the direct lane only: a gRPC stream carries it as metadata).
-        """
+        """A new session starts: the hello to send. Silence counts from ``now``; ``token`` is
+        for the direct lane only (a gRPC stream carries it as metadata)."""
         self.ended = None
         self._heard_at = now
         hello = spb.Hello(
@@ -268,11 +253,7 @@ class SessionClient(Generic[W]):
     def quorum_request(
         self, requester: pb.QuorumMember, timeout_s: float, waiter: W
     ) -> tuple[int, bytes]:
-        """A group's quorum request, with its history, that ``waiter`` waits on.
-
-        Returns:
-            Its request id and the bytes to send.
-        """
+        """A group's quorum request, with its history, that ``waiter`` waits on: (id, bytes)."""
         request_id = self.next_id()
         self._pending[request_id] = waiter
         request = spb.QuorumRequest(
@@ -325,13 +306,8 @@ class SessionClient(Generic[W]):
         return quiet if quiet >= self.silent_s else None
 
     def receive(self, event: bytes, now: float = 0.0) -> Answer | Welcomed | Lost | Ended | None:
-        """What one ``SessionEvent`` from the lighthouse means; None: nothing to do (an answer
-        nobody waits for, a kind this client does not use).
-
-        Args:
-            event: the serialized event.
-            now: when it came (only silence is judged by it).
-        """
+        """What one serialized ``SessionEvent``, come at ``now``, means; None: nothing to do (an
+        answer nobody waits for, a kind this client does not use)."""
         self._heard_at = now
         try:
             issued = issued_quorum(event)

@@ -1,11 +1,9 @@
 """Whether the lighthouse may have dropped this group during its step, judged from inside.
 
-A group that was frozen past its heartbeat timeout does not know, when it wakes, that its peers
-redid the step without it; its collective may still complete, and it would commit a step they
-redid. :class:`Standing` keeps what the group saw since it last asked for a quorum, and
-:meth:`Standing.doubt` says whether it may have been dropped: a gap of at least ``limit_s`` (half
-the heartbeat timeout, leaving room for network delay) between two ticks of the loop that sends
-its heartbeats, such a gap still open now, or the lighthouse's own notice that it is lost.
+A group frozen past its heartbeat timeout does not know, when it wakes, that its peers redid the
+step without it; its collective may still complete and it would commit. :meth:`Standing.doubt`
+says whether it may have been dropped since it last asked for a quorum: a gap of at least
+``limit_s`` between two ticks of its heartbeat loop (or one still open), or the lighthouse's notice.
 
 Not counted: the lighthouse being unreachable, or the session ending with it. That is no stall
 of the group (its peers' collectives complete as its own does), and counting it would make every
@@ -26,15 +24,8 @@ SHARE_OF_TIMEOUT = 0.5
 def limit_for(heartbeat_timeout_s: float, heartbeat_interval_s: float) -> float:
     """The stall of the group's loop at which the lighthouse may have expired the group.
 
-    Half the lighthouse's timeout, and never less than two heartbeat intervals (the pace at
-    which the loop ticks), so that the loop's regular pace is never taken for a stall.
-
-    Args:
-        heartbeat_timeout_s: the lighthouse's heartbeat timeout.
-        heartbeat_interval_s: the group's pause between heartbeats.
-
-    Raises:
-        ValueError: a time that is not positive.
+    Half the lighthouse's timeout (room for network delay), and never less than two heartbeat
+    intervals, so that the loop's regular pace is never taken for a stall.
     """
     if not heartbeat_timeout_s > 0 or not heartbeat_interval_s > 0:
         raise ValueError(
@@ -48,11 +39,8 @@ class Standing:
     """What one group saw of its own standing with the lighthouse since its last quorum request.
 
     Args:
-        limit_s: the gap between two ticks of the loop that is doubted (:func:`limit_for`).
+        limit_s: the doubted gap between two ticks (:func:`limit_for`; ``ValueError`` if not > 0).
         now: the time the link opened; it counts as the first tick.
-
-    Raises:
-        ValueError: ``limit_s`` is not positive.
     """
 
     def __init__(self, limit_s: float, now: float) -> None:
@@ -89,11 +77,7 @@ class Standing:
         self._asked_since_received = False
 
     def tick(self, now: float) -> float | None:
-        """The loop that sends the group's heartbeats ran at ``now``.
-
-        Returns:
-            The gap since its previous tick when it is doubted (for the log), else None.
-        """
+        """The heartbeat loop ran at ``now``; returns the gap since the last tick if doubted."""
         gap = now - self._ticked_at
         self._ticked_at = now
         if gap < self._limit_s:
@@ -102,16 +86,11 @@ class Standing:
         return gap
 
     def lost(self, quorum_id: int, reason: str) -> bool:
-        """The lighthouse says this group is lost from quorum ``quorum_id``, the last it
-        received.
+        """The lighthouse says this group is lost from ``quorum_id``; returns whether doubted.
 
-        A notice that comes after the group asked again (one it missed while it had no
-        session, told after its next Welcome, may) is not doubted: the step of that quorum was
-        voted on before the request, and the lighthouse answers the request only with the
-        group alive.
-
-        Returns:
-            whether it is doubted.
+        Not after the group asked again (a notice missed without a session comes after the next
+        Welcome): that quorum's step was voted on before, and the lighthouse answers the request
+        only with the group alive.
         """
         if self._asked_since_received:
             return False
@@ -119,11 +98,8 @@ class Standing:
         return True
 
     def doubt(self, now: float) -> str | None:
-        """Why the lighthouse may have dropped the group since it last asked, or None.
-
-        Args:
-            now: the time of the question (a gap still open counts as one that ended now).
-        """
+        """Why the lighthouse may have dropped the group since it last asked, or None (a gap
+        still open at ``now`` counts)."""
         if self._doubt is not None:
             return self._doubt
         stalled_s = now - self._ticked_at

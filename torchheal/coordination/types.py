@@ -80,16 +80,8 @@ class Quorum:
 class QuorumAsk:
     """One rank's request to join its group's quorum round (``ManagerClient._quorum``'s arguments).
 
-    Args:
-        group_rank: the caller's index in its replica group.
-        step: the caller's current step.
-        checkpoint_metadata: how healers fetch the caller's state (transport metadata).
-        shrink_only: only accept a quorum that drops members.
-        init_sync: heal replicas at step 0 from the primary so all start identical.
-        commit_failures: consecutive failed commits of the caller.
-        timeout: deadline of the whole quorum, also used for the lighthouse call.
-        data: the group's ``QuorumMember.data`` when the caller is group rank 0 (its
-            divergence-guard report, ``guard_report.py``); other ranks' is not sent on.
+    ``data`` becomes the group's ``QuorumMember.data`` when the caller is group rank 0 (its
+    divergence-guard report, ``guard_report.py``); other ranks' is not sent on.
     """
 
     group_rank: int
@@ -106,8 +98,7 @@ class QuorumAsk:
 class QuorumResult:
     """What one rank of one replica group needs to know about a quorum.
 
-    Mutable with defaults, like the reference's binding, so tests and tools can build one field
-    by field.
+    Mutable with defaults, like the reference's binding.
 
     Args:
         quorum_id: id of the quorum this result belongs to.
@@ -166,8 +157,7 @@ class Notice:
         quorum_id: the quorum it is about.
         reason: why, for the logs.
         gave_up: (``LOST``) the group gave up building the quorum's process group; it is alive.
-        steps_done: (``LOST``) the steps the group had committed when it said goodbye between
-            two steps (0: it did not say so).
+        steps_done: (``LOST``) steps the group had committed when it said goodbye (0: not said).
     """
 
     kind: NoticeKind

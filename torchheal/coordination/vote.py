@@ -1,16 +1,11 @@
 """The per-step commit decision of one replica group, as plain data (reference §5, §6.7).
 
-Each rank's own vote (:func:`local_vote`, and :func:`ballot`: the step it votes on), the group's
-barrier over those votes
-(:class:`CommitVote`) and the limit on consecutive failed commits (:func:`retry_limit_error`)
-live here. Every rank of a replica group votes once per step whether its step went well; the
-group commits only if nobody voted no. :class:`CommitVote` collects ``(group_rank, step, vote)`` and hands back a
-:class:`Decision` when the last distinct rank has voted; the manager server holds one under its
-lock and only delivers the decision to the waiting ranks.
+Each rank's vote (:func:`local_vote`, :func:`ballot`), the group's barrier over those votes
+(:class:`CommitVote`, held by the manager server under its lock) and the limit on consecutive
+failed commits (:func:`retry_limit_error`). The group commits only if nobody voted no.
 
-Beyond the reference (which ignores ``step``, a TODO there): votes carry the step, so a vote left
-over from an earlier round (a rank whose RPC timed out and came back) can neither complete nor
-corrupt the round of another step; it raises :class:`StaleVoteError` instead.
+Beyond the reference (which ignores ``step``): votes carry the step, so a vote left over from an
+earlier round can neither complete nor corrupt another step's round (:class:`StaleVoteError`).
 """
 
 from __future__ import annotations
@@ -29,13 +24,7 @@ __all__ = [
 
 
 def local_vote(num_participants: int, min_replica_size: int, errored: bool) -> bool:
-    """One rank's vote: the step failed nowhere here, and enough replicas took part in it.
-
-    Args:
-        num_participants: replicas that contributed to this step.
-        min_replica_size: the fewest with which a step may commit.
-        errored: whether anything failed on this rank during the step.
-    """
+    """One rank's vote: the step failed nowhere here, and enough replicas took part in it."""
     if errored:
         return False
     return num_participants >= min_replica_size
@@ -48,8 +37,7 @@ class Ballot:
     Args:
         vote: yes or no.
         step: the step voted on.
-        heal_target: the step of a heal the rank's counters have not reached yet (0: none),
-            kept for its next vote.
+        heal_target: the step of a heal its counters have not reached yet (0: none).
     """
 
     vote: bool
@@ -62,18 +50,10 @@ def ballot(
 ) -> Ballot:
     """One rank's vote on its step: :func:`local_vote`, on the step its group healed to.
 
-    A heal that failed on this rank leaves its counters at the step they had, while the
-    group's other ranks may have healed to the quorum's step (``heal_target``). The rank votes
-    no on that step, and on no lower one after it, until a heal or commits bring its counters
-    there: a vote for another step than its peers' would be refused as stale, and the group,
-    seen at its lowest rank's step, heals again.
-
-    Args:
-        step: the rank's step counter.
-        heal_target: the step of a heal it was part of (0: none).
-        num_participants: replicas that contributed to this step.
-        min_replica_size: the fewest with which a step may commit.
-        errored: whether anything failed on this rank during the step.
+    A heal that failed on this rank leaves its counters behind while its peers may have healed
+    to ``heal_target``. The rank votes no on that step, and on no lower one, until its counters
+    get there: a vote for another step than its peers' would be refused as stale, and the
+    group, seen at its lowest rank's step, heals again.
     """
     if step >= heal_target:
         # Reached: a later rollback of the counters is the user's.
@@ -82,12 +62,7 @@ def ballot(
 
 
 def retry_limit_error(commit_failures: int, max_retries: int | None) -> str | None:
-    """The fatal error once more than ``max_retries`` commits in a row failed, else None.
-
-    Args:
-        commit_failures: failed commits in a row, the current one included.
-        max_retries: how many in a row are tolerated (None: no limit).
-    """
+    """The fatal error once more than ``max_retries`` (None: no limit) commits in a row failed."""
     if max_retries is None or commit_failures <= max_retries:
         return None
     # Worded as the reference's; its tests match this text.
@@ -120,12 +95,10 @@ class Decision:
         step: the step that was voted on.
         commit: True iff every rank voted to commit.
         failed_ranks: the group ranks that voted not to commit.
-        redo: (torchheal only) the step did not commit, but every rank that voted no said a
-            redo in a new quorum would cure it: every rank of the group redoes the step and
-            votes again (``salvage_step``).
-        overruled: (torchheal only) every rank voted yes, but the group may have been dropped
-            from the step's quorum (why, as ``standing.Standing.doubt`` says): the step does
-            not commit. None when the vote stood.
+        redo: (torchheal only) no commit, but every "no" said a redo in a new quorum would
+            cure it: the whole group redoes the step and votes again (``salvage_step``).
+        overruled: (torchheal only) why a unanimous yes was overruled because the group may
+            have been dropped from the step's quorum (``Standing.doubt``); None when it stood.
     """
 
     step: int
@@ -138,27 +111,20 @@ class Decision:
 class CommitVote:
     """Collect the commit votes of the ``world_size`` ranks of one replica group, step by step.
 
-    A round opens with the first vote and takes its step; it closes when all ranks
-    ``0..world_size-1`` have voted, returning the :class:`Decision` and opening the way for the
-    next round. Rules:
+    A round opens with the first vote and takes its step; it closes with a :class:`Decision`
+    when all ranks ``0..world_size-1`` have voted. Rules:
 
-    * A vote for a step other than the open round's raises :class:`StaleVoteError` and changes
-      nothing.
-    * With no round open, a vote for a step already settled raises :class:`StaleVoteError`: a
-      step below the last decided one, or equal to it when that round committed (the group has
-      moved on). A retry of a step whose round did not commit is a new round.
-    * A rank voting again in the same round is idempotent: it is counted once, and a "no" from it
-      sticks (once a rank reports a failure, a later "yes" cannot erase it), as the reference's
-      set-based barrier does. So does a "no" that no redo would cure.
-    * A "no" may say that a redo of the step would cure it (``salvageable``). When every "no" of
-      a round says so, the decision is a redo: no commit, and the group's ranks redo the step
-      together and vote on it again, in a new round (the step did not commit).
+    * A vote for another step than the open round's raises :class:`StaleVoteError`.
+    * With no round open, a vote for a settled step raises :class:`StaleVoteError`: below the
+      last decided one, or equal to it when that round committed. A retry of a step that did
+      not commit is a new round.
+    * A rank voting again is counted once, and its "no" sticks (as the reference's set-based
+      barrier); so does a "no" that no redo would cure.
+    * When every "no" of a round says a redo would cure it (``salvageable``), the decision is
+      a redo: no commit, and the ranks redo the step together and vote again.
 
     Args:
         world_size: number of ranks in the replica group (>= 1).
-
-    Raises:
-        ValueError: ``world_size`` is not an integer >= 1.
     """
 
     def __init__(self, world_size: int) -> None:
@@ -194,21 +160,10 @@ class CommitVote:
     def cast(
         self, group_rank: int, step: int, vote: bool, salvageable: bool = False
     ) -> Decision | None:
-        """Record one rank's vote.
+        """Record one rank's vote; return the :class:`Decision` if it completed the round.
 
-        Args:
-            group_rank: the voting rank, in ``[0, world_size)``.
-            step: the step the rank voted on.
-            vote: True to commit, False if anything failed on this rank.
-            salvageable: with a False ``vote``: a redo of the step in a new quorum would cure
-                this rank's failure (ignored with a True one).
-
-        Returns:
-            The :class:`Decision` if this vote completed the round, else None.
-
-        Raises:
-            ValueError: ``group_rank`` is outside ``[0, world_size)``, or ``step`` < 0.
-            StaleVoteError: ``step`` is not the step being decided, or was already settled.
+        ``salvageable`` (with a "no"): a redo of the step in a new quorum would cure it. Raises
+        ``ValueError`` for a bad rank or step, :class:`StaleVoteError` for a stale step.
         """
         if isinstance(group_rank, bool) or not isinstance(group_rank, int):
             raise ValueError(f"group_rank must be an integer, got {group_rank!r}")
@@ -250,20 +205,11 @@ class CommitVote:
         return decision
 
     def overrule(self, why: str) -> Decision:
-        """The round just decided to commit, but the group may have been dropped from the
-        step's quorum: the step does not commit after all.
+        """Turn the commit just decided into a failure: the group may have been dropped (``why``).
 
-        The ranks then see the step as failed and retry it (the reference's contract for a
-        "no"); being behind the quorum, the group heals first.
-
-        Args:
-            why: why the group may have been dropped.
-
-        Returns:
-            The decision that replaces the last one.
-
-        Raises:
-            RuntimeError: the last decision was not a commit, or a new round has opened since.
+        The ranks then retry the step (the reference's contract for a "no"), healing first.
+        Returns the replacing decision; ``RuntimeError`` unless the last decision was a commit
+        and no new round has opened.
         """
         last = self._last
         if last is None or not last.commit or self._step is not None:

@@ -1,15 +1,10 @@
 """LocalSGD/DiLoCo windows read with a guessed quorum; a sync whose quorum differs must fail.
 
-A window's inner steps run before the sync's quorum is known, so the loader reads them with the
-last sync's quorum. If the sync's quorum differs, the contributing groups' shares do not tile the
-window's samples, and committing would drop or double-count some. ``WindowGuard`` lets every
-group say, before the vote, whether its window was read with the sync's quorum; one "no" fails
-the sync everywhere (``report_error``) and the same Manager step is read again with the new
-quorum.
-
-The "no"s travel in one extra one-element allreduce (SUM) per sync: a group that does not
-contribute sends zero, so its guess never counts. A group that heals at a synchronous quorum
-(DiLoCo) contributes a window read before it healed, so that sync fails too.
+A window's inner steps are read with the last sync's quorum; if the sync's quorum differs, the
+shares do not tile the window's samples and committing would drop or double-count some.
+``WindowGuard`` has every group say, before the vote, whether its window was read with the
+sync's quorum (one extra one-element SUM allreduce, zero from non-contributors); one "no" fails
+the sync everywhere and the same Manager step is read again with the new quorum.
 """
 
 from __future__ import annotations
@@ -55,7 +50,7 @@ class WindowGuard:
 
     Args:
         manager: the Manager.
-        loader: the loader the training loop reads its inner steps from.
+        loader: the loader the inner steps are read from.
     """
 
     def __init__(self, manager: GuardedManager, loader: StepLoader) -> None:

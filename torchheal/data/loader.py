@@ -1,12 +1,10 @@
 """The data plan's shell: a step's share fetched through a ``torch.utils.data.DataLoader``.
 
-``StepLoader`` asks the Manager where the step stands (after ``start_quorum``), asks the plan
-for this rank's share, and hands back its micro-batches, loaded by a DataLoader (workers,
-pinning and collation are the DataLoader's). A DataLoader reads ahead of the loop, before the
-step it reads for is known: so the loader's batch sampler *guesses* (the next step, same quorum,
-the step before committed) and every batch carries the indices it holds. When a batch is not
-the one the plan asks for (a step failed, the quorum changed), the read-ahead is dropped and
-restarted from the true step. A wrong guess costs a re-read; it never yields a wrong batch.
+``StepLoader`` asks the Manager where the step stands, asks the plan for this rank's share, and
+hands back its micro-batches, loaded by a DataLoader. The DataLoader reads ahead before the step
+is known, so its batch sampler *guesses* (next step, same quorum) and every batch carries its
+indices; a batch the plan did not ask for drops the read-ahead, which restarts from the true
+step. A wrong guess costs a re-read, never a wrong batch.
 """
 
 from __future__ import annotations
@@ -77,8 +75,8 @@ class StepBatch:
     """One rank's data for one step: iterate for its micro-batches (collated, in order).
 
     Args:
-        share: what the plan assigned (indices, micro-batches, ``loss_scale``).
-        loader: the loader that fetches them.
+        share: what the plan assigned.
+        loader: the loader that fetches it.
     """
 
     def __init__(self, share: Share, loader: StepLoader) -> None:
@@ -119,12 +117,10 @@ class StepLoader:
         group_rank: this rank inside its replica group.
         group_size: ranks of the group that split its share.
         initial: ``(participants, rank)`` to assume for a LocalSGD/DiLoCo window read before
-            any quorum (e.g. ``(NUM_REPLICA_GROUPS, REPLICA_GROUP_ID)``); None: read nothing
-            that counts until the first sync.
+            any quorum; None: read nothing that counts until the first sync.
         collate_fn: the DataLoader's collate function (its default when None).
-        **loader_kwargs: passed to ``torch.utils.data.DataLoader`` (``num_workers``,
-            ``pin_memory``, ``prefetch_factor``, ``worker_init_fn``, ...). With workers,
-            ``persistent_workers`` defaults to True: a restarted read-ahead then reuses them.
+        **loader_kwargs: passed to ``torch.utils.data.DataLoader``; with workers,
+            ``persistent_workers`` defaults to True, so a restarted read-ahead reuses them.
     """
 
     def __init__(

@@ -1,10 +1,8 @@
 """The job's deterministic sample order: stream position -> dataset index (pure, no torch).
 
-The job reads one endless stream of positions 0, 1, 2, ...; position ``p`` is sample
-``perm_e(p mod N)`` of epoch ``e = p // N``, where ``perm_e`` is a pseudo-random permutation of
-``range(N)`` keyed by (seed, epoch), computed per index (a keyed Feistel network on the smallest
-even number of bits that covers ``N``, cycle-walking into ``range(N)``): nothing of size ``N`` is
-built, and any position can be looked up alone, so a step's samples are a function of the step.
+Position ``p`` is sample ``perm_e(p mod N)`` of epoch ``e = p // N``, where ``perm_e`` is a keyed
+Feistel network over ``range(N)`` (cycle-walking), computed per index: nothing of size ``N`` is
+built, and any position can be looked up alone.
 """
 
 from __future__ import annotations
@@ -46,10 +44,6 @@ class Order:
         self._mask = (1 << self._half) - 1
         self._keys_epoch = -1
         self._keys: tuple[int, ...] = ()
-
-    def epoch_of(self, position: int) -> int:
-        """The epoch that stream position ``position`` belongs to."""
-        return position // self.size
 
     def index(self, position: int) -> int:
         """The dataset index read at stream position ``position`` (>= 0)."""

@@ -1,29 +1,19 @@
 """The data plan: which samples each rank reads in a step, as a pure function of the step.
 
-Every rule about who reads what lives here; the loader (``loader.py``) only fetches what this
-module names. Inputs are plain numbers taken from the step's quorum (the Manager's
-``current_step()``, ``num_participants()``, ``participating_rank()``, and, in per-group batch
-mode, ``batches_committed()``); outputs are frozen values. No torch, no I/O.
-
-The layout:
+Every rule about who reads what lives here; the loader only fetches what this module names.
+Inputs are plain numbers from the step's quorum; outputs are frozen values. No torch, no I/O.
 
 * the job reads one stream of positions in a fixed order (``order.py``);
 * a step's global batch is the next ``size`` positions: with a constant global batch ``B``,
-  step ``s`` reads positions ``[s*B, (s+1)*B)`` whoever takes part; without it, each
-  participating group reads ``b`` samples and the step starts where the committed steps ended
-  (``batches_committed * b``: the Manager counts participants per committed step, carries the
-  count in a heal and in its state dict);
+  step ``s`` reads ``[s*B, (s+1)*B)`` whoever takes part; without it, each participating group
+  reads ``b`` samples from where the committed steps ended (``batches_committed * b``);
 * participant ``r`` of ``k`` takes the ``r``-th of ``k`` near-equal slices of the step's batch,
-  rank ``w`` of its ``W`` ranks the ``w``-th slice of that, cut into micro-batches of at most
-  ``micro_batch`` samples.
+  rank ``w`` of its ``W`` ranks the ``w``-th slice of that, cut into micro-batches;
+* inner step ``j`` of step ``s`` (LocalSGD/DiLoCo, ``inner_steps=H``) is data step ``s*H + j``.
 
-A failed step is not committed, so the next attempt computes the same positions again and
-splits them over whoever is in its quorum: nothing is lost, and nothing committed is read
-twice. A healed group gets its step (and the Manager's counters) with its state, which is all
-the plan needs: there is no loader state to send.
-
-With several inner steps per Manager step (LocalSGD/DiLoCo windows, ``inner_steps=H``), inner
-step ``j`` of step ``s`` is data step ``s*H + j``.
+A failed step is not committed, so its retry reads the same positions split over its quorum:
+nothing is lost or read twice, and a healed group needs only its step and the Manager's counters.
+See ``docs/data.md``.
 """
 
 from __future__ import annotations
@@ -41,15 +31,11 @@ class DataPlan:
         dataset_size: samples in the dataset.
         batch_size: the global batch ``B`` when ``constant_global_batch``; otherwise the batch
             each participating replica group reads per step.
-        constant_global_batch: keep every step at ``B`` samples whichever groups take part (each
-            of ``k`` groups reads about ``B/k``, weighted so the step averages the ``B``
-            gradients). False: each group reads ``batch_size``, so a step with fewer groups
-            reads fewer samples (the failure-free layout of the reference), still exactly once.
+        constant_global_batch: keep every step at ``B`` samples whichever groups take part.
+            False: each group reads ``batch_size`` (the reference's layout), still exactly once.
         seed: the order's seed; every replica group must use the same.
         shuffle: a pseudo-random order per epoch (False: dataset order).
-        micro_batch: the most samples one rank processes at once (None: no cap; else >= 2); a
-            larger share is split into micro-batches whose gradients accumulate, as many on
-            every rank of a group.
+        micro_batch: the most samples one rank processes at once (None: no cap; else >= 2).
         inner_steps: data steps per Manager step (LocalSGD/DiLoCo: inner steps between two
             syncs, ``sync_every // n_fragments`` for DiLoCo); 1 for DDP/HSDP.
     """
@@ -84,10 +70,9 @@ class StepKey:
     """What decides a step's data: the step and its quorum, as this group sees them.
 
     Args:
-        step: the Manager's step (``current_step()``) this data is for.
-        participants: replica groups whose gradients count in the step (``num_participants()``).
-        rank: this group's rank among them (``participating_rank()``); None when it does not
-            contribute (healing, warming up, a spare).
+        step: the Manager's ``current_step()``.
+        participants: ``num_participants()``.
+        rank: ``participating_rank()``; None when it does not contribute (healing, a spare).
         inner: the data step inside a LocalSGD/DiLoCo window (0 for DDP).
         batches_committed: ``batches_committed()`` (used only without a constant global batch).
     """
@@ -115,14 +100,11 @@ class Share:
         lo: stream position of this rank's first sample.
         hi: one past this rank's last sample.
         indices: dataset indices of positions ``lo .. hi-1``: the samples that count.
-        micro_batches: what to run forward/backward on, in order. A rank with no samples
-            (its group does not contribute, or the batch is smaller than the ranks) gets one
-            filler micro-batch of one sample and ``loss_scale`` 0, so its collectives still
-            match its peers'; its gradient is zero.
-        loss_scale: multiply the *sum* of the per-sample losses by this before backward:
-            ``k * W / size``. With the group's ``W`` ranks averaging their gradients and the
-            Manager averaging over the ``k`` groups, the step's gradient is then the sum of
-            the per-sample gradients divided by ``size``, whoever read how many.
+        micro_batches: what to run forward/backward on, in order. A rank with no samples gets
+            one filler micro-batch and ``loss_scale`` 0, so its collectives still match.
+        loss_scale: multiply the *sum* of the per-sample losses by this (``k * W / size``):
+            after averaging over ranks and groups, the step's gradient is the per-sample sum
+            divided by ``size``, whoever read how many.
     """
 
     key: StepKey
@@ -164,9 +146,8 @@ def micro_batches(indices: tuple[int, ...], count: int) -> tuple[tuple[int, ...]
 def micro_batch_count(plan: DataPlan, key: StepKey, group_size: int = 1) -> int:
     """How many micro-batches every rank of the group runs in the step.
 
-    The same for all the group's ranks (their shares differ by a sample at most): sharded
-    models (FSDP) run collectives inside the group at every forward and backward. Taken from
-    the group's largest rank share, so each chunk holds at most ``micro_batch`` samples.
+    The same on every rank of the group, as sharded models (FSDP) run collectives inside it at
+    every forward and backward: taken from the group's largest rank share.
     """
     if plan.micro_batch is None or not key.contributes:
         return 1
@@ -201,8 +182,7 @@ def share(
     Args:
         plan: the layout.
         key: the step and its quorum.
-        group_rank: this rank inside its replica group (ranks that read the same data, e.g.
-            tensor-parallel peers, pass the same value).
+        group_rank: this rank inside its replica group (tensor-parallel peers pass the same).
         group_size: ranks of the group that split its share (its data-parallel degree).
         order: the plan's order, to reuse its cache (built from ``plan`` when None).
     """

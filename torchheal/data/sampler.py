@@ -1,8 +1,6 @@
 """DistributedSampler: one shard per (replica group, group rank) pair, the reference's lossy way.
 
-Each (replica group, group rank) pair reads its own shard, as if all ranks of all groups formed
-one data-parallel job. This is lossy by design: while a replica group is down, its shard of the
-data is skipped rather than redistributed.
+While a replica group is down, its shard of the data is skipped rather than redistributed.
 """
 
 from __future__ import annotations

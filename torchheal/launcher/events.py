@@ -1,8 +1,7 @@
 """Progress events that demo workers print and the launcher reads.
 
-Each event is one line on the worker's stdout: the marker ``@torchheal `` followed by a JSON
-object. Anything else a worker prints passes through untouched. Parsing is strict about the
-marker and lenient about the rest: a malformed event line is ignored rather than trusted.
+Each event is one stdout line: ``@torchheal `` and a JSON object. A malformed event line is
+ignored rather than trusted; other lines pass through untouched.
 """
 
 from __future__ import annotations
@@ -18,14 +17,8 @@ MARKER = "@torchheal "
 
 @dataclass(frozen=True)
 class Event:
-    """One progress report from a replica group.
-
-    Args:
-        kind: "start", "step", "quorum", "heal", "done" or "error".
-        group: replica group index (``REPLICA_GROUP_ID``).
-        time: wall-clock seconds when the worker emitted it.
-        fields: the event's other fields.
-    """
+    """One progress report from a replica group (``kind``: "start", "step", "quorum", "heal",
+    "done" or "error"; ``time``: the worker's wall clock; ``fields``: the rest)."""
 
     kind: str
     group: int

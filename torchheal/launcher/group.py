@@ -1,10 +1,7 @@
 """One start of one replica group: a torchrun-like job of K ranks on this machine.
 
-Each start (an *incarnation*) gets what torchrun's agent would give it: a fresh TCPStore hosted
-here (``TORCHELASTIC_USE_AGENT_STORE=True``) and torchrun's per-rank variables, plus
-``TORCHHEAL_LIGHTHOUSE``, ``REPLICA_GROUP_ID`` and ``NUM_REPLICA_GROUPS``. The store is fresh so
-a restarted group never finds the previous start's keys. The ranks' output is read by one
-thread per rank and queued to the launcher, tagged with group, incarnation and rank.
+Each start (an *incarnation*) gets torchrun's per-rank variables, torchheal's, and a fresh
+TCPStore hosted here, so a restarted group never finds the previous start's keys.
 """
 
 from __future__ import annotations
@@ -33,14 +30,7 @@ MARKER_ENV = "TORCHHEAL_LAUNCH_START"
 
 @dataclass(frozen=True)
 class OutputLine:
-    """One line a rank printed, or the end of its output (``text`` None: it is exiting).
-
-    Args:
-        group: replica group index.
-        incarnation: which start of the group (1 for the first).
-        rank: the rank in its group.
-        text: the line without its newline, or None at the end of the output.
-    """
+    """One line a rank printed, or the end of its output (``text`` None: it is exiting)."""
 
     group: int
     incarnation: int
@@ -62,21 +52,8 @@ def rank_env(
     run_id: str,
     marker: str = "",
 ) -> dict[str, str]:
-    """The environment of one rank, as torchrun would set it, plus torchheal's variables.
-
-    Args:
-        base: the environment to start from (the launcher's, plus the user's extras).
-        group: the replica group index (``REPLICA_GROUP_ID``).
-        replicas: how many groups the job has (``NUM_REPLICA_GROUPS``).
-        rank: the rank in its group (``RANK`` and ``LOCAL_RANK``: one node per group).
-        nproc: ranks per group (``WORLD_SIZE`` and ``LOCAL_WORLD_SIZE``).
-        master_addr: the host of the group's TCPStore.
-        master_port: its port.
-        lighthouse: the lighthouse address.
-        restart_count: how many times this group was restarted before this start.
-        run_id: names the job (``TORCHELASTIC_RUN_ID``).
-        marker: the value of :data:`MARKER_ENV`, which tells this start's processes apart.
-    """
+    """The environment of one rank, as torchrun would set it (one node per group), plus
+    torchheal's variables; ``marker`` is this start's :data:`MARKER_ENV` value."""
     env = common_env(base, nproc)
     env.update(
         {
@@ -105,12 +82,7 @@ def rank_env(
 
 
 def common_env(base: Mapping[str, str], nproc: int) -> dict[str, str]:
-    """What every rank's environment holds whatever its group and rank (a warm spare's).
-
-    Args:
-        base: the environment to start from.
-        nproc: ranks per group.
-    """
+    """What every rank's environment holds whatever its group and rank (a warm spare's)."""
     env = {**base, "PYTHONUNBUFFERED": "1"}
     # torchrun does the same: K ranks each using every core would oversubscribe the machine.
     if nproc > 1:
@@ -119,21 +91,10 @@ def common_env(base: Mapping[str, str], nproc: int) -> dict[str, str]:
 
 
 class GroupStart:
-    """Starts one incarnation of a replica group: its store, then its K ranks.
+    """Starts one incarnation (1, 2, ...) of a replica group: its store, then its K ranks.
 
-    Args:
-        group: the replica group index.
-        incarnation: 1 for the first start, then 2, 3, ...
-        command: argv of every rank.
-        nproc: ranks in the group.
-        replicas: groups in the job.
-        lighthouse: the lighthouse address.
-        base_env: the environment every rank starts from.
-        lines: where output lines go.
-        run_id: the job's name.
-        host: the address the ranks reach the store at.
-        spawn: starts one rank from (argv, env) with its output piped (a warm spare pool's
-            ``spawn``); None: an ordinary process.
+    Each rank's output is read by a thread of its own and put on ``lines``. ``spawn`` starts
+    one rank from (argv, env) with its output piped (a warm spare pool's); None: ``Popen``.
     """
 
     def __init__(
@@ -158,8 +119,7 @@ class GroupStart:
         self.exit_codes: dict[int, int] = {}
         # rank -> when its exit was first noticed by polling (its output may still be open).
         self.exit_seen: dict[int, float] = {}
-        # Unique to this start, not only to the job's name: a second launcher on this machine
-        # whose job has the same name must not find its processes in ours when we end them.
+        # Unique per start: another launcher's job of the same name must not match ours.
         self.marker = f"{run_id}/{group}/{incarnation}/{uuid.uuid4().hex}"
         self._store = _host_store(host)
         self.store_address = f"{host}:{self._store.port}"
@@ -192,19 +152,13 @@ class GroupStart:
             self.close()
             raise
 
-    @property
-    def port(self) -> int:
-        """The port of this incarnation's TCPStore (``MASTER_PORT``)."""
-        return int(self._store.port)
-
     def running(self) -> list[int]:
         """Ranks whose process has not exited yet."""
         return [r for r, p in enumerate(self.procs) if p.poll() is None]
 
     def kill(self) -> None:
         """SIGKILLs every rank and everything they started (see ``proctree``)."""
-        # Exited ranks are reaped already (their pids may name others now): only the live
-        # ones are roots; what the dead ones started is found by the marker.
+        # Exited ranks are reaped (their pids may be reused): the marker finds their children.
         kill_trees([p.pid for p in self.procs if p.poll() is None], (MARKER_ENV, self.marker))
 
     def reap(self, timeout: float = 30.0) -> None:
@@ -218,15 +172,11 @@ class GroupStart:
 
     def close(self) -> None:
         """Stops the group's store (after its ranks are gone)."""
-        self._store = _Closed(self._store.port)
+        self._store = None
 
 
 def describe_exit(code: int) -> str:
-    """``exit code 3`` or ``signal SIGKILL`` for a process's return code.
-
-    Args:
-        code: the return code (negative: the signal that ended it).
-    """
+    """``exit code 3`` or ``signal SIGKILL`` for a process's return code."""
     if code < 0:
         try:
             return f"signal {signal.Signals(-code).name}"
@@ -263,10 +213,3 @@ def _host_store(host: str) -> Any:
     import torch.distributed as dist
 
     return dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
-
-
-class _Closed:
-    """What is left of a store after :meth:`GroupStart.close`: its port, for messages."""
-
-    def __init__(self, port: int) -> None:
-        self.port = port

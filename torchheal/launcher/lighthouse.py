@@ -1,9 +1,7 @@
 """A lighthouse with its dashboard, run inside the launcher's process for a local job.
 
-``torchheal launch`` and ``torchheal demo`` start one so that a local job needs nothing else:
-the replica groups join it over loopback, and the dashboard (the same page, ``/metrics`` and
-``/api/status`` as ``torchheal lighthouse`` serves) shows the job while it runs. The launcher
-reads the dashboard's status document for its progress line and its report.
+``torchheal launch`` and ``torchheal demo`` start one so that a local job needs nothing else;
+the launcher reads the dashboard's status document for its progress line and report.
 """
 
 from __future__ import annotations
@@ -31,13 +29,11 @@ class LocalLighthouse:
         min_replicas: fewest replica groups a quorum needs.
         join_timeout_ms: how long the lighthouse waits for stragglers.
         heartbeat_timeout_ms: how long a silent group stays a member.
-        dashboard_port: the dashboard's port; 0 picks a free one; None tries 29511 and takes
-            a free one when that is busy.
+        dashboard_port: 0 picks a free port; None tries 29511, else a free one.
         token: the job token the dashboard's kill action needs (None: open).
-        host: the address both listen on (loopback by default: the dashboard's kill action is
-            open unless a token is set).
-        security: the job token and TLS settings of the lighthouse and of the dashboard's kill
-            calls (None: read from the environment here, once).
+        host: where both listen (loopback: the kill action is open without a token).
+        security: token and TLS settings of the lighthouse and the kill calls (None: from the
+            environment).
 
     Raises:
         RuntimeError: a port could not be bound.

@@ -1,12 +1,8 @@
 """Local launcher: run N replica groups of K ranks, inject failures, restart the dead.
 
-Used by ``torchheal launch`` and ``torchheal demo``. Each group is a torchrun-like job of K ranks
-(``group.py``). When any rank dies the launcher ends the whole group (``proctree.py``) and starts
-it again, as torchrun's ``--max_restarts`` would; failures are injected as SIGKILL to the whole
-group. A group that dies before committing its first step several starts in a row is
-crash-looping: the launcher stops and reports its last output lines. A start has committed once
-it reports a step (``events.py``) or the lighthouse's status shows it past its first step
-(without a status source, once it stayed up ``startup_grace_s``).
+When any rank dies the launcher ends its whole group (``proctree.py``) and starts it again, as
+torchrun's ``--max_restarts`` would. A group that dies several starts in a row before its first
+committed step is crash-looping: the launcher stops and reports its last output lines.
 """
 
 from __future__ import annotations
@@ -40,42 +36,34 @@ OUTPUT_GRACE_S = 0.5
 class Launcher:
     """Runs ``replicas`` replica groups of ``nproc_per_replica`` ranks each until all are done.
 
-    A group is done when it reports a ``done`` event or every rank exits with 0. When a rank
-    exits otherwise, the rest of its group is ended and the group is started again after
-    ``restart_delay_s`` - unless a group has already finished: the job's work is then done, a
-    restarted group would have no peer to heal from, so it stays down (``stopped``), and no
-    more failures are injected.
+    A group is done when it reports a ``done`` event or every rank exits with 0. Once a group
+    is done, a group that dies stays down (``stopped``): it would have no peer to heal from.
 
     Args:
         command: argv of every rank.
         replicas: number of replica groups.
-        lighthouse_addr: address of the lighthouse every group joins.
+        lighthouse_addr: the lighthouse every group joins.
         kill_plan: failure injection schedule.
         restart_delay_s: how long a dead group stays down before it is restarted.
         deadline_s: give up (and end every process) after this many seconds.
         on_event: called for each progress event (rank 0's), in arrival order.
-        on_output: called with (group, line) for every non-event output line; with several
-            ranks per group the line starts with ``[rank R] ``.
+        on_output: called with (group, line) for every other line (``[rank R] `` first when
+            a group has several ranks).
         on_kill: called with (group, reason) just before a failure is injected.
         env: extra environment for every rank.
         nproc_per_replica: ranks per replica group.
         max_startup_failures: give up when a group dies this many times in a row before its
             first committed step.
-        status: returns the lighthouse's status (the dashboard's document or
-            ``LighthouseServer.status()``), or None when it cannot be read; polled every
-            ``status_interval_s``.
+        status: returns the lighthouse's status document, or None when it cannot be read.
         on_status: called with each status document read.
         status_interval_s: how often ``status`` is polled.
-        startup_grace_s: without a ``status`` source, a start that stayed up this long counts
-            as having committed a step.
+        startup_grace_s: without ``status``, a start up this long counts as having committed.
         on_restart: called with (group, exit code) when a dead group is scheduled to restart.
         group_env: extra environment of one group's ranks (for example its metrics port).
-        warm_spares: groups' worth of warm spare processes kept for restarts, started once
-            every running group has committed a step (``spare.py``; 0: restarts start cold).
+        warm_spares: groups' worth of warm spares kept for restarts (0: restarts start cold).
         spare_preload: modules spares import besides ``spare.DEFAULT_PRELOAD``.
         base_env: the environment every rank starts from, before ``env`` (default: this
-            process's, as it is at each start). A command line's settings reach the ranks
-            here, never through this process's own environment.
+            process's); a command line's settings reach the ranks here.
     """
 
     def __init__(
@@ -148,8 +136,6 @@ class Launcher:
     def groups(self) -> dict[int, GroupProcess]:
         """Each group's history so far (read it from the thread that runs :meth:`run`)."""
         return self._groups
-
-    # -- starting and ending groups ------------------------------------------------------
 
     def _start(self, g: GroupProcess) -> None:
         g.killed = False
@@ -241,8 +227,6 @@ class Launcher:
         self._on_restart(g.group, code)
         return time.time() + self._restart_delay_s
 
-    # -- the run ---------------------------------------------------------------------------
-
     def _poll_status(self) -> None:
         assert self._status is not None
         try:
@@ -298,11 +282,9 @@ class Launcher:
             restart_at[g.group] = when
 
     def _check_exits(self, now: float, restart_at: dict[int, float]) -> None:
-        """Notice ranks that exited while something they started still holds their output.
+        """Notice ranks that exited while a child they left behind still holds their output.
 
-        The end of a rank's output normally says it exited, but a child it left behind (in a
-        session of its own, say) keeps the pipe open; so exits are also polled. The output's
-        end is given a moment to arrive first, so the last lines (a traceback) are not lost.
+        The output's end is given a moment to arrive first, so a last traceback is not lost.
         """
         for g in self._groups.values():
             start = g.current
@@ -329,9 +311,8 @@ class Launcher:
             for g in self._groups.values():
                 self._start(g)
             if can_preload_idle():
-                # The spares' imports run beside the groups' start-up on CPU they leave idle
-                # (most of a GPU node's cores), so a failure soon after the start finds them
-                # ready. A spare that cannot preload idle waits until the job trains (below).
+                # Spares import at idle priority beside the groups' start-up, so an early
+                # failure finds them ready; otherwise they wait until the job trains (below).
                 self._spares.fill()
             while self._error is None and not all(
                 g.done or g.stopped for g in self._groups.values()
@@ -346,16 +327,15 @@ class Launcher:
                         if victim is not None:
                             self._kill(victim, f"timer ({self._plan.every_s}s)")
                         next_timer_kill = now + (self._plan.every_s or 0)
-                    # else the kill waits for the victim's first commit of this start: a group
-                    # killed while still starting (importing torch, healing) exercises no
-                    # recovery, and a timer shorter than a start would keep it from ever training.
+                    # else wait for the victim's first commit: a kill while it starts exercises
+                    # no recovery, and a short timer would keep it from ever training.
                 for group, when in list(restart_at.items()):
                     if self._finished():  # the job ended while this group was down
                         del restart_at[group]
                         self._groups[group].stopped = True
                     elif now >= when and not self._spares.preparing():
-                        # (A spare on its way is waited for here, not in spawn: the loop goes
-                        # on, so a job that ends meanwhile restarts nobody.)
+                        # A spare on its way is waited for here, not in spawn, so a job that
+                        # ends meanwhile restarts nobody.
                         del restart_at[group]
                         self._start(self._groups[group])
                 if all(g.done or g.stopped or g.stepped for g in self._groups.values()):

@@ -1,14 +1,10 @@
 """Ending a replica group: every process it started, wherever it went.
 
-A rank's process may start others (a shell script, torchrun and its workers, data loader
-workers), and some of them leave its session (torchrun starts each worker in a session of its
-own), so neither killing the pid nor its process group is enough; and a process whose parent
-died is adopted by init, so it is no longer anyone's descendant. On Linux the launcher therefore
-finds a group's processes two ways, in ``/proc``: the descendants of its ranks, and every
-process whose environment carries the group start's marker variable (inherited by whatever the
-ranks start). It stops them all with SIGSTOP (a stopped process cannot fork a child we would
-miss), looks again until no new one appears, then SIGKILLs the lot. Elsewhere it falls back to
-the pids and their own process groups.
+A rank's children may leave its session (torchrun's workers do) or be adopted by init when
+their parent dies, so neither the pid nor its process group is enough. On Linux the group's
+processes are found in ``/proc`` as the ranks' descendants plus every process carrying the
+start's marker variable; they are SIGSTOPped (a stopped process cannot fork one we would miss)
+until no new one appears, then SIGKILLed. Elsewhere: the pids and their own process groups.
 """
 
 from __future__ import annotations
@@ -34,8 +30,7 @@ def _parents() -> dict[int, list[int]]:
             stat = (entry / "stat").read_text()
         except OSError:
             continue  # it ended while we looked
-        # "pid (comm) state ppid ...": comm may hold spaces and parentheses, so split after
-        # the last ")".
+        # "pid (comm) state ppid ...": comm may hold spaces and ")", so split after the last.
         fields = stat[stat.rfind(")") + 2 :].split()
         if len(fields) < 2:
             continue
@@ -44,14 +39,7 @@ def _parents() -> dict[int, list[int]]:
 
 
 def descendants(pids: Iterable[int]) -> set[int]:
-    """Every live descendant of ``pids`` (not the pids themselves), from ``/proc``.
-
-    Args:
-        pids: the roots.
-
-    Returns:
-        The descendants' pids; empty where ``/proc`` does not exist.
-    """
+    """Every live descendant of ``pids`` (not the pids themselves); empty without ``/proc``."""
     if not _PROC.is_dir():
         return set()
     children = _parents()
@@ -66,15 +54,8 @@ def descendants(pids: Iterable[int]) -> set[int]:
 
 
 def marked(name: str, value: str) -> set[int]:
-    """Live processes (of this user) started with ``name=value`` in their environment.
-
-    Args:
-        name: the variable.
-        value: its value.
-
-    Returns:
-        Their pids, never this process's; empty where ``/proc`` does not exist.
-    """
+    """Pids of live processes (this user's, not this one) with ``name=value`` in their
+    environment; empty without ``/proc``."""
     if not _PROC.is_dir():
         return set()
     wanted = f"{name}={value}".encode()
@@ -103,17 +84,13 @@ def _signal(pid: int, sig: int) -> bool:
 def kill_trees(
     pids: Iterable[int], marker: tuple[str, str] | None = None, rounds: int = 20
 ) -> set[int]:
-    """SIGKILL ``pids`` and every process they started, in any session.
+    """SIGKILL ``pids`` and every process they started, in any session; returns the pids
+    signalled.
 
     Args:
-        pids: the roots (processes this launcher started; they must not be reaped yet, so
-            their pids still name them).
-        marker: ``(variable, value)`` every process of the group inherited: finds those that
-            init adopted after their parent died.
+        pids: the roots, not reaped yet (so their pids still name them).
+        marker: ``(variable, value)`` every process of the group inherited.
         rounds: how many times to look for processes that appeared while stopping the others.
-
-    Returns:
-        Every pid that was signalled.
     """
     roots = [p for p in pids if p > 0]
     if not _PROC.is_dir():

@@ -1,17 +1,9 @@
 """What the launcher tells its user while a job runs and when it ends, read from the lighthouse.
 
-The launcher does not know what a training script prints, but the lighthouse knows every
-group's step: the dashboard's status document (``GET /api/status``, see ``docs/dashboard.md``)
-says which groups are in the quorum, at which step, how fast the job goes and what each failure
-cost. From it come:
-
-* :class:`FirstSteps` (pure) - which group starts have committed their first step, matched by
-  the address of the TCPStore the launcher gave each start (the lighthouse sees it in every
-  quorum request); a group that keeps dying before that is crash-looping.
-* :func:`progress_line` (pure) - the one-line summary shown while the job runs.
-* :func:`render_report` (pure) - the closing report.
-* :class:`LiveLine` - keeps the progress line at the bottom of a terminal while the groups'
-  output scrolls above it (on a pipe it prints the line every few seconds instead).
+The launcher does not know what a training script prints, but the dashboard's status document
+(``GET /api/status``, ``docs/dashboard.md``) knows every group's step. From it, all pure:
+:class:`FirstSteps` (which starts committed a first step), :func:`progress_line` and
+:func:`render_report`. :class:`LiveLine` keeps the progress line below the groups' output.
 """
 
 from __future__ import annotations
@@ -37,12 +29,8 @@ __all__ = [
 
 
 def fetch_status(url: str, timeout: float = 2.0) -> Callable[[], dict[str, Any] | None]:
-    """A function that reads a dashboard's status document (None when it cannot be read).
-
-    Args:
-        url: the dashboard's base URL, e.g. ``http://127.0.0.1:29511/``.
-        timeout: seconds to wait for each answer.
-    """
+    """A function that reads the status document of the dashboard at base ``url`` (None when
+    it cannot be read)."""
     endpoint = url.rstrip("/") + "/api/status"
 
     def read() -> dict[str, Any] | None:
@@ -57,11 +45,8 @@ def fetch_status(url: str, timeout: float = 2.0) -> Callable[[], dict[str, Any] 
 
 
 def quorum_members(doc: Mapping[str, Any]) -> list[tuple[str, int]]:
-    """``(store address, step)`` of each member of the current quorum.
-
-    Args:
-        doc: the dashboard's status document, or ``LighthouseServer.status()``.
-    """
+    """``(store address, step)`` of each member of the current quorum, from the dashboard's
+    status document or ``LighthouseServer.status()``."""
     quorum = doc.get("quorum")
     if isinstance(quorum, Mapping):
         members = quorum.get("members") or []
@@ -77,9 +62,9 @@ def quorum_members(doc: Mapping[str, Any]) -> list[tuple[str, int]]:
 class FirstSteps:
     """Learns which group starts have committed a step, from the quorums they are seen in.
 
-    A start is first seen at the step it asked to join with (0, or its old step before it
-    heals); any later quorum showing it at a higher step means it committed. Starts are told
-    apart by their store address, which the launcher makes unique per start.
+    A start is first seen at the step it joined with (0, or its old step before it heals); a
+    later quorum showing it higher means it committed. Starts are told apart by their store
+    address, which the launcher makes unique per start.
     """
 
     def __init__(self) -> None:
@@ -87,30 +72,18 @@ class FirstSteps:
         self._stepped: set[str] = set()
 
     def observe(self, members: Iterable[tuple[str, int]]) -> None:
-        """Take in one quorum's members.
-
-        Args:
-            members: ``(store address, step)`` pairs (:func:`quorum_members`).
-        """
+        """Take in one quorum's ``(store address, step)`` pairs (:func:`quorum_members`)."""
         for address, step in members:
             first = self._first.setdefault(address, step)
             if step > first:
                 self._stepped.add(address)
 
     def stepped(self, store_address: str) -> bool:
-        """Whether the start with this store address has committed a step.
-
-        Args:
-            store_address: ``host:port`` of the start's store.
-        """
+        """Whether the start with this store address has committed a step."""
         return store_address in self._stepped
 
     def forget(self, store_address: str) -> None:
-        """Drop what is known about an ended start (keeps the maps bounded).
-
-        Args:
-            store_address: ``host:port`` of the start's store.
-        """
+        """Drop what is known about an ended start (keeps the maps bounded)."""
         self._first.pop(store_address, None)
         self._stepped.discard(store_address)
 
@@ -123,7 +96,7 @@ class GroupReport:
         group: the group index.
         starts: how many times it was started.
         kills: failures injected into it.
-        crashes: times it died on its own (not killed by the launcher).
+        crashes: times it died on its own.
         done: it finished its work.
         stopped: it died after another group had finished, and was not restarted.
     """
@@ -143,14 +116,7 @@ def _rate(value: Any) -> str:
 def progress_line(
     doc: Mapping[str, Any] | None, elapsed_s: float, groups: int, restarts: int
 ) -> str:
-    """The line shown while the job runs.
-
-    Args:
-        doc: the latest status document (None: the lighthouse could not be read).
-        elapsed_s: seconds since the launch.
-        groups: replica groups in the job.
-        restarts: group restarts so far.
-    """
+    """The line shown while the job runs (``doc`` None: the lighthouse could not be read)."""
     head = f"[launch {elapsed_s:6.1f}s]"
     if doc is None:
         return f"{head} waiting for the lighthouse's status"
@@ -179,17 +145,8 @@ def render_report(
     error: str | None,
     finished: bool = False,
 ) -> str:
-    """The closing report of a launch.
-
-    Args:
-        doc: the last status document (None: the lighthouse could not be read).
-        groups: what the launcher saw of each group.
-        wall_s: the launch's duration.
-        error: why the launch gave up, if it did.
-        finished: every group finished its work: then groups that fell silent without the
-            others going on without them, or that said goodbye and never came back, were
-            leaving at the end, not failing.
-    """
+    """The closing report of a launch (``doc`` None: the lighthouse could not be read;
+    ``finished``: the job's work is done, so groups that left at the end are not failures)."""
     lines = ["", "== torchheal launch summary =="]
     job = (doc or {}).get("job") or {}
     failures = [f for f in (doc or {}).get("failures") or [] if not (finished and _left_at_end(f))]
@@ -220,9 +177,9 @@ def render_report(
 
 
 def _left_at_end(f: Mapping[str, Any]) -> bool:
-    """In a job whose groups finished, whether this "failure" was a group ending its work:
-    nobody went on without it, or it said goodbye itself and never came back (a group that
-    started later than the others trains on after it, so they go on without it)."""
+    """In a finished job, whether this "failure" was a group ending its work: nobody went on
+    without it, or it said goodbye and never came back (a late starter trains on after the
+    others finish, which reads as going on without them)."""
     if f.get("went_on") is None:
         return True
     said_goodbye = str(f.get("cause", "")).startswith("left")
@@ -246,13 +203,9 @@ def _failure_story(f: Mapping[str, Any]) -> str:
 class LiveLine:
     """Prints output lines with a progress line kept below them.
 
-    On a terminal the progress line is redrawn in place; anywhere else it is printed as an
-    ordinary line at most every ``every_s`` seconds, so logs stay readable.
-
-    Args:
-        stream: where to write (default stdout).
-        every_s: the interval between progress lines when not on a terminal.
-        clock: returns the time (tests pass their own).
+    On a terminal the progress line is redrawn in place; elsewhere it is printed as an
+    ordinary line at most every ``every_s`` seconds, so logs stay readable (``clock``: for
+    tests).
     """
 
     def __init__(
@@ -270,11 +223,7 @@ class LiveLine:
         self._last_print: float | None = None
 
     def print(self, text: str) -> None:
-        """Print one ordinary line.
-
-        Args:
-            text: the line, without a newline.
-        """
+        """Print one ordinary line (``text`` without its newline)."""
         if self._tty and self._shown:
             self._stream.write("\r\033[K")
         self._stream.write(text + "\n")
@@ -284,11 +233,7 @@ class LiveLine:
         self._stream.flush()
 
     def status(self, text: str) -> None:
-        """Show ``text`` as the progress line.
-
-        Args:
-            text: the progress line.
-        """
+        """Show ``text`` as the progress line."""
         self._status = text
         if self._tty:
             self._stream.write("\r\033[K" + text)

@@ -1,9 +1,4 @@
-"""What a launcher run is told and what it records: the kill plan, each group's history, the result.
-
-:class:`KillPlan` says when ``Launcher`` injects failures; :class:`GroupProcess` is one replica
-group's starts, kills and exits; :class:`RunResult` is everything a run produced, for summaries,
-reports and tests.
-"""
+"""What a launcher run is told and what it records: the kill plan, each group's history, the result."""
 
 from __future__ import annotations
 
@@ -22,14 +17,12 @@ class KillPlan:
     """When to inject failures.
 
     Args:
-        every_s: kill a group every this many seconds (None: never on a timer). A kill that
-            falls due while its victim has not yet committed a step since its last start waits
-            for that step.
-        at_step: kill once, as soon as a group reports this committed step and every group
-            has committed a step of its own: on a busy machine a group may start late, and a
-            failure before the whole job trains shows nothing (None: never).
-        victims: groups that may be killed, taken in turn. Group 0 is spared by default so the
-            job always keeps one group that has never failed.
+        every_s: kill a group every this many seconds (None: never on a timer); a kill due
+            before its victim committed a step since its last start waits for that step.
+        at_step: kill once, when a group reports this committed step and every group has
+            committed one (a failure before the whole job trains shows nothing; None: never).
+        victims: groups that may be killed, in turn (default: all but group 0, so the job
+            keeps one group that never failed).
         max_kills: stop injecting after this many kills.
     """
 
@@ -48,16 +41,15 @@ class GroupProcess:
         proc: rank 0's process of the current (or last) start.
         starts: wall-clock time of each start.
         kills: wall-clock time of each injected failure.
-        exit_codes: one per ended start: the first non-zero exit code among its ranks (a
-            negative number is the signal that ended it), or 0 when every rank exited cleanly.
+        exit_codes: per ended start, the first non-zero exit code among its ranks (negative:
+            a signal), or 0.
         done: the group finished its work (it is not restarted).
-        crashes: starts that died on their own (not killed by the launcher).
+        crashes: starts that died on their own.
         startup_failures: crashes in a row before a first committed step.
         store_addresses: the TCPStore address of each start.
         done_at: when it finished.
-        stopped: it died after another group had finished the job's work, so it was not
-            restarted (it would have had no peer to heal from, and nothing left to do).
-        warm_starts: restarts whose every rank began in a warm spare (``spare.py``).
+        stopped: it died after another group had finished, so it was not restarted.
+        warm_starts: restarts whose every rank began in a warm spare.
     """
 
     group: int
@@ -88,7 +80,7 @@ class RunResult:
     """Everything a run produced, for summaries and tests.
 
     Args:
-        events: the progress events the groups reported, in arrival order.
+        events: the progress events, in arrival order.
         groups: each group's history.
         started: wall-clock start.
         ended: wall-clock end.

@@ -1,18 +1,11 @@
 """Warm spares: processes that have already imported torch, waiting to become a restarted rank.
 
-A restarted group loses seconds to interpreter start and imports before any library code runs;
-a launcher can pay that before the failure. :class:`SparePool` keeps ``size`` spares
-(``python -m torchheal.launcher.spare_child``) that import the ``preload`` modules and wait.
-:meth:`SparePool.spawn` hands one the rank's argv, environment and working directory (one JSON
-line on its stdin) and returns the spare's own :class:`subprocess.Popen`, which from then on is
-the rank. Without a usable spare (``spare_command.py`` says when) it starts the command cold.
-
-Start the pool with the ranks' base environment, so only per-rank variables differ. A taken
-spare's environment carries ``TORCHHEAL_WARM_SPARE=1``. On Linux spares are forked from one
-preloaded *template* (:mod:`~torchheal.launcher.spare_template`,
-:mod:`~torchheal.launcher.spare_fork`), so a refill costs milliseconds, not an ``import torch``.
-
-Standard library only; nothing is pickled (JSON on a pipe).
+A restarted group loses seconds to interpreter start and imports; a launcher can pay that
+before the failure. :meth:`SparePool.spawn` hands a spare the rank's argv, environment and
+working directory (one JSON line on its stdin) and returns the spare's :class:`subprocess.Popen`,
+which from then on is the rank; without a usable spare (``spare_command.py``) it starts cold.
+On Linux spares are forked from one preloaded template (``spare_fork.py``), so a refill costs
+milliseconds, not an ``import torch``. Nothing is pickled.
 """
 
 from __future__ import annotations
@@ -47,11 +40,9 @@ __all__ = ["DEFAULT_PRELOAD", "WARM_ENV", "SparePool"]
 
 logger = logging.getLogger(__name__)
 
-#: Set to "1" in the environment of a rank that started from a warm spare (a rank reads it as
-#: ``LauncherEnv.warm_spare``).
+#: Set to "1" in the environment of a rank that started from a warm spare.
 WARM_ENV = WARM_SPARE_ENV
-#: What a spare imports by default: torch, its distributed package, its compiler stack (the
-#: first optimizer a script builds imports it), and torchheal's training modules.
+#: What a spare imports by default (``torch._dynamo``: the first optimizer built imports it).
 DEFAULT_PRELOAD = (
     "torch",
     "torch.distributed",
@@ -72,21 +63,17 @@ class SparePool:
     """Keeps ``size`` warm spares for one Python command, and starts ranks from them.
 
     Args:
-        command: the command the ranks run (only its interpreter and options matter: the
-            spares are started with them).
-        size: how many spares to keep (0: none; :meth:`spawn` always starts cold).
-        env: the environment spares start with: the ranks' base environment (see the module
-            docstring for why it must match in the variables read at start-up).
+        command: the ranks' command (only its interpreter and options matter).
+        size: how many spares to keep (0: :meth:`spawn` always starts cold).
+        env: the ranks' base environment, so that only per-rank variables differ.
         cwd: the working directory spares start in, and ranks run in unless told otherwise.
-        preload: modules a spare imports before it waits (a module that fails to import is
-            skipped with a warning: the script meets the same error itself if it needs it).
+        preload: modules a spare imports before it waits (one that fails is skipped with a
+            warning: the script meets the error itself if it needs it).
         stdout: where ranks' output goes (as :class:`subprocess.Popen`'s argument).
         stderr: where ranks' errors go.
         start_new_session: start every rank (and spare) in a session of its own.
-        fork: fork spares from one template process that imported ``preload`` once
-            (``spare_template.py``) instead of starting each as a fresh interpreter that imports
-            it again. Default: where the platform can (Linux). A refill after a restart then
-            costs milliseconds of CPU instead of seconds taken from the groups still training.
+        fork: fork spares from one template that imported ``preload`` once (default: where
+            the platform can, Linux) instead of starting fresh interpreters.
     """
 
     def __init__(
@@ -138,13 +125,11 @@ class SparePool:
         """Spares are kept (a Python command, size > 0, and spares have not kept dying)."""
         return bool(self.size) and self._python is not None and self._failures < MAX_SPARE_FAILURES
 
-    # -- spares ------------------------------------------------------------------------------
-
     def fill(self) -> int:
         """Starts spares until ``size`` are alive; returns how many processes it started.
 
-        With ``fork``, the first call starts the template (counted) and returns; the spares are
-        forked by the calls made once it has finished its imports (:meth:`wait_ready` waits).
+        With ``fork``, the first call starts the template (counted); later calls fork spares
+        once it has finished its imports.
         """
         self._drop_dead()
         if not self._fork:
@@ -184,10 +169,8 @@ class SparePool:
     def preparing(self) -> bool:
         """A rank is due and a spare is on its way: the template still imports.
 
-        Hurries the template (every thread back to normal priority) the first time. A caller
-        with other work (the launcher's loop) polls this and starts the rank once it is False:
-        :meth:`spawn` then forks it, or starts it cold when the template is gone or has been
-        hurried for ``HURRY_TIMEOUT_S``. :meth:`spawn` itself waits instead.
+        Hurries the template the first time. A caller with other work polls this and spawns
+        once it is False (after ``HURRY_TIMEOUT_S`` :meth:`spawn` starts cold).
         """
         template = self._template
         if not self.enabled or template is None or template.ready is not None:
@@ -203,8 +186,7 @@ class SparePool:
         return HURRY_TIMEOUT_S - (now - self._hurried_at)
 
     def _fork_when_ready(self) -> SpareProcess | None:
-        """A rank comes while the template still imports: it finishes them at normal priority,
-        and the rank starts in a fork of it (sooner than a cold start, which imports it all)."""
+        """A fork once the hurried template finishes its imports (sooner than a cold start)."""
         template = self._template
         if template is None or template.ready is not None or not template.alive():
             return None
@@ -250,14 +232,9 @@ class SparePool:
         return spare.ready
 
     def wait_ready(self, timeout: float) -> bool:
-        """Waits until every spare has finished preloading (with ``fork``: until the template
-        has, then forks the spares).
-
-        Returns False when ``timeout`` ran out, a spare died first, or there is none.
-
-        Args:
-            timeout: seconds to wait at most.
-        """
+        """Waits up to ``timeout`` s until every spare (with ``fork``: the template, then
+        forks the spares) has finished preloading; False when time ran out, a spare died
+        first, or there is none."""
         deadline = time.monotonic() + timeout
         if self._fork:
             if self._template is None or not self._template.wait_ready(timeout):
@@ -282,8 +259,7 @@ class SparePool:
 
     @property
     def template_pid(self) -> int | None:
-        """The pid of the template spares are forked from (None without ``fork``, or before
-        :meth:`fill` started it)."""
+        """The pid of the template spares are forked from (None when there is none)."""
         return None if self._template is None else self._template.pid
 
     @property
@@ -325,21 +301,11 @@ class SparePool:
             self._warned.add(text)
             logger.warning(text)
 
-    # -- starting ranks ----------------------------------------------------------------------
-
     def spawn(
         self, argv: Sequence[str], env: Mapping[str, str], cwd: str | None = None
     ) -> subprocess.Popen[str]:
-        """Starts a rank: hands it to a spare when one fits, else starts it cold.
-
-        Args:
-            argv: the rank's command.
-            env: its whole environment.
-            cwd: its working directory (default: the pool's).
-
-        Returns:
-            The rank's process: a :class:`SpareProcess` when it started warm.
-        """
+        """Starts a rank from its command, whole environment and working directory (default:
+        the pool's): in a spare when one fits (a :class:`SpareProcess`), else cold."""
         workdir = cwd or self._cwd or os.getcwd()
         command = parse_python_command(argv)
         reason = self._unfit(command, env)
@@ -378,13 +344,7 @@ class SparePool:
     def cold_start(
         self, argv: Sequence[str], env: Mapping[str, str], cwd: str | None = None
     ) -> subprocess.Popen[str]:
-        """Starts a rank the ordinary way, with the pool's pipes and session setting.
-
-        Args:
-            argv: the rank's command.
-            env: its environment.
-            cwd: its working directory (default: the pool's).
-        """
+        """Starts a rank the ordinary way, with the pool's pipes and session setting."""
         return subprocess.Popen(
             list(argv),
             env=dict(env),

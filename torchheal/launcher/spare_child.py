@@ -2,17 +2,12 @@
 
     python [options] -m torchheal.launcher.spare_child --ready-fd N [--preload MOD ...]
 
-Started by :class:`torchheal.launcher.spare.SparePool`. It imports the ``--preload`` modules,
-writes one JSON line on file descriptor ``N`` (``{"ready": true, "missing": [...], "s":
-seconds}``), then reads the hand-over from stdin (``{"kind": "path"|"module", "target": ...,
-"argv": [...], "env": {...}, "cwd": ...}``), takes on the working directory, environment, stdin
-(``/dev/null``), ``sys.argv`` and ``sys.path[0]``, and runs the script as ``__main__``. From
-there it *is* the rank: same pid, same exit status, same output pipe.
-
-Only JSON crosses the pipe; ``-c CODE`` is never handed over (it would mean ``exec``). The
-preload runs at idle CPU priority (:mod:`torchheal.launcher.spare_priority`); a small thread
-restores normal priority as soon as a hand-over is readable, so a spare taken early does not
-starve.
+It imports the ``--preload`` modules (at idle CPU priority, ``spare_priority.py``), writes
+``{"ready": true, "missing": [...], "s": seconds}`` on fd ``N``, then reads the hand-over from
+stdin (``{"kind": "path"|"module", "target": ..., "argv": [...], "env": {...}, "cwd": ...}``),
+takes on its directory, environment, stdin, ``sys.argv`` and ``sys.path[0]``, and runs the
+script as ``__main__``: from there it *is* the rank (same pid, exit status and output pipe).
+Only JSON crosses the pipe; ``-c CODE`` is never handed over (it would mean ``exec``).
 """
 
 from __future__ import annotations
@@ -76,20 +71,16 @@ def _handover(raw: bytes) -> dict[str, Any]:
 
 
 def take_environment(env: Mapping[str, str]) -> None:
-    """Replaces this process's environment with ``env``: a warm spare becoming a rank.
+    """Replaces this process's environment with the rank's whole ``env``.
 
-    The one write of ``os.environ`` in torchheal: this process *is* the rank from here on, and
-    its script and every process it starts read their settings from it.
-
-    Args:
-        env: the rank's whole environment.
+    The one write of ``os.environ`` in torchheal: this process *is* the rank from here on.
     """
     os.environ.clear()
     os.environ.update(env)
 
 
 def _become(msg: dict[str, Any]) -> None:
-    """Takes on the rank's identity (see the module docstring for the order and why)."""
+    """Takes on the rank's identity (see the module docstring)."""
     os.chdir(msg["cwd"])
     take_environment(msg["env"])
     devnull = os.open(os.devnull, os.O_RDONLY)
@@ -154,11 +145,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def serve(priority: Priority) -> None:
-    """Waits for the hand-over on stdin, then becomes the rank and runs its script; exits.
-
-    Args:
-        priority: this spare's priority, given back at the hand-over.
-    """
+    """Waits for the hand-over on stdin, then becomes the rank and runs its script; exits."""
     try:
         raw = _read_line(0)
     except KeyboardInterrupt:

@@ -1,11 +1,9 @@
 """Which ranks a warm spare can become: the command as Python reads it, and start-up variables.
 
-A spare runs the rank's script or module (never ``-c CODE``) in an interpreter started earlier,
-so the rank must use the same interpreter and options (:func:`parse_python_command`,
-:func:`resolve_interpreter`). Variables read once at start-up or import (``PYTHON*``, the locale,
-``LD_*``, the thread pools' ``OMP_*``/``MKL_*``/..., a few of torch's) cannot be changed later,
-so a rank whose environment differs in any of them (:func:`startup_differences`) starts cold.
-Variables read lazily (``CUDA_VISIBLE_DEVICES``, ``NCCL_*``, ``TORCHHEAL_*``) are taken on.
+A spare runs the rank's script or module in an interpreter started earlier, so the rank must
+use the same interpreter and options. Variables read once at start-up or import (``PYTHON*``,
+locale, ``LD_*``, thread pools', a few of torch's) cannot change later: a rank whose
+environment differs in one starts cold. Those read lazily (``NCCL_*``, ...) are taken on.
 """
 
 from __future__ import annotations
@@ -41,7 +39,7 @@ class PythonCommand:
 
     Args:
         interpreter: the interpreter and its options (``python -u -X dev``).
-        kind: "path" (a script), "module" (``-m``) or "code" (``-c``: never handed to a spare).
+        kind: "path" (a script), "module" (``-m``) or "code" (``-c``).
         target: the script's path, the module or the code.
         args: the arguments after it (``sys.argv[1:]``).
     """
@@ -55,11 +53,8 @@ class PythonCommand:
 def parse_python_command(argv: Sequence[str]) -> PythonCommand | None:
     """Splits ``argv`` when it runs a Python script, module or code; None otherwise.
 
-    Interpreter options other than simple flags, ``-W`` and ``-X`` (``-i``, ``-``, ``--long``
-    options...) give None too: such commands always start cold.
-
-    Args:
-        argv: the command.
+    Interpreter options other than simple flags, ``-W`` and ``-X`` give None too: such
+    commands always start cold.
     """
     if not argv or not _PYTHON.fullmatch(os.path.basename(argv[0])):
         return None
@@ -91,15 +86,8 @@ def parse_python_command(argv: Sequence[str]) -> PythonCommand | None:
 
 
 def startup_differences(spare_env: Mapping[str, str], env: Mapping[str, str]) -> list[str]:
-    """Variables read at start-up only whose values differ between a spare and a rank.
-
-    Args:
-        spare_env: the environment the spare started with.
-        env: the rank's.
-
-    Returns:
-        Their names, sorted; empty when the spare can become this rank.
-    """
+    """Sorted names of the start-up variables whose values differ between a spare's and a
+    rank's environment; empty when the spare can become this rank."""
     names = set(spare_env) | set(env)
     return sorted(
         n

@@ -1,10 +1,9 @@
 """The launcher's side of a spare template (:mod:`torchheal.launcher.spare_template`).
 
 :class:`SpareTemplate` starts the template, asks it for forks and collects its children's exit
-statuses (only their parent, the template, can). :class:`ForkedSpare` is a forked spare's
-handle: a :class:`subprocess.Popen` in all but its start, whose ``poll``/``wait`` read the
-status the template reported, so that the rest of the launcher treats it as any process it
-started. Linux only (``SOCK_SEQPACKET`` Unix sockets and ``SCM_RIGHTS``): :func:`supported`.
+statuses (only their parent can). :class:`ForkedSpare` is a :class:`subprocess.Popen` whose
+``poll``/``wait`` read those statuses, so the launcher treats it as any process it started.
+Linux only: :func:`supported`.
 """
 
 from __future__ import annotations
@@ -40,14 +39,7 @@ def supported() -> bool:
 
 
 class SpareTemplate:
-    """One template process: started at once, ready once its imports are done.
-
-    Args:
-        interpreter: the interpreter and its options.
-        preload: modules it imports before it forks anything.
-        env: its environment (the spares' base environment).
-        cwd: its working directory.
-    """
+    """One template process: started at once, ready once its ``preload`` imports are done."""
 
     def __init__(
         self,
@@ -58,8 +50,7 @@ class SpareTemplate:
         cwd: str | None,
     ) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        # Written by hurry(): a template that reads it after going idle goes back to normal,
-        # so a hurry() that came before it went idle is not lost.
+        # Written by hurry(), so a hurry() that comes before the template went idle is not lost.
         hurry_r, self._hurry_w = os.pipe()
         argv = [*interpreter, "-m", _TEMPLATE, "--control-fd", str(theirs.fileno())]
         argv += ["--hurry-fd", str(hurry_r)]
@@ -111,8 +102,8 @@ class SpareTemplate:
             return self.ready is not None
 
     def hurry(self) -> None:
-        """Puts every thread of the template back at normal CPU priority (a rank waits for its
-        imports: at idle priority they could starve on a busy machine)."""
+        """Puts every thread of the template back at normal CPU priority: a rank waits for its
+        imports, which could starve at idle priority."""
         if self._hurry_w >= 0:  # first: see the template's side
             with contextlib.suppress(OSError):
                 os.write(self._hurry_w, b"!")
@@ -251,8 +242,7 @@ class ForkedSpare(subprocess.Popen):  # type: ignore[type-arg]
         session: bool,
     ) -> ForkedSpare:
         """Forks a spare whose stdin is a pipe to us and whose output goes where ``stdout`` and
-        ``stderr`` say (as :class:`subprocess.Popen`'s arguments: ``PIPE``, ``STDOUT``,
-        ``DEVNULL``, None, a descriptor or a file)."""
+        ``stderr`` say (as :class:`subprocess.Popen`'s arguments)."""
         ours: list[int] = []  # our ends of pipes
         theirs: list[int] = []  # what the template receives (closed here once sent)
         try:

@@ -1,10 +1,7 @@
 """A warm spare's CPU priority: idle while it preloads, normal from the hand-over on.
 
-A spare (or the template the spares are forked from) imports at idle CPU priority (Linux
-``SCHED_IDLE``) where it may take its normal priority back: it then takes only CPU nobody else
-wants, instead of slowing the job for the seconds its imports take. Whether it may is probed
-first, on a throwaway thread: an unprivileged process with the default ``RLIMIT_NICE`` of 0
-cannot leave ``SCHED_IDLE``, and there the preload runs at normal priority.
+A spare (or template) imports at Linux ``SCHED_IDLE`` priority, taking only CPU nobody else
+wants, where it may take its normal priority back; elsewhere the preload runs at normal priority.
 """
 
 from __future__ import annotations
@@ -20,10 +17,8 @@ __all__ = ["Priority", "can_preload_idle", "may_leave_idle"]
 def may_leave_idle() -> bool:
     """Whether a thread of this process that goes ``SCHED_IDLE`` may take ``SCHED_OTHER`` back.
 
-    Linux lets a thread leave ``SCHED_IDLE`` only with ``CAP_SYS_NICE`` or an ``RLIMIT_NICE``
-    that allows its nice value: an unprivileged process with the default limit of 0 cannot.
-    Probed on a throwaway thread (the scheduling policy is per thread), so the caller's own
-    priority is never touched: a probe on the calling thread would leave it idle for good.
+    It needs ``CAP_SYS_NICE`` or a non-default ``RLIMIT_NICE``. Probed on a throwaway thread:
+    the policy is per thread, and a failed probe would leave the caller idle for good.
     """
     answer: list[bool] = []
 
@@ -55,8 +50,8 @@ class Priority:
 
     @classmethod
     def inherited(cls, idle: bool) -> Priority:
-        """The priority of a process forked from a spare template whose preload went ``idle``
-        (a fork keeps the scheduling policy of the thread that forked)."""
+        """The priority of a fork of a template whose preload went ``idle`` (a fork keeps the
+        forking thread's policy)."""
         priority = cls()
         priority.idle = idle
         priority._decided.set()

@@ -1,9 +1,7 @@
 """A warm spare's process: started fresh or forked from a template, and its ready line.
 
-A fresh spare runs ``python -m torchheal.launcher.spare_child`` and writes one JSON line on a
-pipe once it has preloaded (``{"ready": true, "missing": [...]}``); a forked one is ready from its
-start. Either is a :class:`subprocess.Popen` that becomes the rank's own process once handed over
-(``spare.py`` decides which spare, and when).
+A fresh spare writes one JSON line on a pipe once it has preloaded; a forked one is ready from
+its start. Either is a :class:`subprocess.Popen` that is the rank's own once handed over.
 """
 
 from __future__ import annotations
@@ -59,15 +57,8 @@ def start_fresh(
     cwd: str | None,
     popen: Mapping[str, Any],
 ) -> SpareProcess:
-    """Starts a spare as a fresh interpreter that imports ``preload``, then waits for a rank.
-
-    Args:
-        interpreter: the ranks' interpreter and its options.
-        preload: modules it imports before it waits.
-        env: the environment it starts with.
-        cwd: the directory it starts in.
-        popen: the pool's pipes and session setting (:class:`subprocess.Popen` arguments).
-    """
+    """Starts a spare as a fresh interpreter that imports ``preload``, then waits for a rank
+    (``popen``: the pool's pipes and session setting, as :class:`subprocess.Popen` arguments)."""
     read_fd, write_fd = os.pipe()
     argv = [*interpreter, "-m", _CHILD, "--ready-fd", str(write_fd)]
     for module in preload:
@@ -93,10 +84,8 @@ def start_fresh(
 def read_ready(spare: SpareProcess, timeout: float = 0.0) -> bool:
     """Reads a fresh spare's ready line if it is there (waiting up to ``timeout``).
 
-    Returns:
-        True when this call read a line saying the spare is ready; False when it was read
-        before, has not come yet, or says otherwise (the spare died or wrote garbage: it is
-        dropped when seen dead).
+    True only when this call read a line saying the spare is ready (one that died or wrote
+    garbage is dropped when seen dead).
     """
     if spare.ready or spare.ready_fd is None:
         return False
@@ -123,11 +112,7 @@ def close_ready(spare: SpareProcess) -> None:
 
 
 def started_warm(proc: subprocess.Popen[str]) -> bool:
-    """The process began as a warm spare (it was handed over, not started cold).
-
-    Args:
-        proc: a process :meth:`SparePool.spawn` returned.
-    """
+    """Whether a process :meth:`SparePool.spawn` returned began as a warm spare."""
     return isinstance(proc, SpareProcess) and proc.handed_over is not None
 
 

@@ -2,12 +2,9 @@
 
     python [options] -m torchheal.launcher.spare_template --control-fd N [--preload MOD ...]
 
-Started by :class:`torchheal.launcher.spare.SparePool` (launcher side:
-:mod:`torchheal.launcher.spare_fork`), so that refilling the pool does not pay ``import torch``
-again while groups recover. It preloads at idle CPU priority and says ``{"ready": ...}`` on the
-control socket (``SOCK_SEQPACKET``, one JSON object per message); if a fork would not be a
-faithful spare (the preload started a thread or initialized CUDA) it says ``"unforkable"`` and
-exits. Otherwise it serves:
+Launcher side: :mod:`torchheal.launcher.spare_fork`. It preloads at idle CPU priority and says
+``{"ready": ...}`` on the control socket (``SOCK_SEQPACKET``, one JSON object per message); if a
+fork would not be a faithful spare it says ``"unforkable"`` and exits. Otherwise it serves:
 
 * ``{"fork": {"session": bool}}`` with three file descriptors (stdin, stdout, stderr): forks a
   spare that waits for its hand-over (:func:`torchheal.launcher.spare_child.serve`); answers
@@ -148,9 +145,8 @@ class _Template:
 def _unforkable() -> str | None:
     """Why a fork of this process would not be the spare a fresh interpreter is, or None.
 
-    A fork copies only the calling thread: a thread a preloaded module started (a metrics
-    flusher, a watchdog) would be missing in every rank. And a process in which CUDA was
-    initialized cannot use it in a fork. The pool then starts its spares fresh.
+    A fork copies only the calling thread, so threads a preloaded module started would be
+    missing; and CUDA initialized here is unusable in a fork.
     """
     threads = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
     if threads:
@@ -175,8 +171,7 @@ def main(argv: list[str] | None = None) -> None:
     priority = Priority()
     priority.idle_while_preloading()
     if args.hurry_fd is not None:
-        # The launcher writes here before it raises our threads: a rank that came before we
-        # went idle must not leave us idle, starving on a busy machine while it waits.
+        # A rank that came before we went idle must not leave us idle while it waits.
         readable, _, _ = select.select([args.hurry_fd], [], [], 0)
         if readable:
             priority.normal()

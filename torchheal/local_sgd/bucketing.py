@@ -1,17 +1,8 @@
 """Bucketed allreduce: pack many small tensors into few flat buffers, one allreduce each.
 
-Fewer, larger collectives amortise the per-call latency. Packing rules (:func:`plan_buckets`):
-
-* tensors are packed greedily in the order given, each into the open bucket of its own
-  (dtype, device) — a flat buffer holds one dtype, so mixed-dtype models get one bucket stream
-  per dtype instead of silently mis-casting (the reference assumes a single dtype);
-* a bucket holds at most ``cap_bytes``; when the next tensor does not fit, the bucket is
-  closed and a new one opened;
-* a tensor larger than ``cap_bytes`` gets a bucket of its own (the reference skipped it,
-  leaving its gradient unreduced).
-
-The allreduce is the manager's (:meth:`SyncManager.allreduce`), which reduces in place; after
-the works are waited the reduced slices are copied back into the original tensors.
+Tensors are packed greedily in order into the open bucket of their (dtype, device), so mixed
+dtypes are never mis-cast (the reference assumes one); a bucket holds at most ``cap_bytes``,
+and a larger tensor gets a bucket of its own (the reference left it unreduced).
 """
 
 from __future__ import annotations
@@ -31,16 +22,8 @@ DEFAULT_BUCKET_CAP_BYTES = 1 * 1024 * 1024 * 1024
 
 
 def plan_buckets(tensors: Sequence[torch.Tensor], cap_bytes: int) -> list[list[int]]:
-    """Group tensor indices into buckets (pure: looks only at sizes, dtypes and devices).
-
-    Args:
-        tensors: the tensors to pack, in packing order.
-        cap_bytes: the largest number of bytes one bucket may hold (>= 1).
-
-    Returns:
-        Buckets as lists of indices into ``tensors``; every index appears exactly once.
-        Buckets are ordered by their first tensor.
-    """
+    """Buckets of indices into ``tensors`` (each once; ordered by their first tensor) holding
+    at most ``cap_bytes`` each. Pure: looks only at sizes, dtypes and devices."""
     if cap_bytes < 1:
         raise ValueError(f"bucket cap must be >= 1 byte, got {cap_bytes}")
     buckets: list[list[int]] = []
@@ -89,14 +72,8 @@ def allreduce_bucketized(
     cap_bytes: int,
     should_quantize: bool = False,
 ) -> list[PendingBucket]:
-    """Start one ``manager.allreduce`` per bucket of ``tensors``; does not wait.
-
-    Args:
-        manager: the manager whose allreduce is used (in place, averaged).
-        tensors: tensors to reduce; they receive the result in :meth:`PendingBucket.finish`.
-        cap_bytes: bucket capacity in bytes.
-        should_quantize: forwarded to ``manager.allreduce``.
-    """
+    """Start one ``manager.allreduce`` per bucket of ``tensors``; does not wait (the tensors
+    receive the averages in :meth:`PendingBucket.finish`)."""
     pending = []
     for bucket in plan_buckets(tensors, cap_bytes):
         members = [tensors[i] for i in bucket]

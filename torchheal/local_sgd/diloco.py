@@ -1,21 +1,16 @@
 """DiLoCo and Streaming DiLoCo: inner steps locally, outer steps on averaged pseudo-gradients.
 
-Each model fragment keeps a copy of its *global* weights (the last committed outer result).
-Every ``sync_every // n_fragments`` inner steps one fragment synchronises:
+Each model fragment keeps its *global* weights (the last committed outer result). Every
+``sync_every // n_fragments`` inner steps one fragment synchronises:
 
-* ``prepare_sync`` (``fragment_sync_delay`` steps before the sync): pseudo-gradient
-  ``delta = global - local`` per parameter, allreduced (averaged) across replica groups;
-* ``perform_sync``: wait for the averages, reset the fragment to its global weights, vote;
-  on commit set ``grad = averaged delta``, step the outer optimizer, save the result as the new
-  global weights and merge ``p = global + alpha * (local - global)``; on a failed commit the
-  fragment stays at the previous global weights (the window's local progress is dropped).
+* ``prepare_sync`` (``fragment_sync_delay`` steps before): allreduce ``global - local``;
+* ``perform_sync``: reset the fragment to its global weights and vote; on commit step the outer
+  optimizer on the averaged deltas, save the new global weights and merge
+  ``p = global + alpha * (local - global)``; on a failed commit the window's progress is dropped.
 
-Which fragment syncs is ``manager.current_step() % n_fragments``: every replica agrees on the
-manager step, so all reduce the same fragment; a failed commit does not advance the step, so
-the same fragment is retried next period.
-
-Every fragment registers its global weights and outer optimizer state with the manager, so a
-healed replica resumes with the same global state as its peers.
+The fragment is ``manager.current_step() % n_fragments``: every replica agrees on the step, and
+a failed commit does not advance it, so the same fragment is retried. Global weights and outer
+optimizer state are registered with the manager, so a healed replica resumes from its peers'.
 """
 
 from __future__ import annotations
@@ -113,11 +108,7 @@ class _StreamingDiLoCoFragment:
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Copy a peer's global state into this fragment (the backups are reused, not replaced).
-
-        Args:
-            state_dict: as returned by :meth:`state_dict`.
-        """
+        """Copy a peer's global state into this fragment (the backups are reused, not replaced)."""
         received = state_dict["original_parameters"]
         missing = set(self.original_parameters) - set(received)
         unexpected = set(received) - set(self.original_parameters)
@@ -191,11 +182,7 @@ class _StreamingDiLoCoFragment:
             self._stream.synchronize()
 
     def perform_sync(self) -> bool:
-        """Finish the allreduce, vote, and apply the outer step on commit.
-
-        Returns:
-            Whether the manager committed this step.
-        """
+        """Finish the allreduce, vote, and apply the outer step on commit; returns the vote."""
         if not self._prepared:
             raise RuntimeError(
                 f"{self.state_dict_key}: perform_sync called without a prior prepare_sync"
@@ -214,8 +201,6 @@ class _StreamingDiLoCoFragment:
         self._outer_optimizer.zero_grad()
         self._grads = {}
         self._local_parameters = {}
-        self._pending_works = []
-        self._pending_buckets = []
         self._prepared = False
         return committed
 
@@ -253,20 +238,17 @@ class DiLoCo(OptimizerStepHooks):
         manager: the fault-tolerance manager (``use_async_quorum=False``).
         model_fragments: modules partitioning the model; one syncs per period.
         inner_optimizer: optimizer over the whole model, stepped every local step.
-        outer_optimizer: one optimizer per fragment (list), or one shared by all fragments;
-            it must cover the fragment's parameters (it receives the averaged pseudo-gradient).
+        outer_optimizer: one optimizer per fragment (list), or one shared by all fragments.
         sync_every: inner steps between two syncs of the same fragment (a multiple of the
-            fragment count; each fragment syncs every ``sync_every // n_fragments`` steps
-            in turn).
+            fragment count; fragments take turns every ``sync_every // n_fragments`` steps).
         backup_device: where the global weights live (default CPU).
         pin_memory: pin the CPU backups when CUDA is available.
-        use_bucketization: allreduce pseudo-gradients in flat buckets (also enabled by the
-            environment variable ``TORCHHEAL_USE_BUCKETIZATION`` / ``TORCHFT_USE_BUCKETIZATION``
-            set to ``True``).
+        use_bucketization: allreduce pseudo-gradients in flat buckets (also enabled by
+            ``TORCHHEAL_USE_BUCKETIZATION=True`` / ``TORCHFT_USE_BUCKETIZATION=True``).
         bucket_cap_mb: bucket capacity in MiB (default 1 GiB).
         should_quantize: allreduce through 8-bit quantization.
-        fragment_sync_delay: inner steps between starting the allreduce of a fragment and
-            applying it (overlaps communication with compute); < ``sync_every // n_fragments``.
+        fragment_sync_delay: inner steps between starting a fragment's allreduce and applying
+            it (overlaps communication with compute); < ``sync_every // n_fragments``.
         fragment_update_alpha: weight of the local weights when merging after a sync, in [0, 1].
     """
 

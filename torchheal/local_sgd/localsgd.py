@@ -1,12 +1,8 @@
 """LocalSGD: train locally, average the model across replica groups every ``sync_every`` steps.
 
-Also home of what LocalSGD and DiLoCo share: the manager contract they rely on
-(:class:`SyncManager`) and :func:`extract_local_tensor`.
-
-Why hooks on the optimizer: the user's loop stays ``zero_grad/forward/backward/step``; the
-post-step hook counts local steps and runs the synchronisation at the right one, and the
-pre-step hook forbids the manager from reading the state dict while ``step()`` mutates it (a
-healing peer must never receive half-updated weights).
+Also home of what LocalSGD and DiLoCo share (:class:`SyncManager`, the optimizer hooks). Hooks
+keep the user's loop unchanged; the pre-step one stops state-dict reads while ``step()``
+mutates the model, so a healing peer never receives half-updated weights.
 """
 
 from __future__ import annotations
@@ -28,9 +24,8 @@ __all__ = ["LocalSGD", "OptimizerStepHooks", "SyncManager", "extract_local_tenso
 class SyncManager(Protocol):
     """What LocalSGD/DiLoCo need from :class:`torchheal.manager.Manager`.
 
-    ``allreduce`` must reduce *in place*: once the returned work's ``wait()`` returned, the
-    tensor passed holds the average over the participating replicas (the real manager divides
-    by the participant count in its future chain; its future also resolves to that tensor).
+    ``allreduce`` must reduce *in place*: after the work's ``wait()`` the tensor holds the
+    average over the participating replicas.
     """
 
     _use_async_quorum: bool
@@ -45,21 +40,14 @@ class SyncManager(Protocol):
 
 
 def is_dtensor(t: torch.Tensor) -> bool:
-    """Whether ``t`` is a DTensor.
-
-    Without importing DTensor's module (slow: it pulls in sympy): no object can be a DTensor
-    while nothing in this process has imported it, so plain models never pay for it.
-    """
+    """Whether ``t`` is a DTensor; never imports DTensor's slow module (until something has,
+    nothing can be one)."""
     dtensor = dtensor_type()
     return dtensor is not None and isinstance(t, dtensor)
 
 
 def extract_local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """A detached clone of ``t``'s local data (``t.to_local()`` for a DTensor), without grad.
-
-    Args:
-        t: a parameter or tensor, possibly a DTensor.
-    """
+    """A detached clone of ``t``'s local data (``t.to_local()`` for a DTensor), without grad."""
     with torch.no_grad():
         local = t.to_local() if is_dtensor(t) else t
         out = local.detach().clone()
@@ -79,11 +67,8 @@ _Hooked = TypeVar("_Hooked", bound="OptimizerStepHooks")
 class OptimizerStepHooks:
     """Context-manager plumbing shared by LocalSGD and DiLoCo: hooks around ``optimizer.step``.
 
-    Entering registers a pre-step hook that forbids state-dict reads while ``step()`` mutates
-    the model and a post-step hook that allows them again and calls :meth:`_after_step`;
-    leaving removes both and never swallows the training loop's exception.
-
-    Subclasses set ``_manager`` and ``_hooked_optimizer`` and implement ``_after_step``.
+    The post-step hook calls :meth:`_after_step`. Subclasses set ``_manager`` and
+    ``_hooked_optimizer`` and implement ``_after_step``.
     """
 
     _manager: SyncManager

@@ -1,7 +1,6 @@
 """Prometheus plumbing: per-server registries, the text exposition, collector helpers.
 
-``prometheus_client`` is a dependency of torchheal, but it is imported here only, so the
-coordination and training code never pay for it unless metrics are served.
+``prometheus_client`` is imported here only, so code that serves no metrics never pays for it.
 """
 
 from __future__ import annotations
@@ -24,18 +23,10 @@ def _prometheus() -> Any:
 
 
 def new_registry(*collectors: Any, process: bool = True) -> Any:
-    """A fresh registry holding ``collectors`` (and the process's own metrics).
+    """A fresh ``CollectorRegistry`` holding ``collectors`` (and, with ``process``, the
+    ``process_*`` and ``python_*`` metrics).
 
-    A registry per served process role, instead of prometheus_client's global one, keeps two
-    servers in one process (tests, the demo) from clashing.
-
-    Args:
-        collectors: objects with a ``collect()`` method yielding metric families.
-        process: also export ``process_*`` (CPU, memory, file descriptors) and
-            ``python_*`` (GC, version) metrics.
-
-    Returns:
-        A ``prometheus_client.CollectorRegistry``.
+    One per served role, not the global one, so two servers in one process never clash.
     """
     prom = _prometheus()
     registry = prom.CollectorRegistry(auto_describe=True)
@@ -49,15 +40,8 @@ def new_registry(*collectors: Any, process: bool = True) -> Any:
 
 
 def render(registry: Any, accept: str | None = None) -> tuple[bytes, str]:
-    """The registry's current values in the format the scraper asked for.
-
-    Args:
-        registry: a registry from :func:`new_registry`.
-        accept: the request's ``Accept`` header (OpenMetrics when it asks for it).
-
-    Returns:
-        ``(body, content type)``.
-    """
+    """``(body, content type)`` of the registry's values in the format the request's
+    ``Accept`` header asks for."""
     from prometheus_client import exposition
 
     encoder, content_type = exposition.choose_encoder(accept or "")
@@ -67,14 +51,8 @@ def render(registry: Any, accept: str | None = None) -> tuple[bytes, str]:
 def histogram_family(
     name: str, documentation: str, snapshot: HistogramSnapshot, labels: dict[str, str] | None = None
 ) -> Any:
-    """A histogram metric family from a :class:`~torchheal.metrics.stats.Histogram` snapshot.
-
-    Args:
-        name: metric name without the ``_bucket``/``_sum``/``_count`` suffixes.
-        documentation: the HELP text.
-        snapshot: the values.
-        labels: constant labels of the series.
-    """
+    """A histogram metric family (``name`` without its suffixes) from a
+    :class:`~torchheal.metrics.stats.Histogram` snapshot."""
     from prometheus_client.core import HistogramMetricFamily
 
     labels = labels or {}

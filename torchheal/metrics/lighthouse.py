@@ -1,9 +1,7 @@
 """The lighthouse's Prometheus metrics (``torchheal_lighthouse_*``).
 
-Counters come from the lighthouse's observer (a
-:class:`~torchheal.coordination.lighthouse.dashboard.recorder.LighthouseRecorder`, duck-typed here so this
-leaf package imports nothing of torchheal); gauges that describe the present (requests waiting,
-replicas heartbeating) come from a fresh ``LighthouseServer.status()`` at scrape time.
+Counters come from the lighthouse's observer (duck-typed, so this leaf package imports nothing
+of torchheal); gauges of the present come from ``LighthouseServer.status()`` at scrape time.
 """
 
 from __future__ import annotations

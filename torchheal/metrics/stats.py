@@ -1,8 +1,6 @@
 """Plain, dependency-free metric values the instrumented code updates on its hot paths.
 
-Updates are plain attribute arithmetic, with no lock: the process that owns the value is its
-only writer, and a scrape from another thread reads a value at most one update old. Readers
-that need several fields consistent with each other use :meth:`Histogram.snapshot`.
+Updates take no lock: each value has one writer, and a scrape reads it at most one update old.
 """
 
 from __future__ import annotations
@@ -13,8 +11,7 @@ from dataclasses import dataclass
 
 __all__ = ["LATENCY_BUCKETS_S", "Histogram", "HistogramSnapshot"]
 
-# Upper bounds in seconds, from a fast local quorum round (~1 ms) to a heartbeat timeout and
-# beyond (minutes, when a job waits for stragglers).
+# Upper bounds in seconds, from a fast local quorum round to minutes of waiting for stragglers.
 LATENCY_BUCKETS_S: tuple[float, ...] = (
     0.001,
     0.0025,
@@ -38,13 +35,8 @@ LATENCY_BUCKETS_S: tuple[float, ...] = (
 
 @dataclass(frozen=True)
 class HistogramSnapshot:
-    """A consistent copy of a histogram.
-
-    Args:
-        bounds: the finite upper bounds, increasing.
-        cumulative: observations <= each bound, then the total (the ``+Inf`` bucket).
-        sum: sum of all observed values.
-    """
+    """A consistent copy of a histogram (``cumulative``: observations <= each bound, then the
+    total, the ``+Inf`` bucket)."""
 
     bounds: tuple[float, ...]
     cumulative: tuple[int, ...]
@@ -61,9 +53,6 @@ class Histogram:
 
     Args:
         bounds: finite bucket upper bounds, strictly increasing (default: latency buckets).
-
-    Raises:
-        ValueError: ``bounds`` is empty or not strictly increasing.
     """
 
     def __init__(self, bounds: tuple[float, ...] = LATENCY_BUCKETS_S) -> None:
@@ -74,11 +63,7 @@ class Histogram:
         self._sum = 0.0
 
     def observe(self, value: float) -> None:
-        """Count one observation.
-
-        Args:
-            value: the observed value (seconds, bytes, ...).
-        """
+        """Count one observation."""
         # bisect_left: a value equal to a bound belongs to that bucket (``le`` semantics).
         self._counts[bisect.bisect_left(self._bounds, value)] += 1
         self._sum += value

@@ -1,14 +1,9 @@
 """A trainer's Prometheus metrics (``torchheal_trainer_*``), served by a replica group's rank 0.
 
-:class:`TrainerStats` is what the training process updates as it goes: plain integers and
-floats, and :class:`~torchheal.metrics.stats.Histogram` objects, so a step costs a few additions
-(no formatting, no lock, no ``prometheus_client``). :class:`TrainerCollector` turns them into
-metric families when ``/metrics`` is scraped, labelled with the replica group
-(``replica_id``); :func:`serve_metrics` serves a registry over HTTP on its own thread.
-
-Writers: the training thread (commits, waits), the quorum thread (quorums, heals) and, for
-errors, whichever thread a failed collective reports from; :meth:`TrainerStats.count_error`
-takes a lock for those, which costs nothing because errors are rare.
+:class:`TrainerStats` holds plain numbers, so a step costs a few additions;
+:class:`TrainerCollector` turns them into metric families at scrape time. Each field has one
+writer thread, except errors, which any thread may report: :meth:`TrainerStats.count_error`
+takes a lock for those (rare, so free).
 """
 
 from __future__ import annotations
@@ -51,19 +46,16 @@ class TrainerStats:
         self.steps_committed = 0
         #: Steps it voted on and did not commit.
         self.steps_failed = 0
-        #: Steps whose allreduces were redone (without error) in a new quorum after a group
-        #: was lost in them.
+        #: Steps redone without error in a new quorum after a group was lost in them.
         self.steps_salvaged = 0
         #: The step the replica group is at (its committed steps, heals included).
         self.step = 0
-        #: Quorums this rank took part in, and their duration on the quorum thread (the quorum
-        #: request, rebuilding the process group on a new quorum, moving state to or from peers).
+        #: Quorums this rank took part in, and their duration on the quorum thread.
         self.quorums = 0
         self.quorum_seconds = Histogram()
         #: Quorum requests that failed (raised to the training loop).
         self.quorum_errors = 0
-        #: Seconds the training thread waited for the quorum (it overlaps the forward pass, so
-        #: this is only the part that did not).
+        #: Seconds the training thread waited for the quorum beyond the forward pass.
         self.quorum_wait_seconds = 0.0
         #: Quorums with a new id, for which the cross-replica process group was rebuilt.
         self.reconfigurations = 0
@@ -71,8 +63,7 @@ class TrainerStats:
         self.quorum_id = -1
         self.quorum_size = 0
         self.participants = 0
-        #: Heals (this group received a peer's state), the bytes received and how long each
-        #: took; heals that failed.
+        #: Heals from a peer's state, their bytes and seconds; heals that failed.
         self.heals = 0
         self.heal_bytes = 0
         self.heal_seconds = Histogram(TRANSFER_BUCKETS_S)
@@ -86,18 +77,13 @@ class TrainerStats:
         self.allreduce_errors = 0
         #: Times the cross-replica process group was aborted.
         self.process_group_aborts = 0
-        #: Divergence guard: fingerprint comparisons with a verdict, those that found groups
-        #: holding different state, and the last step at which every compared group agreed.
+        #: Divergence guard: comparisons, mismatches, and the last step all groups agreed.
         self.divergence_checks = 0
         self.divergence_mismatches = 0
         self.last_verified_step = -1
 
     def count_error(self, allreduce: bool = False) -> None:
-        """Counts one step error (from any thread).
-
-        Args:
-            allreduce: the error came from an allreduce.
-        """
+        """Counts one step error, from an allreduce or not (from any thread)."""
         with self._lock:
             if allreduce:
                 self.allreduce_errors += 1
@@ -108,103 +94,56 @@ class TrainerStats:
 @dataclass(frozen=True)
 class _Family:
     kind: str  # "counter" | "gauge"
-    name: str
+    name: str  # also the TrainerStats field
     doc: str
-    field: str
 
 
 _FAMILIES: tuple[_Family, ...] = (
-    _Family("counter", "steps_committed", "Steps the replica group committed.", "steps_committed"),
-    _Family(
-        "counter",
-        "steps_failed",
-        "Steps the replica group voted on and did not commit.",
-        "steps_failed",
-    ),
+    _Family("counter", "steps_committed", "Steps the replica group committed."),
+    _Family("counter", "steps_failed", "Steps the replica group voted on and did not commit."),
     _Family(
         "counter",
         "steps_salvaged",
         "Steps redone in a new quorum after a replica group was lost during them.",
-        "steps_salvaged",
     ),
-    _Family("counter", "quorums", "Quorums this rank took part in.", "quorums"),
-    _Family(
-        "counter",
-        "quorum_errors",
-        "Quorum requests that failed (raised to training).",
-        "quorum_errors",
-    ),
+    _Family("counter", "quorums", "Quorums this rank took part in."),
+    _Family("counter", "quorum_errors", "Quorum requests that failed (raised to training)."),
     _Family(
         "counter",
         "quorum_wait_seconds",
         "Seconds the training thread waited for the quorum beyond the forward pass.",
-        "quorum_wait_seconds",
     ),
     _Family(
         "counter",
         "reconfigurations",
         "New quorum ids, each rebuilding the cross-replica process group.",
-        "reconfigurations",
     ),
-    _Family("counter", "heals", "Times this replica group healed from a peer's state.", "heals"),
-    _Family("counter", "heal_bytes", "Bytes of state received when healing.", "heal_bytes"),
+    _Family("counter", "heals", "Times this replica group healed from a peer's state."),
+    _Family("counter", "heal_bytes", "Bytes of state received when healing."),
+    _Family("counter", "heal_failures", "Heals that failed (the step did not commit)."),
+    _Family("counter", "recovery_sends", "State transfers sent to healing peers."),
+    _Family("counter", "recovery_send_bytes", "Bytes of state sent to healing peers."),
+    _Family("counter", "recovery_send_seconds", "Seconds spent sending state to healing peers."),
+    _Family("counter", "errors", "Errors that made a step fail (allreduce errors included)."),
+    _Family("counter", "allreduce_errors", "Allreduce errors (each fails its step)."),
+    _Family("counter", "process_group_aborts", "Aborts of the cross-replica process group."),
     _Family(
-        "counter", "heal_failures", "Heals that failed (the step did not commit).", "heal_failures"
-    ),
-    _Family(
-        "counter", "recovery_sends", "State transfers sent to healing peers.", "recovery_sends"
-    ),
-    _Family(
-        "counter",
-        "recovery_send_bytes",
-        "Bytes of state sent to healing peers.",
-        "recovery_send_bytes",
-    ),
-    _Family(
-        "counter",
-        "recovery_send_seconds",
-        "Seconds spent sending state to healing peers.",
-        "recovery_send_seconds",
-    ),
-    _Family(
-        "counter", "errors", "Errors that made a step fail (allreduce errors included).", "errors"
-    ),
-    _Family(
-        "counter", "allreduce_errors", "Allreduce errors (each fails its step).", "allreduce_errors"
-    ),
-    _Family(
-        "counter",
-        "process_group_aborts",
-        "Aborts of the cross-replica process group.",
-        "process_group_aborts",
-    ),
-    _Family(
-        "counter",
-        "divergence_checks",
-        "Comparisons of the replica groups' state fingerprints.",
-        "divergence_checks",
+        "counter", "divergence_checks", "Comparisons of the replica groups' state fingerprints."
     ),
     _Family(
         "counter",
         "divergence_mismatches",
         "Comparisons that found replica groups holding different state.",
-        "divergence_mismatches",
     ),
     _Family(
         "gauge",
         "last_verified_step",
         "Last step at which every compared replica group held the same state (-1: none).",
-        "last_verified_step",
     ),
-    _Family("gauge", "step", "The step the replica group is at.", "step"),
-    _Family("gauge", "quorum_id", "Id of the last quorum (-1 before the first).", "quorum_id"),
-    _Family("gauge", "quorum_size", "Replica groups in the last quorum.", "quorum_size"),
-    _Family(
-        "gauge",
-        "participants",
-        "Replica groups contributing to the current step.",
-        "participants",
-    ),
+    _Family("gauge", "step", "The step the replica group is at."),
+    _Family("gauge", "quorum_id", "Id of the last quorum (-1 before the first)."),
+    _Family("gauge", "quorum_size", "Replica groups in the last quorum."),
+    _Family("gauge", "participants", "Replica groups contributing to the current step."),
 )
 
 
@@ -231,7 +170,7 @@ class TrainerCollector:
             cls = CounterMetricFamily if f.kind == "counter" else GaugeMetricFamily
             # prometheus-client appends "_total" to counter names.
             family = cls(f"torchheal_trainer_{f.name}", f.doc, labels=label_names)
-            family.add_metric(label_values, float(getattr(s, f.field)))
+            family.add_metric(label_values, float(getattr(s, f.name)))
             yield family
         yield histogram_family(
             "torchheal_trainer_quorum_duration_seconds",
@@ -251,10 +190,9 @@ class MetricsServer:
     """``/metrics`` of a registry over HTTP, on a daemon thread; starts in the constructor.
 
     Args:
-        registry: what to serve (a ``prometheus_client`` registry).
+        registry: a ``prometheus_client`` registry.
         port: TCP port; 0 picks a free one.
-        host: the address to listen on ("" or ``0.0.0.0``: every IPv4 address; ``::``: every
-            address).
+        host: the address to listen on ("": every IPv4 address; ``::``: every address).
 
     Raises:
         RuntimeError: the port could not be bound.
@@ -274,11 +212,7 @@ class MetricsServer:
         self.port: int = int(self._httpd.server_address[1])
 
     def url(self, host: str) -> str:
-        """``http://{host}:{port}/metrics``.
-
-        Args:
-            host: the host name to put in the URL.
-        """
+        """``http://{host}:{port}/metrics``."""
         target = f"[{host}]" if ":" in host else host
         return f"http://{target}:{self.port}/metrics"
 
@@ -294,7 +228,7 @@ def serve_metrics(stats: TrainerStats, replica_id: str, port: int, host: str = "
 
     Args:
         stats: the trainer's counters.
-        replica_id: the replica group's name (the ``replica_id`` label).
+        replica_id: the ``replica_id`` label.
         port: TCP port; 0 picks a free one.
         host: the address to listen on (default: every IPv4 address).
 

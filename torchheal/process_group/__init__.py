@@ -1,9 +1,7 @@
 """Reconfigurable process groups (public import path ``torchheal.process_group``).
 
-Each family lives in its own module; this file only re-exports them. The reference also
-exports its device-mesh helpers from here (``ft_init_device_mesh``, ``extend_device_mesh``,
-``ManagedDeviceMesh``); they live a layer above the process groups, in
-:mod:`torchheal.device_mesh`, so they are resolved on first access instead of imported here.
+The reference's device-mesh names exported here live a layer above, in
+:mod:`torchheal.device_mesh`, so they are resolved on first access.
 """
 
 import importlib

@@ -1,10 +1,7 @@
 """Process groups whose communicator lives in a child process ("baby" groups): the parent side.
 
-A hung or crashed communicator cannot always be aborted in-process; killing a process always
-works. :class:`ProcessGroupBaby` spawns a fresh child on every ``configure`` (killing the old
-one) and forwards each collective to it; the child's loop and the messages both sides exchange
-live in ``baby_child.py``. Here: starting and killing the child, sending requests and matching
-replies, and resolving futures from the child's reports.
+A hung communicator cannot always be aborted in-process; killing a process always works. A fresh
+child is spawned on every ``configure``; its loop and the messages live in ``baby_child.py``.
 """
 
 from __future__ import annotations
@@ -52,11 +49,7 @@ class _BabyWork(dist.Work):
         self._result = result
 
     def wait(self, timeout: timedelta | None = None) -> bool:
-        """Blocks until the child finished the operation (at most ``timeout`` or the group's).
-
-        Args:
-            timeout: the longest time to block.
-        """
+        """Blocks until the child finished the operation (at most ``timeout`` or the group's)."""
         return self._pg._wait(self._op_id, timeout)
 
     def get_future(self) -> Future[Any]:
@@ -102,15 +95,11 @@ class ProcessGroupBaby(ProcessGroup):
     def _create_pg(
         cls, store: dist.Store, rank: int, world_size: int, timeout: timedelta
     ) -> dist.ProcessGroup:
-        """Builds the real group inside the child.
-
-        Args:
-            store: prefixed rendezvous store.
-            rank: this process's rank.
-            world_size: number of members.
-            timeout: operation timeout.
-        """
+        """Builds the real group inside the child."""
         raise NotImplementedError("not implemented")
+
+    def _on_configure(self) -> None:
+        """Runs first in every ``configure`` (subclasses check their device)."""
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -119,13 +108,13 @@ class ProcessGroupBaby(ProcessGroup):
     ) -> None:
         """Kills the old child and starts a new one that joins the group at ``store_addr``.
 
-        The optional quorum keywords of :meth:`ProcessGroup.configure` are accepted; the
-        child's group is not named after the quorum.
+        The quorum keywords are accepted; the child's group is not named after the quorum.
 
         Raises:
             TimeoutError: if the child did not report ready within the timeout.
             Exception: the child's own error when building the group failed.
         """
+        self._on_configure()
         self.shutdown()
         self._world_size = world_size
         self._errored = None
@@ -176,17 +165,13 @@ class ProcessGroupBaby(ProcessGroup):
 
     def abandon_configure(self) -> None:
         """See :meth:`ProcessGroup.abandon_configure`: kills the child of a configure in progress
-        (its build waits in the child, which nothing else reaches), and the configure fails at
-        once instead of at its timeout. A no-op when none is in progress."""
+        (nothing else reaches its build), so the configure fails at once."""
         child, self._configuring = self._configuring, None
         if child is not None:
             child.kill()
 
     def shutdown(self) -> None:
-        """Kills the child, stops the future thread and closes the pipes.
-
-        Later operations raise ``OSError("handle is closed")``.
-        """
+        """Kills the child, stops the future thread and closes the pipes (later calls: OSError)."""
         p, thread = self._p, self._future_thread
         self._p = None
         self._future_thread = None
@@ -210,11 +195,7 @@ class ProcessGroupBaby(ProcessGroup):
         return self._errored
 
     def set_timeout(self, timeout: timedelta | float) -> None:
-        """Sets the configure and default wait timeout.
-
-        Args:
-            timeout: the new timeout.
-        """
+        """Sets the configure and default wait timeout."""
         self._timeout = to_seconds(timeout)
 
     def size(self) -> int:
@@ -321,11 +302,7 @@ class ProcessGroupBaby(ProcessGroup):
 
 
 class ProcessGroupBabyGloo(ProcessGroupBaby):
-    """A Gloo group in a child process (no reduce_scatter, as Gloo).
-
-    Args:
-        timeout: configure timeout and default timeout of ``wait``.
-    """
+    """A Gloo group in a child process (no reduce_scatter, as Gloo)."""
 
     @classmethod
     def _create_pg(
@@ -349,11 +326,8 @@ class ProcessGroupBabyGloo(ProcessGroupBaby):
 class ProcessGroupBabyNCCL(ProcessGroupBaby):
     """An NCCL group in a child process.
 
-    Costs an extra CUDA context (about 1 GB) per process; works synchronize the stream, not the
-    CPU; compute and communication cannot overlap across the two contexts.
-
-    Args:
-        timeout: configure timeout and default timeout of ``wait``.
+    Costs an extra CUDA context per process; works synchronize the stream, not the CPU; compute
+    and communication cannot overlap across the two contexts.
     """
 
     @classmethod
@@ -372,23 +346,11 @@ class ProcessGroupBabyNCCL(ProcessGroupBaby):
         pg._register_backend(torch.device("cuda"), dist.ProcessGroup.BackendType.NCCL, backend)
         return pg
 
-    def configure(
-        self, store_addr: str, replica_id: str, rank: int, world_size: int, **quorum: Any
-    ) -> None:
-        """See :meth:`ProcessGroupBaby.configure`; raises ``RuntimeError`` at once without CUDA.
-
-        Args:
-            store_addr: see :meth:`ProcessGroup.configure`.
-            replica_id: see :meth:`ProcessGroup.configure`.
-            rank: see :meth:`ProcessGroup.configure`.
-            world_size: see :meth:`ProcessGroup.configure`.
-            quorum: the optional quorum keywords of :meth:`ProcessGroup.configure`.
-        """
+    def _on_configure(self) -> None:
         if not torch.cuda.is_available():
             raise RuntimeError(
                 "ProcessGroupBabyNCCL.configure needs a CUDA device; none is available"
             )
-        super().configure(store_addr, replica_id, rank, world_size)
 
     def getBackendName(self) -> str:
         """``"torchft-baby-nccl"``."""

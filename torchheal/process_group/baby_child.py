@@ -1,22 +1,10 @@
 """The child side of a baby process group: its messages, and the loop that serves them.
 
-A baby group (``baby.py``) runs its real communicator in a child process it spawns; this
-module is what runs there, plus the messages both sides exchange. The child is our own spawned
-process, so messages are pickled exactly as :mod:`multiprocessing` does. CPU tensors travel
-through shared memory (the child reduces them in place); CUDA tensors as CUDA IPC handles.
-
-Request pipe, parent -> child:
-
-* :class:`Call` - run ``pg.<name>(*args)`` and keep the work under ``op_id``. No reply: a
-  failure is kept as a failed work and surfaces from its ``wait``/future.
-* :class:`Wait` - wait for a work; the reply ``(req_id, event | None | exception)`` carries a
-  CUDA event to wait on when the child used a side stream.
-* :class:`WatchFuture` - report when a work's future completes, on the future pipe.
-* :class:`Forget` - drop a work; :class:`CountWorks` - reply ``(req_id, number of works)``.
-
-Future pipe, child -> parent: :class:`FutureDone`. The first message on the request pipe,
-child -> parent, is ``None`` (ready) or the exception that stopped the group being built.
-Replies carry the request id, so a reply that arrives after its waiter gave up is discarded.
+Messages are pickled as :mod:`multiprocessing` does (the child is our own); CPU tensors travel
+through shared memory, CUDA tensors as IPC handles. The request pipe carries the messages below
+and their replies ``(req_id, value)``, so a reply whose waiter gave up is discarded; its first
+message, child -> parent, is ``None`` (ready) or the build's error. The future pipe carries
+:class:`FutureDone`.
 """
 
 from __future__ import annotations
@@ -49,7 +37,7 @@ __all__ = [
 
 
 class Call(NamedTuple):
-    """Run a collective in the child (no reply)."""
+    """Run a collective in the child (no reply: a failure surfaces from the work)."""
 
     op_id: int
     name: str
@@ -94,11 +82,7 @@ _OPTIONS_TAG = "__torchheal_opts__"
 
 
 def picklable(e: BaseException) -> BaseException:
-    """The exception itself if it pickles, else a RuntimeError carrying its text.
-
-    Args:
-        e: the exception to send over a pipe.
-    """
+    """The exception itself if it pickles, else a RuntimeError carrying its text."""
     try:
         pickle.dumps(e)
         return e
@@ -107,11 +91,7 @@ def picklable(e: BaseException) -> BaseException:
 
 
 def pack(obj: Any) -> Any:
-    """Prepares collective arguments for the pipe: shares CPU tensors, flattens options.
-
-    Args:
-        obj: an argument (tensors, lists and tuples of them, c10d options, plain values).
-    """
+    """Prepares collective arguments for the pipe: shares CPU tensors, flattens options."""
     if isinstance(obj, torch.Tensor):
         if obj.device.type == "cpu":
             obj.share_memory_()
@@ -144,11 +124,7 @@ def _unpack(obj: Any) -> Any:
 
 
 def has_cuda_tensor(obj: Any) -> bool:
-    """Whether any tensor in ``obj`` (nested lists/tuples) lives on CUDA.
-
-    Args:
-        obj: collective arguments.
-    """
+    """Whether any tensor in ``obj`` (nested lists/tuples) lives on CUDA."""
     if isinstance(obj, torch.Tensor):
         return obj.is_cuda
     if isinstance(obj, list | tuple):
@@ -166,18 +142,7 @@ def serve(
     device_index: int,
     timeout: float,
 ) -> None:
-    """Child process main: build the group, then serve requests until the pipe closes.
-
-    Args:
-        create_pg: builds the real group (the baby class's ``_create_pg``).
-        store_addr: ``host:port/prefix`` of the rendezvous store.
-        rank: this member's rank.
-        world_size: number of members.
-        req_pipe: the request pipe (replies go back on it).
-        fut_pipe: the future pipe (child -> parent only).
-        device_index: the CUDA device to use, or -1.
-        timeout: seconds for the store and the group's operations.
-    """
+    """Child process main: build the group, then serve requests until the pipe closes."""
     try:
         if device_index >= 0:
             torch.cuda.set_device(device_index)

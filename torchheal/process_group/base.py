@@ -1,14 +1,8 @@
 """The reconfigurable process group interface every torchheal process group implements.
 
-A :class:`ProcessGroup` is a ``torch.distributed.ProcessGroup`` (so stock DDP, DeviceMesh and
-functional collectives accept it) that can be rebuilt in place with :meth:`ProcessGroup.configure`
-whenever the set of replica groups changes.
-
-Every collective is written once, here, and routed through :meth:`ProcessGroup._collective`
-with its name and its arguments in torch's order. A group that forwards collectives elsewhere
-(an inner group, a child process, the manager's group) overrides that one method instead of
-eleven; a group that implements a collective itself overrides the collective. The base's
-``_collective`` raises ``NotImplementedError``.
+A :class:`ProcessGroup` is a ``torch.distributed.ProcessGroup`` (so DDP, DeviceMesh and functional
+collectives accept it) rebuilt in place by :meth:`ProcessGroup.configure`. Every collective routes
+through :meth:`ProcessGroup._collective`, so a forwarding group overrides one method, not eleven.
 """
 
 from __future__ import annotations
@@ -35,16 +29,9 @@ from torch.distributed.distributed_c10d import (
 def quorum_group_name(
     quorum_id: int | None, group_rank: int | None, group_world_size: int | None
 ) -> str | None:
-    """The name a group rebuilt for a quorum gets: ``torchft_{quorum_id}_rank_{r}``.
+    """``torchft_{quorum_id}_rank_{group_rank % group_world_size}``, or None when a part is unknown.
 
-    ``r`` is ``group_rank % group_world_size``: the groups of the same group rank in every
-    replica group form one cross-replica group, and they share its name. None when any part
-    is unknown.
-
-    Args:
-        quorum_id: the quorum the group is built for.
-        group_rank: this process's rank within its replica group.
-        group_world_size: the number of ranks in a replica group.
+    The same group rank of every replica group forms one cross-replica group, sharing the name.
     """
     if quorum_id is None or group_rank is None or not group_world_size:
         return None
@@ -73,11 +60,7 @@ _LIST_PARAMETERS = frozenset(
 
 
 def allreduce_options(opts: AllreduceOptions | ReduceOp) -> AllreduceOptions:
-    """Accepts options or a bare reduce op, as torch's own bindings do.
-
-    Args:
-        opts: ``AllreduceOptions``, or the reduce op alone.
-    """
+    """Accepts options or a bare reduce op, as torch's own bindings do."""
     if isinstance(opts, AllreduceOptions):
         return opts
     out = AllreduceOptions()
@@ -90,10 +73,6 @@ def check_list_arguments(name: str, args: tuple[Any, ...]) -> None:
 
     A group that ships arguments elsewhere checks them first, so the mistake is reported at
     the call instead of inside a child process or a peer.
-
-    Args:
-        name: the collective (one of :data:`COLLECTIVES`).
-        args: its arguments, in the order :class:`ProcessGroup` declares them.
     """
     for param, value in zip(_PARAMETERS[name], args, strict=False):
         if param in _LIST_PARAMETERS and not isinstance(value, list):
@@ -101,22 +80,14 @@ def check_list_arguments(name: str, args: tuple[Any, ...]) -> None:
 
 
 def takes_options(name: str) -> bool:
-    """Whether the collective's last argument is an options object (all but send/recv).
-
-    Args:
-        name: the collective (one of :data:`COLLECTIVES`).
-    """
+    """Whether the collective's last argument is an options object (all but send/recv)."""
     return _PARAMETERS[name][-1] == "opts"
 
 
 def accepts_quorum_keywords(pg: Any) -> bool:
-    """Whether ``pg.configure`` takes the optional quorum keywords of :meth:`ProcessGroup.configure`.
+    """Whether ``pg.configure`` takes the quorum keywords of :meth:`ProcessGroup.configure`.
 
-    Process groups written for the older four-argument ``configure`` keep working: callers
-    pass the keywords only to groups that accept them.
-
-    Args:
-        pg: any process group with a ``configure`` method.
+    Groups written for the older four-argument ``configure`` get the keywords only if they do.
     """
     try:
         params = inspect.signature(pg.configure).parameters.values()
@@ -133,13 +104,9 @@ _REGISTER_LOCK = threading.Lock()
 class ProcessGroup(dist.ProcessGroup):
     """Base class of the reconfigurable process groups.
 
-    The C++ base is built with rank 0 and size 1; subclasses report the configured size through
-    :meth:`size`. All collectives return a ``torch.distributed.Work`` whose ``wait()`` or future
-    surfaces errors.
-
-    Limitation: C++ code that reads the size directly (for example stock DDP's parameter check,
-    which sizes allgather outputs with it) sees 1, so stock DDP works over these groups only
-    as a world of 1; torchheal's DDP goes through the Manager instead.
+    The C++ base is built with rank 0 and size 1; subclasses report the real size through
+    :meth:`size`. C++ code reading the size directly (stock DDP's parameter check) sees 1, so
+    stock DDP works over these groups only as a world of 1; torchheal's DDP uses the Manager.
     """
 
     def __init__(self, *args: object, **kwargs: object) -> None:
@@ -160,12 +127,9 @@ class ProcessGroup(dist.ProcessGroup):
         group_world_size: int | None = None,
         global_ranks: list[int] | None = None,
     ) -> None:
-        """Rebuilds the group on a fresh store prefix, blocking until it is usable.
+        """Rebuilds the group on a store prefix never used before, blocking until it is usable.
 
-        Every call must use a store prefix never used before by this group (the Manager uses
-        ``{store_address}/torchft/{quorum_id}/{group_rank}``). The keyword arguments (newer
-        reference versions pass them) describe the quorum; groups that build a c10d backend
-        name it after the quorum (:func:`quorum_group_name`) and record ``global_ranks``.
+        Groups that build a c10d backend name it after the quorum (:func:`quorum_group_name`).
 
         Args:
             store_addr: ``"host:port/prefix"`` of the rendezvous TCPStore.
@@ -186,11 +150,10 @@ class ProcessGroup(dist.ProcessGroup):
         """Aborts in-flight operations so blocked callers fail fast (no-op in the base)."""
 
     def abandon_configure(self) -> None:
-        """Gives up the store connection of a :meth:`configure` in progress on another thread.
+        """Gives up the store connection of a :meth:`configure` in progress (any thread).
 
-        A lost member may host the rendezvous store, frozen; once ``manager.failfast`` cuts the
-        connection, the configure fails at once instead of trying again until its timeout.
-        Safe from any thread; a no-op in the base, and when no configure is in progress.
+        A lost member may host the rendezvous store, frozen: the configure then fails at once
+        instead of retrying until its timeout. A no-op when no configure is in progress.
         """
 
     def shutdown(self) -> None:
@@ -201,11 +164,7 @@ class ProcessGroup(dist.ProcessGroup):
         return None
 
     def set_timeout(self, timeout: timedelta) -> None:
-        """Sets the timeout of subsequent operations.
-
-        Args:
-            timeout: the new timeout.
-        """
+        """Sets the timeout of subsequent operations."""
         raise NotImplementedError("not implemented")
 
     def getBackendName(self) -> str:
@@ -382,12 +341,7 @@ class ProcessGroup(dist.ProcessGroup):
         return self._collective("send", tensors, dst_rank, tag)
 
     def _collective(self, name: str, *args: Any) -> dist.Work:
-        """Where every collective of this class goes; forwarding groups override it.
-
-        Args:
-            name: the collective (one of :data:`COLLECTIVES`).
-            args: its arguments, in the order this class declares them.
-        """
+        """Where every collective goes (``name`` from :data:`COLLECTIVES`, args in order)."""
         raise NotImplementedError("not implemented")
 
     # -- registration with torch.distributed -----------------------------------------------
@@ -395,10 +349,9 @@ class ProcessGroup(dist.ProcessGroup):
     def register(self, name: str) -> dist.ProcessGroup:
         """Registers this group with ``torch.distributed`` so it can be resolved by name.
 
-        Creates a custom backend ``"{getBackendName()}:{name}"`` whose factory returns ``self``
-        and a world-size-1 group over this process's global rank, so DeviceMesh and functional
-        collectives (``_resolve_process_group(pg.group_name)``) find it. Needs a default process
-        group.
+        Creates a backend ``"{getBackendName()}:{name}"`` whose factory returns ``self``, and a
+        world-size-1 group over this rank, so DeviceMesh and functional collectives find it.
+        Needs a default process group.
 
         Args:
             name: unique suffix of the backend name.
@@ -409,9 +362,8 @@ class ProcessGroup(dist.ProcessGroup):
             return self
 
         devices = ["cpu", "xpu"] if torch.xpu.is_available() else ["cpu", "cuda"]
-        # torch's backend registry is global and a second registration of a name replaces the
-        # factory: groups of one process registering the same name (a replica per thread) must
-        # take turns, or new_group calls another group's factory.
+        # The registry is global and re-registering a name replaces its factory: groups of one
+        # process registering the same name take turns, or new_group calls another's factory.
         with _REGISTER_LOCK:
             dist.Backend.register_backend(backend_name, _factory, devices=devices)
             group = dist.new_group(

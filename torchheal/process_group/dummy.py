@@ -1,5 +1,4 @@
-"""A single-member process group whose operations complete at once (used to absorb DDP's
-initial broadcast and in tests)."""
+"""A single-member process group whose operations complete at once (absorbs DDP's broadcasts)."""
 
 from __future__ import annotations
 
@@ -33,9 +32,8 @@ class _CountingWork(_DummyWork):
 class ProcessGroupDummy(ProcessGroup):
     """A world-size-1 group: reductions and broadcasts leave data unchanged, gathers copy.
 
-    Lists of unequal length are paired as far as the shorter goes, as the reference does: a
-    caller that takes the group for a bigger one (``ManagedProcessGroup`` reports the
-    participants as its size) gets its first outputs filled.
+    Lists of unequal length are paired as far as the shorter goes, as the reference does (a
+    caller may take it for a bigger group: ``ManagedProcessGroup`` reports participants as size).
 
     Args:
         rank: must be 0.
@@ -58,15 +56,7 @@ class ProcessGroupDummy(ProcessGroup):
     def configure(
         self, store_addr: str, replica_id: str, rank: int, world_size: int, **quorum: Any
     ) -> None:
-        """Counts the call; nothing to build.
-
-        Args:
-            store_addr: unused.
-            replica_id: unused.
-            rank: unused.
-            world_size: unused.
-            quorum: the optional quorum keywords of ``ProcessGroup.configure`` (unused).
-        """
+        """Counts the call; nothing to build."""
         self.configure_count += 1
 
     def set_timeout(self, timeout: timedelta) -> None:

@@ -29,14 +29,9 @@ _DUMP_WAIT_S = 60.0
 
 
 def trigger_nccl_fr_trace_through_pipe(rank: int, wait_s: float = _DUMP_WAIT_S) -> bool:
-    """Writes a dump request to this rank's flight-recorder pipe, then waits for the dump.
+    """Writes a dump request to this rank's flight-recorder pipe, then waits ``wait_s``.
 
-    Args:
-        rank: the global rank whose pipe is written (``{prefix}{rank}.pipe``).
-        wait_s: seconds to wait after the request (the reference waits 60).
-
-    Returns:
-        False (nothing done) when ``TORCH_NCCL_DEBUG_INFO_PIPE_FILE`` is unset, else True.
+    Returns False (nothing done) when ``TORCH_NCCL_DEBUG_INFO_PIPE_FILE`` is unset.
     """
     prefix = nccl_debug_pipe_prefix()
     if not prefix:

@@ -1,11 +1,8 @@
 """Reconfigurable Gloo process group (CPU, and CUDA tensors through Gloo where built).
 
-``abort()`` interrupts an operation in flight by cutting the group's connections
-(``gloo_sockets.py``): Gloo's own abort does not, and a collective blocked on a frozen peer would
-otherwise wait out its whole timeout. ``abandon_configure()`` likewise ends a build's waits for
-peers that will not connect (``end_pair_connects``) besides giving up its store connection, and
-a build that outlasts the group's timeout does the same by itself: Gloo alone would wait five
-times as long for a peer that published its address and never connected.
+``abort()`` cuts the group's connections (``gloo_sockets.py``): Gloo's own abort does not
+interrupt an operation blocked on a frozen peer. A build that is abandoned or outlasts the
+timeout ends its waits for peers (Gloo alone would wait five times the timeout).
 """
 
 from __future__ import annotations
@@ -32,19 +29,7 @@ def create_gloo_pg(
     group_name: str | None = None,
     global_ranks: list[int] | None = None,
 ) -> dist.ProcessGroup:
-    """Builds a c10d process group backed by a fresh Gloo backend.
-
-    Blocks until every peer has connected; a missing peer makes the Gloo constructor raise
-    ``RuntimeError`` after ``timeout``.
-
-    Args:
-        store: the (prefixed) rendezvous store.
-        rank: this process's rank.
-        world_size: number of members.
-        timeout: connect timeout and default operation timeout.
-        group_name: the group's name (logs, flight recorder); unnamed when None.
-        global_ranks: each member's global rank, in rank order.
-    """
+    """Builds a c10d process group backed by a fresh Gloo backend, once every peer connected."""
     pg = dist.ProcessGroup(store, rank, world_size)
     pg._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
     backend = _C10dGloo(store, rank, world_size, timeout)
@@ -71,8 +56,7 @@ class _GlooBuild:
         self._lock = threading.Lock()
 
     def end_connects(self, why: str) -> bool:
-        """Ends its pairs' waits for peers (``end_pair_connects``); whether any listener was
-        handled now."""
+        """Ends its pairs' waits for peers; whether any listener was handled now."""
         with self._lock:
             listeners = [a for a in new_listeners(self.before) if a[1] not in self._done]
             if not listeners:
@@ -91,9 +75,7 @@ class ProcessGroupGloo(ProcessGroupWrapper):
         timeout: rendezvous timeout and timeout of every operation.
     """
 
-    # Gloo's destructor joins its worker threads, and one blocked in a receive whose peers
-    # closed their connections is not always woken (``docs/failures.md``); its abort returns
-    # at once.
+    # Gloo's destructor joins workers that a closed peer does not always wake (docs/failures.md).
     _releases_elsewhere = True
 
     def __init__(self, timeout: timedelta = timedelta(seconds=60)) -> None:
@@ -104,9 +86,7 @@ class ProcessGroupGloo(ProcessGroupWrapper):
     def _create_pg(self, store: dist.Store, rank: int, world_size: int) -> dist.ProcessGroup:
         build = _GlooBuild(PairSockets.before(), world_size)
         self._building = build
-        # Gloo waits for a pair's peer to connect for five times the group's timeout: past
-        # the timeout, nobody told or not, the build stops waiting (its rendezvous in the store
-        # is bounded by the store client's timeout already).
+        # Gloo waits for a pair's peer five times the group's timeout: past it, stop waiting.
         watchdog = threading.Timer(self._timeout.total_seconds(), self._overran, args=(build,))
         watchdog.daemon = True
         watchdog.start()
@@ -132,17 +112,14 @@ class ProcessGroupGloo(ProcessGroupWrapper):
             )
 
     def abandon_configure(self) -> None:
-        """See :meth:`ProcessGroup.abandon_configure`; a build past its store exchange, whose
-        pairs wait for peers that gave it up, fails at once too (``end_pair_connects``)."""
+        """See :meth:`ProcessGroup.abandon_configure`; a build past its store exchange fails too."""
         super().abandon_configure()
         build = self._building
         if build is not None and build.end_connects("abandoned"):
             logger.info("abandoning the Gloo group's build: its pending connects were ended")
 
     def abort(self, errored: bool = True) -> None:
-        """Aborts the group: an operation in flight fails at once, and the group is dropped.
-
-        Safe from another thread than the one blocked in the operation.
+        """Aborts the group (from any thread): an operation in flight fails at once.
 
         Args:
             errored: whether this abort is due to a failure (emits a ``torchft_errors`` record).

@@ -1,13 +1,10 @@
 """A Gloo group's TCP connections, found so that aborting the group can cut them.
 
 Gloo's ``abort()`` does not interrupt an operation in flight; ``shutdown(SHUT_RDWR)`` on each
-pair socket does, and marks the pair broken so a peer that resumes cannot write into our buffers.
-Gloo exposes no handle on its sockets, so they are found from outside: the ESTABLISHED sockets
-that appeared while the group was built, minus those marked foreign (:func:`mark_foreign`). They
-are cut only if no more than ``world_size - 1`` are still open at abort; otherwise nothing is cut,
-with a warning. The listening socket is never touched (shutting it down makes Gloo terminate the
-process), and sockets are cut through a duplicate of the descriptor. Why, with measurements:
-``docs/failures.md`` (Gloo's connections).
+pair socket does (and a peer that resumes cannot write into our buffers). Gloo exposes no handle on its sockets: they are the ESTABLISHED sockets that
+appeared while the group was built, minus those marked foreign, cut only if no more than
+``world_size - 1`` are open. The listening socket is never touched (Gloo would terminate the
+process). See ``docs/failures.md`` (Gloo's connections).
 """
 
 from __future__ import annotations
@@ -53,11 +50,7 @@ _foreign: set[int] = set()  # inodes of connections that are no Gloo group's
 
 
 def mark_foreign(sock: socket.socket) -> int | None:
-    """Marks a connection of this process as no Gloo group's, until :func:`unmark_foreign`.
-
-    Returns:
-        its inode, to unmark it with (None when it is already closed).
-    """
+    """Marks a connection as no Gloo group's; returns its inode to unmark (None if closed)."""
     try:
         inode = os.fstat(sock.fileno()).st_ino
     except (OSError, ValueError):
@@ -98,10 +91,9 @@ def socket_inodes() -> dict[int, int]:
 
 
 def _tcp_table(sockets: dict[int, int]) -> dict[int, _Tcp]:
-    """inode -> TCP state and ports, for the TCP sockets among ``sockets`` (inode -> fd).
+    """inode -> TCP state and ports of the TCP sockets among ``sockets`` (inode -> fd).
 
-    Asked of each socket through a duplicate of its descriptor (the descriptor stays its
-    owner's); one that closed meanwhile, or is not TCP, is left out.
+    Asked through a duplicate of each descriptor (the descriptor stays its owner's).
     """
     table: dict[int, _Tcp] = {}
     for inode, fd in sockets.items():
@@ -146,16 +138,9 @@ def new_listeners(before: frozenset[int]) -> list[tuple[str, int]]:
 def end_pair_connects(listeners: list[tuple[str, int]], world_size: int) -> None:
     """Ends at once the waits of a Gloo group being built for peers that will not connect.
 
-    A listening pair waits for its peer until Gloo's connect timeout (five times the group's,
-    see docs/failures.md), and with no connection yet nothing can be cut. So this connects to
-    each listening socket (:func:`new_listeners`), writes every sequence number the group can
-    use (below ``world_size``) and hangs up: each waiting pair is handed a closed connection, and
-    the build fails or completes broken, which the caller must refuse. Only for a build being
-    given up.
-
-    Args:
-        listeners: the build's listening sockets, each handled once.
-        world_size: the group's size.
+    With no connection yet nothing can be cut, so this connects to each listener, writes every
+    sequence number below ``world_size`` and hangs up: each waiting pair gets a closed connection,
+    and the build fails or completes broken, which the caller must refuse.
     """
     for host, port in listeners:
         for sequence in range(max(world_size, 1)):
@@ -180,10 +165,7 @@ def _hang_up_on(host: str, port: int, sequence: int) -> None:
 
 
 class PairSockets:
-    """The connections of one Gloo group to its peers.
-
-    Use :meth:`before` just before building the group and :meth:`after` right after.
-    """
+    """The connections of one Gloo group: :meth:`before` the build, :meth:`after` right after."""
 
     def __init__(self, inodes: frozenset[int], expected: int | None = None) -> None:
         self._inodes = inodes
@@ -198,12 +180,7 @@ class PairSockets:
 
     @classmethod
     def after(cls, before: frozenset[int], world_size: int) -> PairSockets | None:
-        """The group's pair sockets, or None when they cannot be told apart with certainty.
-
-        Args:
-            before: what :meth:`before` returned.
-            world_size: the group's size (it has ``world_size - 1`` pair sockets).
-        """
+        """The group's pair sockets, or None when they cannot be told apart with certainty."""
         if world_size <= 1 or not sys.platform.startswith("linux"):
             return None
         sockets = socket_inodes()
@@ -236,16 +213,7 @@ class PairSockets:
 
     @classmethod
     def to_port(cls, before: frozenset[int], port: int) -> PairSockets:
-        """This process's connections to ``port`` opened since ``before`` (a store client's).
-
-        A process group's rendezvous waits on a store client; cutting its connection makes the
-        wait fail at once ("Failed to recv"), which is how a build stuck on a peer that died
-        before it published its address is abandoned.
-
-        Args:
-            before: what :meth:`before` returned.
-            port: the remote port (the rendezvous store's).
-        """
+        """This process's connections to ``port`` opened since ``before`` (a store client's)."""
         if not sys.platform.startswith("linux"):
             return cls(frozenset())
         sockets = {i: fd for i, fd in socket_inodes().items() if i not in before}
@@ -265,14 +233,11 @@ class PairSockets:
         return len(self._inodes)
 
     def cut(self) -> int:
-        """Shut down every pair socket still open; returns how many were cut.
+        """Shuts down every pair socket still open (any thread, any number of times); the count.
 
-        Safe from any thread, any number of times: an operation blocked on a socket fails at
-        once, and a socket already closed (its descriptor gone or reused) is left alone. When
-        more candidates are still open than the group has connections, none is cut.
+        When more candidates are open than the group has connections, none is cut.
         """
-        # A connection marked foreign after the group was built (its mark came just after its
-        # connect) is not a pair either.
+        # A connection marked foreign after the group was built is not a pair either.
         foreign = _foreign_inodes()
         open_now = {
             i: fd for i, fd in socket_inodes().items() if i in self._inodes and i not in foreign

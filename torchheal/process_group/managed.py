@@ -1,13 +1,6 @@
 """``ManagedProcessGroup``: the cross-replica dimension of a device mesh, driven by a Manager.
 
-FSDP2's HSDP gradient all-reduce, DeviceMesh and functional collectives all talk to a
-``torch.distributed.ProcessGroup``. This class is that group for the replicate dimension: its
-all-reduce goes through ``Manager.allreduce`` (fault tolerant, averaged over the replicas that
-participate in this step), its size is the number of participants, and every other collective
-goes straight to the manager's reconfigurable process group.
-
-The manager is duck-typed (``allreduce``, ``num_participants``, ``_pg``) so this module never
-imports ``torchheal.manager`` (the manager sits above the process groups).
+The manager is duck-typed so this module never imports ``torchheal.manager`` (a layer above).
 """
 
 from __future__ import annotations
@@ -92,11 +85,8 @@ class ManagedProcessGroup(ProcessGroup):
         """Reduces one tensor across the participating replicas through the manager.
 
         Args:
-            tensors: a list holding exactly one tensor, reduced in place.
+            tensors: a list holding exactly one tensor, reduced in place (else ``ValueError``).
             opts: ``AllreduceOptions`` or a ``ReduceOp``.
-
-        Raises:
-            ValueError: if ``tensors`` does not hold exactly one tensor.
         """
         if len(tensors) != 1:
             raise ValueError(
@@ -124,19 +114,10 @@ class ManagedProcessGroup(ProcessGroup):
     def configure(
         self, store_addr: str, replica_id: str, rank: int, world_size: int, **quorum: Any
     ) -> None:
-        """Not supported: the manager reconfigures its own group on every new quorum.
-
-        Args:
-            store_addr: unused.
-            replica_id: unused.
-            rank: unused.
-            world_size: unused.
-            quorum: unused.
-        """
+        """Not supported: the manager reconfigures its own group on every new quorum."""
         raise RuntimeError(
             "ManagedProcessGroup is reconfigured by its manager; configure the manager's pg"
         )
 
     def _collective(self, name: str, *args: Any) -> dist.Work:
-        # Everything but allreduce (and size) is the manager's own group's business.
         return getattr(self._inner(), name)(*args)

@@ -1,19 +1,12 @@
 """Reconfigurable NCCL process group that aborts its communicator instead of hanging.
 
-NCCL collectives can block forever when a peer dies. Every call runs under a
-:func:`~torchheal.futures.context_timeout` that aborts the communicator; with NCCL >= 2.25 (abort
-support) works are wrapped so that ``wait()`` and futures also watch the CUDA stream with
-:func:`~torchheal.futures.stream_timeout`, and the ops' own timeouts are reset so NCCL's watchdog
-never crashes the process. After an abort :meth:`ProcessGroupNCCL.errored` reports ``"aborted"``
-until the next ``configure``.
-
-Importing and constructing this module's classes works on CPU-only machines; ``configure``
-raises a clear ``RuntimeError`` there.
+NCCL collectives can block forever when a peer dies, so every call runs under a timer that aborts
+the communicator. With NCCL >= 2.25 works also watch the CUDA stream, and the ops' own timeouts
+are reset so NCCL's watchdog never kills the process. Constructing works without CUDA.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from datetime import timedelta
 from typing import Any
@@ -24,7 +17,7 @@ from torch.futures import Future
 
 from torchheal.futures import context_timeout, stream_timeout
 from torchheal.process_group.work import _chain
-from torchheal.process_group.wrappers import ProcessGroupWrapper
+from torchheal.process_group.wrappers import _TimedProcessGroupWrapper
 
 logger = logging.getLogger(__name__)
 
@@ -41,13 +34,7 @@ def _nccl_supports_abort() -> bool:
 
 
 class _WorkAcceleratorTimeout(dist.Work):
-    """Aborts the group when the work, or the stream it was queued on, is late.
-
-    Args:
-        pg: the owning group (aborted on timeout, told about errors).
-        work: the NCCL work.
-        timeout: how long the work and its stream may take.
-    """
+    """Aborts the group when the work, or the stream it was queued on, is late."""
 
     def __init__(self, pg: ProcessGroupNCCL, work: dist.Work, timeout: timedelta) -> None:
         super().__init__()
@@ -56,11 +43,7 @@ class _WorkAcceleratorTimeout(dist.Work):
         self._timeout = timeout
 
     def wait(self, timeout: timedelta | None = None) -> bool:
-        """Waits for the work to be queued/complete, then watches the stream.
-
-        Args:
-            timeout: if given, also synchronizes the device within this time.
-        """
+        """Waits for the work, then watches the stream (and synchronizes it if ``timeout``)."""
         limit = timeout if timeout is not None else self._timeout
         try:
             with context_timeout(self._pg.abort, limit):
@@ -90,7 +73,7 @@ class _WorkAcceleratorTimeout(dist.Work):
         return _chain(self._work.get_future(), _watch)
 
 
-class ProcessGroupNCCL(ProcessGroupWrapper):
+class ProcessGroupNCCL(_TimedProcessGroupWrapper):
     """An NCCL process group with a non-blocking communicator, rebuilt on every ``configure``.
 
     Args:
@@ -101,21 +84,9 @@ class ProcessGroupNCCL(ProcessGroupWrapper):
         super().__init__(timeout=timeout)
         self._use_abort = _nccl_supports_abort()
 
-    def configure(
-        self, store_addr: str, replica_id: str, rank: int, world_size: int, **quorum: Any
-    ) -> None:
-        """See :meth:`ProcessGroup.configure`; raises ``RuntimeError`` at once without CUDA.
-
-        Args:
-            store_addr: see :meth:`ProcessGroup.configure`.
-            replica_id: see :meth:`ProcessGroup.configure`.
-            rank: see :meth:`ProcessGroup.configure`.
-            world_size: see :meth:`ProcessGroup.configure`.
-            quorum: the optional quorum keywords of :meth:`ProcessGroup.configure`.
-        """
+    def _on_configure(self) -> None:
         if not torch.cuda.is_available():
             raise RuntimeError("ProcessGroupNCCL.configure needs a CUDA device; none is available")
-        super().configure(store_addr, replica_id, rank, world_size, **quorum)
 
     def _create_pg(self, store: dist.Store, rank: int, world_size: int) -> dist.ProcessGroup:
         from torch.distributed.distributed_c10d import ProcessGroupNCCL as _C10dNCCL
@@ -131,23 +102,12 @@ class ProcessGroupNCCL(ProcessGroupWrapper):
         backend = _C10dNCCL(store, rank, world_size, opts)
         backend._set_sequence_number_for_group()
         device = torch.device("cuda", torch.cuda.current_device())
-        # A non-blocking communicator's init would otherwise wait as long as NCCL's own limit
-        # (TORCH_NCCL_NONBLOCKING_TIMEOUT, 30 min by default, read once per process). We do not
-        # write that variable; our timer aborts the half-built communicator after the group's
-        # timeout instead, so a peer that dies during the rendezvous fails this configure.
+        # A non-blocking init would wait out TORCH_NCCL_NONBLOCKING_TIMEOUT (30 min, not ours to
+        # write): our timer aborts the half-built communicator after the group's timeout.
         with context_timeout(backend.abort, self._timeout):
             backend.eager_connect_single_device(device)
         pg._register_backend(torch.device("cuda"), dist.ProcessGroup.BackendType.NCCL, backend)
         return pg
-
-    def abort(self, errored: bool = True) -> None:
-        """Aborts the communicator; :meth:`errored` reports ``"aborted"`` afterwards.
-
-        Args:
-            errored: whether this abort is due to a failure.
-        """
-        self._errored = RuntimeError("aborted")
-        super().abort(errored=errored)
 
     def errored(self) -> Exception | None:
         """Synchronizes the current stream, then returns the sticky error."""
@@ -158,9 +118,6 @@ class ProcessGroupNCCL(ProcessGroupWrapper):
     def getBackendName(self) -> str:
         """``"torchft-nccl"``."""
         return "torchft-nccl"
-
-    def _run_context(self) -> contextlib.AbstractContextManager[None]:
-        return context_timeout(self.abort, self._timeout)
 
     def _opts_hook(self, opts: Any) -> Any:
         if self._use_abort and hasattr(opts, "timeout"):

@@ -18,14 +18,11 @@ from torchheal.process_group.gloo_sockets import PairSockets
 
 logger: logging.Logger = logging.getLogger(__name__)
 
-#: Longest single connection attempt of :func:`create_store_client` when it can be abandoned.
-#: c10d's client retries a connection that failed (one cut to abandon it, say) until its
-#: timeout, so only attempts this short let an abandon take effect soon.
+#: Longest connection attempt when it can be abandoned: c10d retries a failed connection until
+#: its timeout, so only short attempts let an abandon take effect soon.
 CONNECT_ATTEMPT_S = 1.0
-#: How long a connection may outlast its timeout before the attempt under way is cut. c10d's
-#: client waits for the answer to its first request with no timeout at all: a host that accepts
-#: and never answers (a frozen process, whose kernel accepts) would hold it forever. A host that
-#: is merely slow to answer (many clients at once) is given the whole timeout, as before.
+#: How long a connection may outlast its timeout before it is cut: c10d waits for the first
+#: answer with no timeout, so a frozen host (whose kernel accepts) would hold it forever.
 OVERRUN_CUT_S = 1.0
 #: How often an overrunning attempt's connection is looked for and cut again, until it ends.
 _RECUT_S = 0.05
@@ -47,13 +44,8 @@ class _UnansweredConnection(DistNetworkError):
 class StoreConnections:
     """This process's connections to a store's ``port`` opened from now on, to be cut.
 
-    A process group's build waits on its client of the rendezvous store, whichever group (ours,
-    NCCL's, the reference's) opened it; cutting the connection makes that wait fail at once
-    ("Failed to recv"): how a build stuck on a peer that died before publishing its address is
-    given up.
-
-    Args:
-        port: the store's port.
+    Cutting makes a group's build waiting on the rendezvous store fail at once, whichever group
+    (ours, NCCL's) opened the client: how a build stuck on a dead peer is given up.
     """
 
     def __init__(self, port: int) -> None:
@@ -61,22 +53,14 @@ class StoreConnections:
         self._before = PairSockets.before()
 
     def cut(self) -> int:
-        """Shuts down those connections still open (safe from any thread, any number of
-        times); returns how many were cut."""
+        """Shuts down those connections still open (any thread, any number of times); the count."""
         return PairSockets.to_port(self._before, self.port).cut()
 
 
 def parse_store_addr(store_addr: str) -> tuple[str, int, str]:
-    """Splits ``"host:port/prefix"`` into its parts; IPv6 hosts may be bracketed.
+    """Splits ``"host:port/prefix"``: ``[::1]:1234/a/b`` gives ``("::1", 1234, "a/b")``.
 
-    The prefix is everything after the first ``/``; the port is after the last ``:`` of what
-    precedes it, so ``[::1]:1234/a/b`` gives ``("::1", 1234, "a/b")``.
-
-    Args:
-        store_addr: the address, for example ``"localhost:29500/torchft/3/0"``.
-
-    Raises:
-        ValueError: naming the address when it has no prefix, no port, or a bad port.
+    Raises ``ValueError`` naming the address when it has no prefix, no port, or a bad port.
     """
     hostport, sep, prefix = store_addr.partition("/")
     if not sep:
@@ -104,24 +88,16 @@ def create_store_client(
 ) -> Store:
     """Connects to an existing TCPStore and scopes it under the address's prefix.
 
+    Ends within about ``timeout`` (plus :data:`OVERRUN_CUT_S`) whatever the host does.
+
     Args:
         store_addr: ``"host:port/prefix"`` (``"[v6addr]:port/prefix"`` for IPv6).
         timeout: connect and per-operation timeout of the store client.
-        abandoned: set from another thread to give the connection up. c10d's client retries a
-            frozen host (whose kernel accepts) until its timeout, from C++ where nothing can wake
-            it, so with this event the connection is made in attempts of at most
-            :data:`CONNECT_ATTEMPT_S` on a helper thread, and the call raises once it is set.
-
-    Whatever the host does, the call ends within about ``timeout`` (plus :data:`OVERRUN_CUT_S`).
-    With ``abandoned``, a host refusing connections is then waited for quietly until it listens.
-
-    Returns:
-        ``PrefixStore(prefix, TCPStore(host, port, is_master=False, ...))``.
+        abandoned: set from another thread to give the connection up
+            (:class:`StoreConnectAbandoned`); the connection is then made in short attempts.
 
     Raises:
-        StoreConnectAbandoned: ``abandoned`` was set before a connection was made.
-        torch.distributed.DistError: no connection within ``timeout`` (``DistNetworkError``
-            naming the refusal or the frozen host where that is why).
+        torch.distributed.DistError: no connection within ``timeout``.
     """
     host, port, prefix = parse_store_addr(store_addr)
     if abandoned is None:
@@ -131,26 +107,17 @@ def create_store_client(
 
 def connect_store(host: str, port: int, timeout: timedelta) -> TCPStore:
     """A c10d client of the TCPStore at ``host:port`` (no prefix), in one attempt that ends
-    within ``timeout`` (plus :data:`OVERRUN_CUT_S`) whatever the host does.
-
-    Raises:
-        torch.distributed.DistNetworkError: no connection within ``timeout``, or (naming the
-            frozen host) a connection whose first answer never came.
-    """
+    within ``timeout`` (plus :data:`OVERRUN_CUT_S`) whatever the host does."""
     timeout_s = timeout.total_seconds()
     return _bounded_client(host, port, timeout_s, time.monotonic() + timeout_s)
 
 
 def _in_attempts(host: str, port: int, timeout: timedelta, abandoned: threading.Event) -> TCPStore:
-    """:func:`create_store_client`'s connection when it can be abandoned.
+    """:func:`create_store_client`'s connection when it can be abandoned: short attempts.
 
-    Attempts of at most :data:`CONNECT_ATTEMPT_S`, each on a helper thread
-    (:func:`_abandonable`) and cut soon after the deadline if the host never answers
-    (:func:`_bounded_client`). c10d's client logs every failed attempt with a C++ stack and
-    may end it seconds late, so once an attempt has failed, the next one starts only when the
-    host accepts a plain TCP connection (:func:`_await_listener`). Not before the first failure:
-    each connection costs the store's single loop a lookup of the peer's name, slow where DNS
-    drops queries (``docs/failures.md``, slow DNS).
+    c10d logs every failed attempt with a C++ stack, so after a failure the next attempt waits
+    until the host accepts a plain TCP connection. Not before: each probe costs the store's loop a
+    name lookup, slow where DNS drops queries (``docs/failures.md``, slow DNS).
     """
     deadline = time.monotonic() + timeout.total_seconds()
     why = f"the connection to the store at {host}:{port} was abandoned"
@@ -167,8 +134,7 @@ def _in_attempts(host: str, port: int, timeout: timedelta, abandoned: threading.
             raise
         except Exception as e:
             if time.monotonic() >= deadline:
-                # The first attempt outlasted a short timeout: c10d's message would name the
-                # attempt's, and carry a C++ stack.
+                # c10d's message would name the attempt's timeout, with a C++ stack.
                 raise _no_store(host, port, timeout, _first_line(e)) from None
             failed = True
             continue
@@ -184,13 +150,7 @@ def _await_listener(
     abandoned: threading.Event,
     why: str,
 ) -> None:
-    """Returns once ``host:port`` accepts a TCP connection (closed at once, unused), trying
-    again after short, growing pauses while it refuses.
-
-    Raises:
-        torch.distributed.DistNetworkError: none by ``deadline`` (monotonic), naming why.
-        StoreConnectAbandoned: ``abandoned`` was set (``why``).
-    """
+    """Returns once ``host:port`` accepts a TCP connection, retrying after growing pauses."""
     pause = _REFUSED_FIRST_PAUSE_S
     last = "not tried"
     while True:
@@ -221,13 +181,7 @@ def _first_line(e: BaseException) -> str:
 
 
 def _accepts(host: str, port: int, timeout_s: float, abandoned: threading.Event, why: str) -> None:
-    """Opens a TCP connection to ``host:port`` and closes it; an abandon ends the wait.
-
-    Raises:
-        OSError: no address of ``host`` accepted it within ``timeout_s`` (``TimeoutError``
-            when one never answered).
-        StoreConnectAbandoned: ``abandoned`` was set (``why``).
-    """
+    """Opens a TCP connection to ``host:port`` and closes it (``OSError`` if none accepted)."""
     end = time.monotonic() + timeout_s
     error: OSError = OSError(errno.EADDRNOTAVAIL, f"{host} has no address")
     for family, kind, proto, _name, addr in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM):
@@ -254,9 +208,8 @@ def _accepts(host: str, port: int, timeout_s: float, abandoned: threading.Event,
 
 
 def _abandonable(connect: Callable[[], TCPStore], abandoned: threading.Event, why: str) -> TCPStore:
-    """``connect()`` on a helper thread; raises :class:`StoreConnectAbandoned` (``why``) as soon
-    as ``abandoned`` is set, leaving the attempt to end on its own: a connection it then makes
-    is dropped (closed) by its thread, never kept alive by the exception's frames."""
+    """``connect()`` on a helper thread; raises :class:`StoreConnectAbandoned` as soon as
+    ``abandoned`` is set, leaving a late connection to be closed by its thread."""
     if abandoned.is_set():
         raise StoreConnectAbandoned(why)
     outcome: list[TCPStore | BaseException] = []
@@ -293,13 +246,8 @@ def _abandonable(connect: Callable[[], TCPStore], abandoned: threading.Event, wh
 def _bounded_client(host: str, port: int, timeout_s: float, deadline: float) -> TCPStore:
     """A c10d client of ``host:port`` (one attempt of ``timeout_s``), cut soon after ``deadline``.
 
-    A watchdog thread cuts the attempt's own connections to ``port`` once it has outlasted
-    ``deadline`` (monotonic) by :data:`OVERRUN_CUT_S`: the client then fails and, past its own
-    timeout, does not try again.
-
-    Raises:
-        torch.distributed.DistNetworkError: no connection within ``timeout_s``, or (naming the
-            frozen host) a connection whose first answer never came.
+    A watchdog cuts the attempt's connections to ``port`` :data:`OVERRUN_CUT_S` past
+    ``deadline``: the client fails and, past its own timeout, does not retry.
     """
     before = PairSockets.before()
     ended = threading.Event()

@@ -1,10 +1,4 @@
-"""Small ``torch.distributed.Work`` implementations shared by the process groups and the Manager.
-
-* :class:`_DummyWork` - already complete with a given result.
-* :class:`_FailedWork` - already failed with a given error.
-* :class:`_ErrorRecordingWork` - delegates to an inner work and reports any failure of ``wait()``
-  or of its future to a callback (how wrappers keep their sticky ``errored()`` state).
-"""
+"""Small ``torch.distributed.Work`` implementations shared by the process groups and the Manager."""
 
 from __future__ import annotations
 
@@ -17,15 +11,8 @@ from torch.futures import Future
 
 
 def _chain(fut: Future[Any], fn: Callable[[Future[Any]], Any]) -> Future[Any]:
-    """Like ``fut.then(fn)`` but an exception raised by ``fn`` reaches the new future as is.
-
-    ``Future.then`` wraps callback exceptions in a generic ``RuntimeError``; callers here need
-    the original type and message (for example ``TimeoutError`` or an injected test error).
-
-    Args:
-        fut: the source future.
-        fn: maps the completed source future to the new future's value (or raises).
-    """
+    """Like ``fut.then(fn)`` but an exception raised by ``fn`` reaches the new future as is
+    (``Future.then`` wraps it in a generic ``RuntimeError``)."""
     out: Future[Any] = Future()
 
     def _done(f: Future[Any]) -> None:
@@ -41,11 +28,7 @@ def _chain(fut: Future[Any], fn: Callable[[Future[Any]], Any]) -> Future[Any]:
 
 
 class _DummyWork(dist.Work):
-    """A work that is already done.
-
-    Args:
-        result: the value the future resolves to.
-    """
+    """A work already done, its future resolved to ``result``."""
 
     def __init__(self, result: object) -> None:
         super().__init__()
@@ -65,14 +48,8 @@ class _DummyWork(dist.Work):
 class _ErrorRecordingWork(dist.Work):
     """Wraps a work so failures are reported to ``on_error`` before they reach the caller.
 
-    Wrapping a recording work whose future nobody asked for yet adopts its inner work and its
-    reporters instead of nesting: one callback on the collective's future reports to all of them
-    (each layer of Python callbacks runs, GIL taken, on the thread completing the collective,
-    and the last one of a step's backward pass is on the training step's critical path).
-
-    Args:
-        work: the underlying work.
-        on_error: called with the exception when ``wait()`` or the future fails.
+    Wrapping a recording work whose future nobody asked for yet adopts its reporters instead of
+    nesting: each layer of Python callbacks takes the GIL on the thread completing the collective.
     """
 
     def __init__(self, work: dist.Work, on_error: Callable[[Exception], None]) -> None:
@@ -91,11 +68,7 @@ class _ErrorRecordingWork(dist.Work):
             report(e)
 
     def wait(self, timeout: timedelta | None = None) -> bool:
-        """Waits on the inner work; a failure is reported, then re-raised.
-
-        Args:
-            timeout: passed to the inner work's ``wait``.
-        """
+        """Waits on the inner work; a failure is reported, then re-raised."""
         try:
             if timeout is None:
                 return self._work.wait()
@@ -122,10 +95,8 @@ class _ErrorRecordingWork(dist.Work):
     def take_future(self) -> tuple[Future[Any], Callable[[Exception], None]]:
         """The inner future unchecked, and the reporter its failure must be passed to.
 
-        For a caller that looks at the outcome in a callback of its own anyway (the Manager's
-        gradient buckets): one callback on the collective's future instead of two. From then
-        on :meth:`get_future` returns the same unchecked future, so a failure is reported
-        once, by that caller.
+        For a caller that checks the outcome in its own callback anyway (the Manager's buckets):
+        one callback instead of two. :meth:`get_future` then returns the same unchecked future.
         """
         if self._fut is not None:
             # Already chained through the reporter: the caller's check must not report again.
@@ -143,11 +114,7 @@ def _ignore(e: Exception) -> None:
 
 
 class _FailedWork(dist.Work):
-    """A work for an operation that raised when it was issued.
-
-    Args:
-        error: raised by ``wait()`` and set on the future.
-    """
+    """A work for an operation that raised ``error`` when it was issued."""
 
     def __init__(self, error: Exception) -> None:
         super().__init__()

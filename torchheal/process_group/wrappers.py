@@ -1,9 +1,7 @@
 """Process groups that wrap another one: the reconfigurable shell and two test/robustness wrappers.
 
-* :class:`ProcessGroupWrapper` - owns an inner group, rebuilt by ``configure`` (or delegates to an
-  inner torchheal group); subclasses only say how to build the inner group (``_create_pg``).
-* :class:`ErrorSwallowingProcessGroupWrapper` - turns allreduce failures into a stored error.
-* :class:`FakeProcessGroupWrapper` - test helper that injects one allreduce failure.
+:class:`ProcessGroupWrapper` owns an inner group rebuilt by ``configure`` (subclasses say how, in
+``_create_pg``) or delegates to an inner torchheal group.
 """
 
 from __future__ import annotations
@@ -20,6 +18,7 @@ import torch.distributed as dist
 from torch.futures import Future
 
 from torchheal._base.telemetry_env import job_id
+from torchheal.futures import context_timeout
 from torchheal.process_group.base import ProcessGroup, quorum_group_name, takes_options
 from torchheal.process_group.store import create_store_client
 from torchheal.process_group.work import _chain, _DummyWork, _ErrorRecordingWork
@@ -38,9 +37,8 @@ class ProcessGroupWrapper(ProcessGroup):
             otherwise the inner group is rebuilt by :meth:`_create_pg` on every ``configure``.
     """
 
-    #: Whether an aborted inner group is dropped on a thread of its own (except at shutdown):
-    #: for backends whose destructor waits for an operation in flight that the abort may not
-    #: end (Gloo's), so the caller is not held until that operation's timeout.
+    #: Drop an aborted inner group on a thread of its own (except at shutdown): for backends whose
+    #: destructor waits for an operation in flight that the abort may not end (Gloo's).
     _releases_elsewhere: bool = False
 
     def __init__(
@@ -54,8 +52,7 @@ class ProcessGroupWrapper(ProcessGroup):
         self._errored: Exception | None = None
         self._aborted = False
         self._closing = False  # shutdown(): the inner group is released on the caller's thread
-        # Set by abandon_configure: the configure in progress gives up its store connection.
-        self._abandoned = threading.Event()
+        self._abandoned = threading.Event()  # set by abandon_configure
         # What the last configure said about its quorum (see ProcessGroup.configure).
         self._c10d_group_name: str | None = None
         self._global_ranks: list[int] | None = None
@@ -64,21 +61,17 @@ class ProcessGroupWrapper(ProcessGroup):
     def parent(self) -> dist.ProcessGroup:
         """The inner group (``AssertionError`` before the first ``configure``)."""
         if self._pg is None:
-            # AssertionError as the reference's; after an abort, say so (a collective issued
-            # between a lost peer's abort and the next quorum's configure lands here).
+            # AssertionError as the reference's; after an abort, say so.
             detail = " (aborted; configured again at the next quorum)" if self._aborted else ""
             raise AssertionError(f"process group not initialized{detail}")
         return self._pg
 
     def _create_pg(self, store: dist.Store, rank: int, world_size: int) -> dist.ProcessGroup:
-        """Builds the inner group on a prefixed store client (subclasses implement it).
-
-        Args:
-            store: the rendezvous store for this configuration.
-            rank: this process's rank.
-            world_size: number of members.
-        """
+        """Builds the inner group on a prefixed store client (subclasses implement it)."""
         raise NotImplementedError("not implemented")
+
+    def _on_configure(self) -> None:
+        """Runs first in every ``configure``: subclasses check their device or reset state."""
 
     def configure(
         self,
@@ -93,6 +86,7 @@ class ProcessGroupWrapper(ProcessGroup):
         global_ranks: list[int] | None = None,
     ) -> None:
         """See :meth:`ProcessGroup.configure`; drops (aborts) the previous inner group first."""
+        self._on_configure()
         self._replica_id = replica_id
         self._rank = rank
         self._c10d_group_name = quorum_group_name(quorum_id, group_rank, group_world_size)
@@ -148,8 +142,7 @@ class ProcessGroupWrapper(ProcessGroup):
     def _abort_inner(self, release_now: bool) -> None:
         pg = self._pg
         if isinstance(pg, ProcessGroup):
-            # A torchheal group inside: it aborts itself and is configured again later, so it
-            # must stay (dropping it would leave nothing to configure).
+            # A torchheal group inside stays: it is configured again later.
             pg.abort()
             return
         self._pg = None
@@ -174,8 +167,8 @@ class ProcessGroupWrapper(ProcessGroup):
             pg.shutdown()
             self._pg = None
         else:
-            # Released on this thread: the process may end right after, and a release still
-            # running on another thread then would race the interpreter's own teardown.
+            # Released on this thread: a release on another thread could race the interpreter's
+            # teardown if the process ends right after.
             self._closing = True
             try:
                 self.abort(errored=False)
@@ -195,11 +188,7 @@ class ProcessGroupWrapper(ProcessGroup):
             self._errored = e
 
     def set_timeout(self, timeout: timedelta) -> None:
-        """Sets the timeout used by the next ``configure`` (and the inner torchheal group's).
-
-        Args:
-            timeout: the new timeout.
-        """
+        """Sets the timeout used by the next ``configure`` (and the inner torchheal group's)."""
         self._timeout = timeout
         if isinstance(self._pg, ProcessGroup):
             self._pg.set_timeout(timeout)
@@ -229,18 +218,12 @@ class ProcessGroupWrapper(ProcessGroup):
         return opts
 
     def _wrap_work(self, work: dist.Work, opts: object) -> dist.Work:
-        """Wraps the inner group's work (records errors for :meth:`errored`).
-
-        An inner torchheal group's work is returned as it is, as the reference does: that group
-        keeps its own errors, and :meth:`errored` asks it.
-        """
+        """Wraps the inner work to record errors (an inner torchheal group keeps its own)."""
         if isinstance(self._pg, ProcessGroup):
             return work
         return _ErrorRecordingWork(work, self._record_error)
 
     def _collective(self, name: str, *args: Any) -> dist.Work:
-        # Every collective goes to the inner group, inside the subclass's run context, with
-        # its options rewritten by the subclass and its work wrapped to record errors.
         with self._run_context():
             issue = getattr(self.parent, name)
             if not takes_options(name):
@@ -249,17 +232,30 @@ class ProcessGroupWrapper(ProcessGroup):
             return self._wrap_work(issue(*leading, self._opts_hook(opts)), opts)
 
 
+class _TimedProcessGroupWrapper(ProcessGroupWrapper):
+    """An accelerator group whose calls abort it on overrunning the timeout (NCCL, XCCL).
+
+    After an abort :meth:`errored` reports ``"aborted"`` until the next ``configure``.
+    """
+
+    def abort(self, errored: bool = True) -> None:
+        """Aborts the group; :meth:`errored` reports ``"aborted"`` afterwards.
+
+        Args:
+            errored: whether this abort is due to a failure.
+        """
+        self._errored = RuntimeError("aborted")
+        super().abort(errored=errored)
+
+    def _run_context(self) -> contextlib.AbstractContextManager[None]:
+        return context_timeout(self.abort, self._timeout)
+
+
 class _SettledWork(dist.Work):
     """A work whose outcome passes through ``settle`` before its waiter or its future sees it.
 
-    ``settle(finish, fallback)`` runs once the inner work is done: ``finish()`` returns the
-    inner outcome or raises its error; ``settle`` may return it, return ``fallback`` instead
-    (``True`` for ``wait``, the input tensors for the future) or raise.
-
-    Args:
-        work: the inner work.
-        settle: the policy, shared by ``wait`` and the future.
-        result: what the future resolves to when ``settle`` falls back.
+    ``settle(finish, fallback)``: ``finish()`` returns the inner outcome or raises; ``settle``
+    returns it, returns ``fallback`` (``True`` for ``wait``, ``result`` for the future) or raises.
     """
 
     def __init__(
@@ -287,13 +283,7 @@ class _SettledWork(dist.Work):
 
 
 class _ErrorSwallowingWork(_SettledWork):
-    """An allreduce of :class:`ErrorSwallowingProcessGroupWrapper`: failures are stored, not raised.
-
-    Args:
-        pg: the wrapper that stores the error.
-        work: the inner allreduce.
-        default_result: what the future resolves to after a failure (the input tensors).
-    """
+    """An allreduce of :class:`ErrorSwallowingProcessGroupWrapper`: failures stored, not raised."""
 
     def __init__(
         self, pg: ErrorSwallowingProcessGroupWrapper, work: dist.Work, default_result: object
@@ -314,27 +304,11 @@ class ErrorSwallowingProcessGroupWrapper(ProcessGroupWrapper):
         super().__init__(pg=pg)
         self._error: Exception | None = None
 
-    def configure(
-        self, store_addr: str, replica_id: str, rank: int, world_size: int, **quorum: Any
-    ) -> None:
-        """Forgets the stored error and configures the inner group.
-
-        Args:
-            store_addr: see :meth:`ProcessGroup.configure`.
-            replica_id: see :meth:`ProcessGroup.configure`.
-            rank: see :meth:`ProcessGroup.configure`.
-            world_size: see :meth:`ProcessGroup.configure`.
-            quorum: the optional quorum keywords of :meth:`ProcessGroup.configure`.
-        """
+    def _on_configure(self) -> None:
         self._error = None
-        super().configure(store_addr, replica_id, rank, world_size, **quorum)
 
     def report_error(self, e: Exception) -> None:
-        """Stores ``e``: until the next ``configure``, allreduces complete without communicating.
-
-        Args:
-            e: the error.
-        """
+        """Stores ``e``: until the next ``configure``, allreduces complete without communicating."""
         self._error = e
 
     def error(self) -> Exception | None:
@@ -369,27 +343,11 @@ class FakeProcessGroupWrapper(ProcessGroupWrapper):
         super().__init__(pg=pg)
         self._future_error: Exception | None = None
 
-    def configure(
-        self, store_addr: str, replica_id: str, rank: int, world_size: int, **quorum: Any
-    ) -> None:
-        """Disarms a pending injected error and configures the inner group.
-
-        Args:
-            store_addr: see :meth:`ProcessGroup.configure`.
-            replica_id: see :meth:`ProcessGroup.configure`.
-            rank: see :meth:`ProcessGroup.configure`.
-            world_size: see :meth:`ProcessGroup.configure`.
-            quorum: the optional quorum keywords of :meth:`ProcessGroup.configure`.
-        """
-        self._future_error = None
-        super().configure(store_addr, replica_id, rank, world_size, **quorum)
+    def _on_configure(self) -> None:
+        self._future_error = None  # a configure disarms a pending injected error
 
     def report_future_error(self, e: Exception) -> None:
-        """Arms ``e``: the next allreduce completes, then its ``wait()`` and future raise it.
-
-        Args:
-            e: the error to inject.
-        """
+        """Arms ``e``: the next allreduce completes, then its ``wait()`` and future raise it."""
         self._future_error = e
 
     def allreduce(self, tensors: list[torch.Tensor], opts: Any) -> dist.Work:

@@ -1,28 +1,19 @@
 """Reconfigurable XCCL process groups for Intel GPUs (``torch.xpu``), built like the NCCL ones.
 
-* :class:`ProcessGroupXCCL` - an XCCL group rebuilt on every ``configure``; every call runs under
-  a :func:`~torchheal.futures.context_timeout` that aborts the group instead of hanging.
-* :class:`ProcessGroupBabyXCCL` - the same group in a child process (see ``baby.py``).
-
-Importing and constructing both works on any machine: torch's XCCL backend exists only in XPU
-builds, so it is imported inside ``_create_pg``, and ``configure`` raises a clear
-``RuntimeError`` when no XPU device is available. Not exercised on XPU hardware in this
-repository's tests (none is available); the CPU-side behaviour is.
+Importing and constructing works on any machine (torch's XCCL backend exists only in XPU builds,
+so it is imported when a group is built). Not exercised on XPU hardware by this repository's tests.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from datetime import timedelta
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from torchheal.futures import context_timeout
 from torchheal.process_group.baby import ProcessGroupBaby
-from torchheal.process_group.wrappers import ProcessGroupWrapper
+from torchheal.process_group.wrappers import _TimedProcessGroupWrapper
 
 logger = logging.getLogger(__name__)
 
@@ -42,17 +33,7 @@ def _require_xpu(name: str) -> None:
 def create_xccl_pg(
     store: dist.Store, rank: int, world_size: int, timeout: timedelta
 ) -> dist.ProcessGroup:
-    """Builds a c10d process group backed by a fresh XCCL backend on the current XPU.
-
-    Args:
-        store: the (prefixed) rendezvous store.
-        rank: this process's rank.
-        world_size: number of members.
-        timeout: operation timeout.
-
-    Raises:
-        RuntimeError: this torch build has no XCCL backend.
-    """
+    """Builds a c10d process group backed by a fresh XCCL backend (``RuntimeError`` without one)."""
     try:
         from torch.distributed import ProcessGroupXCCL as _C10dXCCL  # XPU builds only
     except ImportError as e:
@@ -68,10 +49,8 @@ def create_xccl_pg(
     return pg
 
 
-class ProcessGroupXCCL(ProcessGroupWrapper):
+class ProcessGroupXCCL(_TimedProcessGroupWrapper):
     """An XCCL group rebuilt on every ``configure``, aborted when a call overruns its timeout.
-
-    After an abort :meth:`errored` reports ``"aborted"`` until the next ``configure``.
 
     Args:
         timeout: rendezvous timeout and timeout of every operation.
@@ -80,24 +59,11 @@ class ProcessGroupXCCL(ProcessGroupWrapper):
     def __init__(self, timeout: timedelta = timedelta(seconds=60)) -> None:
         super().__init__(timeout=timeout)
         self._use_abort = _xpu_available()
-        # Unlike the reference, NONBLOCKING_TIMEOUT_ENV is left to the user (torchheal never
-        # writes the environment): every call, the first one that waits on the communicator's
-        # init included, runs under our own timer that aborts the group (_run_context).
+        # Unlike the reference, NONBLOCKING_TIMEOUT_ENV is left to the user: every call, the
+        # communicator's init included, runs under our timer that aborts the group.
 
-    def configure(
-        self, store_addr: str, replica_id: str, rank: int, world_size: int, **quorum: Any
-    ) -> None:
-        """See :meth:`ProcessGroup.configure`; raises ``RuntimeError`` at once without an XPU.
-
-        Args:
-            store_addr: see :meth:`ProcessGroup.configure`.
-            replica_id: see :meth:`ProcessGroup.configure`.
-            rank: see :meth:`ProcessGroup.configure`.
-            world_size: see :meth:`ProcessGroup.configure`.
-            quorum: the optional quorum keywords of :meth:`ProcessGroup.configure`.
-        """
+    def _on_configure(self) -> None:
         _require_xpu("ProcessGroupXCCL")
-        super().configure(store_addr, replica_id, rank, world_size, **quorum)
 
     def _create_pg(self, store: dist.Store, rank: int, world_size: int) -> dist.ProcessGroup:
         pg = create_xccl_pg(store, rank, world_size, self._timeout)
@@ -107,15 +73,6 @@ class ProcessGroupXCCL(ProcessGroupWrapper):
         if self._c10d_group_name:
             backend.options.group_name = self._c10d_group_name
         return pg
-
-    def abort(self, errored: bool = True) -> None:
-        """Aborts the group; :meth:`errored` reports ``"aborted"`` afterwards.
-
-        Args:
-            errored: whether this abort is due to a failure.
-        """
-        self._errored = RuntimeError("aborted")
-        super().abort(errored=errored)
 
     def errored(self) -> Exception | None:
         """Synchronizes the current XPU stream (if any), then returns the sticky error."""
@@ -127,16 +84,9 @@ class ProcessGroupXCCL(ProcessGroupWrapper):
         """``"torchft-xccl"``."""
         return "torchft-xccl"
 
-    def _run_context(self) -> contextlib.AbstractContextManager[None]:
-        return context_timeout(self.abort, self._timeout)
-
 
 class ProcessGroupBabyXCCL(ProcessGroupBaby):
-    """An XCCL group in a child process (a hung communicator dies with the child).
-
-    Args:
-        timeout: configure timeout and default timeout of ``wait``.
-    """
+    """An XCCL group in a child process (a hung communicator dies with the child)."""
 
     @classmethod
     def _create_pg(
@@ -144,21 +94,8 @@ class ProcessGroupBabyXCCL(ProcessGroupBaby):
     ) -> dist.ProcessGroup:
         return create_xccl_pg(store, rank, world_size, timeout)
 
-    def configure(
-        self, store_addr: str, replica_id: str, rank: int, world_size: int, **quorum: Any
-    ) -> None:
-        """See :meth:`ProcessGroupBaby.configure`; raises ``RuntimeError`` at once without an XPU.
-
-        Args:
-            store_addr: see :meth:`ProcessGroup.configure`.
-            replica_id: see :meth:`ProcessGroup.configure`.
-            rank: see :meth:`ProcessGroup.configure`.
-            world_size: see :meth:`ProcessGroup.configure`.
-            quorum: the optional quorum keywords of :meth:`ProcessGroup.configure` (the child
-                process's group is not named).
-        """
+    def _on_configure(self) -> None:
         _require_xpu("ProcessGroupBabyXCCL")
-        super().configure(store_addr, replica_id, rank, world_size)
 
     def getBackendName(self) -> str:
         """``"torchft-baby-xccl"``."""

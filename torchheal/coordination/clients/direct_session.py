@@ -1,19 +1,14 @@
 """A blocking client's session with the lighthouse, on its direct TCP lane.
 
-:class:`DirectSession` is what a :class:`~torchheal.coordination.clients.lighthouse_client.LighthouseClient` talks
-through when the lighthouse is torchheal's: one TCP connection (``lighthouse/tcp.py``) carrying
-a *detached* session (it speaks for no group, so closing it declares nobody dead; see
-``session.proto``), on which heartbeats and quorum requests of any replica travel as
-length-delimited ``SessionRequest`` messages and come back answered by id.
+:class:`DirectSession` is what ``LighthouseClient`` talks through when the lighthouse is
+torchheal's: one TCP connection (``lighthouse/tcp.py``) carrying a *detached* session (it speaks
+for no group, so closing it declares nobody dead), with requests answered by id.
 
-It needs no thread or event loop of its own: a caller sends its request and reads the connection
-itself until its answer arrives, handing other callers' answers to them on the way (leader and
-followers), so a single caller pays one ``send`` and one ``recv``.
-
-Errors are data: a refused or timed-out request comes back as :class:`Refused`; a connection that
-breaks fails every waiting call with :class:`SessionBroken`, and the session is not used again.
-With a job token the hello carries it; with TLS on, the lighthouse opens no lane and the client
-never gets here.
+No thread or event loop of its own: a caller sends its request and reads the connection itself
+until its answer arrives, handing other callers' answers over on the way (leader and followers),
+so a single caller pays one ``send`` and one ``recv``. A refused request comes back as
+:class:`Refused`; a broken connection fails every waiting call with :class:`SessionBroken`. With
+TLS on, the lighthouse opens no lane and the client never gets here.
 """
 
 from __future__ import annotations
@@ -38,8 +33,7 @@ from torchheal.coordination.session_client import (
     quorum_request,
 )
 
-# Refused and the request builders are the session core's; named here too because
-# lighthouse_client.py, this session's caller, takes them from this module.
+# Re-exported for lighthouse_client.py, this session's caller.
 __all__ = [
     "DirectSession",
     "Refused",
@@ -77,16 +71,15 @@ class _Slot:
 class DirectSession:
     """A detached session on the lighthouse's direct lane; safe to share between threads.
 
-    The protocol (ids, which call an event answers, the session's end) is
-    :class:`~torchheal.coordination.session_client.SessionClient`'s, driven under ``_lock``;
-    this class carries its bytes and wakes its callers.
+    The protocol is :class:`~torchheal.coordination.session_client.SessionClient`'s, driven under
+    ``_lock``; this class carries its bytes and wakes its callers.
 
     Args:
         host: the lighthouse's host.
         port: its direct lane's port.
         label: names the session in the lighthouse's logs.
         timeout_s: how long connecting and the lighthouse's welcome may take.
-        security: the job token to send (the client's settings, built at its edge).
+        security: the job token to send.
 
     Raises:
         OSError: the lane could not be reached.
@@ -139,12 +132,8 @@ class DirectSession:
 
     def call(self, request_id: int, request: bytes, timeout_s: float) -> bytes | Refused:
         """Send ``request`` (a serialized ``SessionRequest`` using ``request_id``) and wait for
-        its answer: the serialized ``SessionEvent``, or :class:`Refused`.
-
-        Raises:
-            TimeoutError: no answer within ``timeout_s`` (the caller stops waiting; a late
-                answer is dropped).
-            SessionBroken: the connection broke.
+        its answer: the serialized ``SessionEvent``, or :class:`Refused`. Raises ``TimeoutError``
+        (a late answer is dropped) or :class:`SessionBroken`.
         """
         return self._call(request_id, request, time.monotonic() + timeout_s)
 
@@ -185,12 +174,8 @@ class DirectSession:
         return answer
 
     def _await_turn(self, slot: _Slot, deadline: float) -> bool:
-        """Wait while another caller reads; True once it is this caller's turn to read (its
-        answer has not come), False once its answer came.
-
-        Raises:
-            TimeoutError: the deadline passed first.
-        """
+        """Wait while another caller reads: True once it is this caller's turn to read, False
+        once its answer came (``TimeoutError`` at the deadline)."""
         with self._cond:
             self._followers += 1
             try:

@@ -1,10 +1,8 @@
 """The blocking client of the lighthouse, for tools and tests that talk to it directly.
 
-It connects in the constructor (``RuntimeError`` if the server cannot be reached within
-``connect_timeout``), sends every call with its own deadline (the ``grpc-timeout`` header,
-which the server enforces), and maps failures as the reference does: deadline or cancellation ->
-``TimeoutError``; anything else -> ``RuntimeError`` (:class:`~torchheal.coordination.rpc.errors.RPCError`)
-carrying the server's status and message. It is safe to share between threads.
+Every call carries its own deadline; failures map as in the reference: deadline or cancellation
+-> ``TimeoutError``, anything else -> ``RuntimeError``
+(:class:`~torchheal.coordination.rpc.errors.RPCError`). Safe to share between threads.
 """
 
 from __future__ import annotations
@@ -43,8 +41,7 @@ __all__ = ["LighthouseClient"]
 
 logger: logging.Logger = logging.getLogger(__name__)
 
-# Asking a lighthouse what it offers, and reaching its direct lane, take a round trip on a
-# network that works; a lane that is not reachable must not hold a client up for long.
+# One round trip each on a working network: an unreachable lane must not hold a client up long.
 DESCRIBE_TIMEOUT_S = 5.0
 DIRECT_CONNECT_TIMEOUT_S = 5.0
 # How much longer than a call's timeout a client waits for the lighthouse's own answer.
@@ -55,17 +52,15 @@ class LighthouseClient:
     """Client of the lighthouse, for tools and tests that talk to it directly.
 
     With a torchheal lighthouse, calls travel on one *detached* session over its direct TCP lane
-    (``direct_session.py``): it speaks for no replica group, so closing it declares nobody dead;
-    liveness comes from heartbeats, as with the reference. A reference lighthouse (or an
-    unreachable lane) gets the reference's unary ``Heartbeat``/``Quorum``. Either way results and
-    errors are the reference's. Difference from the reference: a quorum request that times out is
-    withdrawn at once, so no quorum includes a requester nobody waits for.
+    (it speaks for no group, so closing it declares nobody dead); a reference lighthouse or an
+    unreachable lane gets the reference's unary calls. Results and errors are the reference's,
+    but a quorum request that times out is withdrawn at once, so no quorum includes a requester
+    nobody waits for.
 
     Args:
         addr: the lighthouse address, ``http://host:port`` or ``host:port``.
         connect_timeout: how long to keep trying to connect before raising.
-        security: job token and TLS settings of both lanes (keyword-only, torchheal's; None:
-            read from the environment here, as a client built directly is an edge).
+        security: job token and TLS settings (torchheal's; None: read from the environment).
 
     Raises:
         ValueError: ``addr`` or the security settings are malformed.
@@ -107,20 +102,7 @@ class LighthouseClient:
         shrink_only: bool = False,
         data: dict[str, Any] | None = None,
     ) -> Quorum:
-        """Ask to join the next quorum and wait for it.
-
-        Args:
-            replica_id: the replica group's id.
-            timeout: how long to wait for a quorum that includes this replica.
-            address: the group's manager URL, passed on to the other members.
-            store_address: ``host:port`` of the group's TCPStore.
-            step: the group's current step.
-            world_size: number of ranks in the group.
-            shrink_only: only accept a quorum that drops members.
-            data: a JSON-serialisable dict passed on to the other members.
-
-        Returns:
-            The issued quorum.
+        """Ask to join the next quorum and wait for it (fields as in :class:`QuorumMember`).
 
         Raises:
             TimeoutError: no quorum including this replica was issued within ``timeout``.
@@ -166,13 +148,7 @@ class LighthouseClient:
     def heartbeat(self, replica_id: str, timeout: timedelta = timedelta(seconds=5)) -> None:
         """Tell the lighthouse this replica is alive; returns once the lighthouse recorded it.
 
-        Args:
-            replica_id: the replica group's id.
-            timeout: deadline of the call.
-
-        Raises:
-            TimeoutError: no answer within ``timeout``.
-            RuntimeError: the lighthouse rejected the call or could not be reached.
+        ``TimeoutError`` with no answer within ``timeout``; else ``RuntimeError`` on failure.
         """
         session = self._open_session()
         if session is None:
@@ -220,8 +196,7 @@ class LighthouseClient:
                     self._security,
                 )
             except (OSError, SessionBroken) as e:
-                # A lane the network does not let through (a firewall, a port not exposed):
-                # the gRPC port works, so keep to the unary calls.
+                # A lane the network does not let through: the gRPC port works, so use unary.
                 logger.warning(
                     "lighthouse %s: its direct session lane (port %d) cannot be reached (%s); "
                     "using unary gRPC calls",
@@ -272,9 +247,8 @@ def _direct_port(channel: grpc.Channel, addr: str, timeout_s: float) -> int:
         return 0
 
 
-# Several clients in one process (tests, simulations of many groups) receive the same quorum
-# bytes in a round: the last one decoded is kept, so they are decoded once, not once per client.
-# Only quorums without member data are shared (every other part of a Quorum is immutable).
+# Several clients in one process (simulations of many groups) receive the same quorum bytes:
+# keep the last decoded. Only quorums without member data are shared (the rest is immutable).
 _last_decoded: tuple[bytes, Quorum] | None = None
 
 
@@ -283,8 +257,7 @@ def _decode_quorum(data: bytes) -> Quorum:
     last = _last_decoded
     if last is not None and last[0] == data:
         return last[1]
-    # Other members' data is passed through leniently: a peer of another implementation
-    # may put any string there, and one odd member must not make the whole quorum unusable.
+    # Lenient: one peer's odd data must not make the whole quorum unusable.
     quorum = convert.quorum_from_pb(pb.Quorum.FromString(data), strict_data=False)
     if all(m.data is None for m in quorum.participants):
         _last_decoded = (data, quorum)

@@ -1,12 +1,9 @@
 """The blocking client of a replica group's manager server, used by every rank's ``Manager``.
 
-It connects in the constructor (``RuntimeError`` if the server cannot be reached within
-``connect_timeout``), sends every call with its own deadline (the ``grpc-timeout`` header, which
-the server enforces), and maps failures as the reference does: deadline or cancellation ->
-``TimeoutError``; anything else -> ``RuntimeError`` (:class:`~torchheal.coordination.rpc.errors.RPCError`)
-carrying the server's status and message. It is safe to share between threads. Its twin for
-a caller living in the server's own process (group rank 0 and its ManagerServer) is
-:class:`~torchheal.coordination.rpc.in_process.InProcessCaller`.
+Every call carries its own deadline; failures map as in the reference: deadline or cancellation
+-> ``TimeoutError``, anything else -> ``RuntimeError``
+(:class:`~torchheal.coordination.rpc.errors.RPCError`). Safe to share between threads. Group
+rank 0, in the server's process, uses ``rpc.in_process.InProcessCaller`` instead.
 """
 
 from __future__ import annotations
@@ -35,17 +32,15 @@ class ManagerClient:
     Args:
         addr: the manager server address, ``http://host:port`` or ``host:port``.
         connect_timeout: how long to keep trying to connect before raising.
-        security: job token and TLS settings (keyword-only, torchheal's; None: read from the
-            environment here, as a client built directly is an edge).
+        security: job token and TLS settings (torchheal's; None: read from the environment).
 
     Raises:
         ValueError: ``addr`` or the security settings are malformed.
         RuntimeError: the server could not be reached within ``connect_timeout``.
     """
 
-    # Built in __new__, as the reference's extension type is: ``patch(..., autospec=True)``
-    # checks calls of a class against its __init__, and the reference's tests reach the
-    # instance mock by calling the class mock with no arguments.
+    # Built in __new__, as the reference's extension type is: the reference's tests patch it
+    # with autospec and reach the instance mock by calling the class mock with no arguments.
     def __new__(
         cls, addr: str, connect_timeout: timedelta, *, security: SecurityEnv | None = None
     ) -> ManagerClient:
@@ -62,19 +57,10 @@ class ManagerClient:
         return self
 
     def quorum(self, ask: QuorumAsk) -> QuorumResult:
-        """Join this step's quorum; returns once the whole group has a quorum.
+        """Join this step's quorum; returns this rank's view once the whole group has one.
 
-        Args:
-            ask: this rank's request (``ask.timeout`` bounds the whole quorum, the lighthouse
-                call included).
-
-        Returns:
-            This rank's view of the quorum.
-
-        Raises:
-            TimeoutError: no quorum within ``ask.timeout``.
-            RuntimeError: the server rejected the request, the lighthouse call failed, or this
-                group is not in the quorum.
+        ``ask.timeout`` bounds the whole quorum (``TimeoutError``); ``RuntimeError`` if the
+        server rejected the request, the lighthouse call failed, or the group is not in it.
         """
         request = convert.quorum_ask_to_pb(ask)
         return convert.quorum_result_from_pb(self._quorum_call(request, ask.timeout))
@@ -89,17 +75,7 @@ class ManagerClient:
         commit_failures: int,
         timeout: timedelta,
     ) -> QuorumResult:
-        """The reference's name and signature for :meth:`quorum` (its tests patch it).
-
-        Args:
-            group_rank: this rank's index in its replica group.
-            step: this rank's current step.
-            checkpoint_metadata: how healers fetch this rank's state (transport metadata).
-            shrink_only: only accept a quorum that drops members.
-            init_sync: heal replicas at step 0 from the primary so all start identical.
-            commit_failures: consecutive failed commits of this rank.
-            timeout: deadline of the whole quorum, also used for the lighthouse call.
-        """
+        """The reference's name and signature for :meth:`quorum` (its tests patch it)."""
         return self.quorum(
             QuorumAsk(
                 group_rank,
@@ -113,15 +89,9 @@ class ManagerClient:
         )
 
     def _checkpoint_metadata(self, rank: int, timeout: timedelta) -> str:
-        """Fetch the checkpoint metadata a group rank last reported to this server.
+        """Fetch the checkpoint metadata group rank ``rank`` last reported to this server.
 
-        Args:
-            rank: the group rank whose metadata is wanted.
-            timeout: deadline of the call.
-
-        Raises:
-            TimeoutError: no answer within ``timeout``.
-            RuntimeError: the rank never reported metadata ("rank not found") or another error.
+        ``RuntimeError`` ("rank not found") if it never did.
         """
         request = pb.CheckpointMetadataRequest(rank=rank)
         return self._metadata_call(request, timeout).checkpoint_metadata
@@ -130,12 +100,6 @@ class ManagerClient:
         self, group_rank: int, step: int, should_commit: bool, timeout: timedelta
     ) -> bool:
         """Vote on committing ``step``; returns True iff every rank of the group voted yes.
-
-        Args:
-            group_rank: this rank's index in its replica group.
-            step: the step voted on.
-            should_commit: this rank's vote.
-            timeout: deadline of the call (waits for all ranks to vote).
 
         Raises:
             TimeoutError: not all ranks voted within ``timeout``.
@@ -159,40 +123,23 @@ class ManagerClient:
         return response.should_commit, response.redo
 
     def kill(self, msg: str, timeout: timedelta = timedelta(seconds=10)) -> None:
-        """Ask the manager server's process to exit (used by dashboards and launchers).
+        """Ask the manager server's process to exit, logging ``msg`` (dashboards, launchers).
 
-        Args:
-            msg: reason, logged by the server.
-            timeout: deadline of the call.
-
-        Raises:
-            TimeoutError: no answer within ``timeout``.
-            RuntimeError: the call failed (the process may still have exited).
+        ``RuntimeError`` if the call failed (the process may still have exited).
         """
         self._kill_call(pb.KillRequest(msg=msg), timeout)
 
     def gave_up(self, quorum_id: int, reason: str, timeout: timedelta) -> None:
         """Tell the manager server that this rank gave up building quorum ``quorum_id``'s
         process group; the server tells the lighthouse, which tells the other groups. torchheal
-        only: a reference manager server does not serve it.
-
-        Raises:
-            TimeoutError: no answer within ``timeout``.
-            RuntimeError: the call failed.
-        """
+        only: a reference manager server does not serve it."""
         self._gave_up_call(spb.GaveUp(quorum_id=quorum_id, reason=reason), timeout)
 
     def watch(self, group_rank: int) -> Iterator[spb.MemberLost]:
         """The lighthouse's lost-member notices, as the manager server forwards them.
 
-        Blocks between notices; ends (``RuntimeError``) when the server goes away. torchheal
-        only: a reference manager server does not serve it.
-
-        Args:
-            group_rank: this rank's index in its replica group.
-
-        Raises:
-            RuntimeError: the stream broke (the server is gone or refused the request).
+        Blocks between notices; ends with ``RuntimeError`` when the server goes away or refuses.
+        torchheal only: a reference manager server does not serve it.
         """
         call = self._channel.unary_stream(
             methods.MANAGER_WATCH.path,

@@ -21,13 +21,9 @@ __all__ = ["LinkError", "connect_first", "split_addresses"]
 
 
 def split_addresses(addr: str) -> list[str]:
-    """The lighthouse addresses in ``addr`` (comma-separated; one for most jobs).
+    """The lighthouse addresses in ``addr``, e.g. ``http://a:29510,http://b:29510``.
 
-    Args:
-        addr: ``http://a:29510`` or ``http://a:29510,http://b:29510``.
-
-    Raises:
-        ValueError: no address, or a malformed one.
+    ``ValueError`` for no address, or a malformed one.
     """
     addresses = [a.strip() for a in addr.split(",") if a.strip()]
     if not addresses:
@@ -42,11 +38,8 @@ async def connect_first(
 ) -> tuple[grpc.aio.Channel, str]:
     """A channel to the first of ``addresses`` that answers within ``connect_timeout``.
 
-    All are tried at once (a standby lighthouse does not listen, so waiting on each in turn
-    would cost a whole timeout per standby).
-
-    Raises:
-        RuntimeError: none answered.
+    All are tried at once: a standby does not listen, so trying each in turn would cost a whole
+    timeout per standby. ``RuntimeError`` if none answered.
     """
     if len(addresses) == 1:
         return await aio_connect(addresses[0], connect_timeout, security), addresses[0]

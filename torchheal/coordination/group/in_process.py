@@ -1,12 +1,9 @@
 """Group rank 0's calls to its own manager server, which lives in its process: no gRPC.
 
-Same deadlines and errors as :class:`~torchheal.coordination.clients.manager_client.ManagerClient`:
-``quorum_in_process`` runs the very coroutine behind the ``Quorum`` handler on the server's loop
-(cancelled when its deadline passes, as gRPC cancels a handler;
-:class:`~torchheal.coordination.rpc.in_process.InProcessCaller`), and ``vote_in_process`` casts
-its vote from the caller's thread into the same round the ``ShouldCommit`` handler casts into
-(``vote.py``): when that vote completes the round (a group of one rank, or rank 0 voting last)
-the decision is back without a trip through the loop.
+Same deadlines and errors as ``ManagerClient``: ``quorum_in_process`` runs the ``Quorum``
+handler's coroutine on the server's loop (cancelled at its deadline, as gRPC would), and
+``vote_in_process`` casts from the caller's thread into the same round as ``ShouldCommit``, so a
+vote that completes the round has its decision without a trip through the loop.
 """
 
 from __future__ import annotations
@@ -36,17 +33,8 @@ class InProcessRank:
     def quorum_in_process(self, ask: QuorumAsk) -> QuorumResult:
         """The ``Quorum`` call of a rank living in this process, without the gRPC round trip.
 
-        Same result and errors as ``ManagerClient.quorum``; the
-        rank joins the same round as the ranks calling over gRPC, and leaves it if
-        ``ask.timeout`` passes first.
-
-        Args:
-            ask: the rank's request.
-
-        Raises:
-            TimeoutError: no quorum within ``ask.timeout``.
-            RuntimeError: the request was rejected, the lighthouse call failed, this group is
-                not in the quorum, or the server is shut down.
+        Same result and errors as ``ManagerClient.quorum``; the rank joins the same round as
+        the gRPC ranks, and leaves it if ``ask.timeout`` passes first.
         """
         timeout_s = to_seconds(ask.timeout)
         answer = self.start_quorum_in_process(ask)
@@ -61,14 +49,9 @@ class InProcessRank:
     def start_quorum_in_process(self, ask: QuorumAsk) -> concurrent.futures.Future[QuorumResult]:
         """:meth:`quorum_in_process` without waiting: the future holds its result or error.
 
-        The request goes to the server's loop from this thread and the answer is settled on
-        the loop thread, with no thread in between (the training thread asks at the start of
-        a step and meets the answer later). Callbacks added to the future run on the loop
-        thread, so they must be quick; a waiter gives up at ``ask.timeout`` plus
-        :data:`~torchheal.coordination.rpc.in_process.IN_PROCESS_GRACE_S` (a stuck loop).
-
-        Args:
-            ask: the rank's request.
+        The answer is settled on the loop thread, with no thread in between (the training
+        thread asks at the start of a step and meets the answer later), so callbacks added to
+        the future must be quick.
         """
         timeout_s = to_seconds(ask.timeout)
         answer = self._quorum_in_process.start(self._join_quorum(ask, timeout_s), timeout_s)
@@ -102,20 +85,7 @@ class InProcessRank:
         """:meth:`should_commit_in_process` with the salvage: returns ``(commit, redo)``.
 
         Same arguments, result and errors as ``ManagerClient.vote``.
-
-        Args:
-            group_rank: the caller's index in its replica group.
-            step: the step voted on.
-            should_commit: the caller's vote.
-            salvageable: with a "no": a redo of the step would cure the caller's failure.
-            timeout: deadline of the call (waits for all ranks to vote).
-
-        Raises:
-            TimeoutError: not all ranks voted within ``timeout``.
-            RuntimeError: the vote was rejected, or the server is shut down.
         """
-        # The vote is cast on this thread; the vote that completes the round (always, in a
-        # group of one rank) has its answer at once, without waiting on the event loop.
         timeout_s = to_seconds(timeout)
         what = self._commit_what
         if self._shut_down:

@@ -1,17 +1,10 @@
 """A manager server's link to the lighthouse: a torchheal session, or the reference's unary calls.
 
 With a torchheal lighthouse the link is one long-lived session (``session.proto``): heartbeats
-and quorum requests go up it, quorums and ``MemberLost`` notices come down, and if this process
-dies the session's end tells the lighthouse at once. A reference lighthouse answers
-``UNIMPLEMENTED``; the link then speaks its unary ``Heartbeat``/``Quorum``. A request in flight
-when the session broke fails with ``UNAVAILABLE``; the server's retry policy decides what next.
-Everything here runs on the manager server's event loop.
-
-Its parts: ``link_session.py`` (the session stream, reopened when broken or silent; the rules are
-``coordination/session_client.py``'s), ``link_unary.py`` (the reference's calls),
-``link_standing.py`` (what the group saw of its standing) and ``dial.py`` (reaching the first
-lighthouse of a highly available job's list, moving on to the next when a session cannot be
-reopened).
+and requests go up, quorums and ``MemberLost`` notices come down, and if this process dies the
+session's end tells the lighthouse at once. A reference lighthouse answers ``UNIMPLEMENTED``; the
+link then speaks its unary calls (``link_unary.py``). A request in flight when the session breaks
+fails with ``UNAVAILABLE``. Runs on the manager server's event loop; parts in ``link_*.py``.
 """
 
 from __future__ import annotations
@@ -45,8 +38,7 @@ __all__ = ["LighthouseLink"]
 
 logger: logging.Logger = logging.getLogger("torchheal.coordination.group.link")
 
-#: How long a quorum request waits for a session that is reopening before it fails (the
-#: caller asks again).
+#: How long a quorum request waits for a reopening session before it fails (and is asked again).
 REOPEN_WAIT_S = 1.0
 
 # Reaching another lighthouse of the list (a standby that became the leader).
@@ -64,13 +56,11 @@ class LighthouseLink(SessionStream, StandingWatch, UnaryLink):
         describe: names the lighthouse in log lines.
         log_prefix: prefixes log lines (``[Replica name]``).
         host: the lighthouse's host, where its direct lane listens (None: the gRPC stream only).
-        addresses: every lighthouse of a highly available job, ``describe`` among them (empty:
-            one lighthouse). A session that cannot be (re)opened moves on to the next.
-        silent_s: a session that carries nothing from the lighthouse for this long is hung up
-            and reopened (see :data:`SILENT_SESSION_S`).
-        last_quorum_id: the last quorum id the group's store records from an earlier process
-            of this group (0: none), told to the lighthouse in the Hello until a quorum comes.
-        security: the job token and TLS settings of every connection it opens (its server's).
+        addresses: every lighthouse of a highly available job (empty: one); a session that
+            cannot be (re)opened moves on to the next.
+        silent_s: a session silent this long is hung up and reopened.
+        last_quorum_id: the last quorum id of an earlier process of this group (0: none).
+        security: the job token and TLS settings of every connection it opens.
     """
 
     def __init__(
@@ -95,9 +85,8 @@ class LighthouseLink(SessionStream, StandingWatch, UnaryLink):
         )
         self._interval_s = heartbeat_interval_s
         self._security = security
-        # What this group saw of its own standing with the lighthouse (standing.py), judged
-        # by the default heartbeat timeout until a welcome tells the lighthouse's own. Read
-        # from the thread that decides a commit vote, hence the lock.
+        # Judged by the default heartbeat timeout until a welcome tells the lighthouse's own;
+        # read from the thread that decides a commit vote, hence the lock.
         self._standing = Standing(
             limit_for(DEFAULT_LIGHTHOUSE_HEARTBEAT_TIMEOUT.total_seconds(), heartbeat_interval_s),
             time.monotonic(),
@@ -144,11 +133,8 @@ class LighthouseLink(SessionStream, StandingWatch, UnaryLink):
         self._open_stream = channel.stream_stream(methods.LIGHTHOUSE_SESSION.path)
 
     async def _fail_over(self) -> None:
-        """Move on to the next lighthouse of the list (a standby may lead now).
-
-        Raises:
-            LinkError: it cannot be reached (``UNAVAILABLE``); the next attempt tries the one after.
-        """
+        """Move on to the next lighthouse of the list (a standby may lead now); ``LinkError`` if
+        it cannot be reached (the next attempt tries the one after)."""
         addresses = self._addresses
         index = addresses.index(self._describe) if self._describe in addresses else -1
         target = addresses[(index + 1) % len(addresses)]
@@ -170,11 +156,8 @@ class LighthouseLink(SessionStream, StandingWatch, UnaryLink):
     # Life cycle
 
     async def start(self) -> None:
-        """Open the session, or learn that the lighthouse only speaks the reference's protocol.
-
-        Raises:
-            LinkError: the lighthouse answers neither a session nor a unary heartbeat.
-        """
+        """Open the session, or learn that the lighthouse only speaks the reference's protocol
+        (``LinkError`` if it answers neither a session nor a unary heartbeat)."""
         error: LinkError | None = None
         for _ in range(max(2, 2 * len(self._addresses))):
             try:
@@ -254,15 +237,8 @@ class LighthouseLink(SessionStream, StandingWatch, UnaryLink):
     # Quorum
 
     async def quorum(self, requester: pb.QuorumMember, timeout_s: float) -> pb.Quorum:
-        """Ask the lighthouse for the next quorum on behalf of the group.
-
-        Args:
-            requester: the group's request.
-            timeout_s: how long to wait.
-
-        Raises:
-            LinkError: the lighthouse refused, the call timed out, or the session broke.
-        """
+        """Ask the lighthouse for the next quorum on behalf of the group (``LinkError`` if it
+        refused, the call timed out, or the session broke)."""
         with self._standing_lock:
             self._standing.asked()
         self._session.asked()
@@ -303,11 +279,8 @@ class LighthouseLink(SessionStream, StandingWatch, UnaryLink):
         """Tell the lighthouse that the group gave up building quorum ``quorum_id``'s process
         group (``GaveUp``), so that it tells the other groups waiting in that build.
 
-        Best effort: nothing is sent without a live session, or to a lighthouse older than
-        session protocol 2 (which would end the session).
-
-        Returns:
-            Whether it was sent.
+        Best effort, returning whether it was sent: not without a live session, or to a
+        lighthouse older than session protocol 2 (which would end the session).
         """
         call = self._call
         request = self._session.gave_up(quorum_id, reason)

@@ -1,10 +1,8 @@
 """The link's torchheal session: opening it (direct lane or gRPC stream), heartbeats, events.
 
-The session travels on the lighthouse's direct TCP lane when it announces one (``link_tcp.py``),
-else on the ``torchheal.LighthouseSession/Session`` gRPC stream. A broken session is reopened
-with backoff, on the next lighthouse of the list when there are several; so is a *silent* one (a
-partition drops packets without a FIN or RST). The protocol's rules are the session core's
-(``coordination/session_client.py``); this module moves bytes and completes futures.
+A broken or *silent* session (a partition drops packets without a FIN or RST) is reopened with
+backoff, on the next lighthouse of the list when there are several. The rules are
+``session_client.py``'s; this module moves bytes and completes futures.
 """
 
 from __future__ import annotations
@@ -54,8 +52,7 @@ class SessionStream:
         loop = asyncio.get_running_loop()
         try:
             await self._write(call, session.hello(loop.time(), call.token if self.direct else ""))
-            # A lighthouse that accepts the connection but never welcomes us (the path
-            # stalled again) must not hold the reopening forever.
+            # A lighthouse that accepts but never welcomes must not hold the reopening forever.
             event = await asyncio.wait_for(call.read(), session.silent_s)
         except asyncio.TimeoutError:
             call.cancel()
@@ -67,9 +64,8 @@ class SessionStream:
             call.cancel()
             raise LinkError(grpc.StatusCode.UNAVAILABLE, str(e)) from None
         except grpc.aio.AioRpcError as e:
-            # A write can fail before the server's answer is read (a reference lighthouse
-            # answers an unknown method with HTTP 404 and closes): the call's final status is
-            # the true one (UNIMPLEMENTED).
+            # A write can fail before a reference lighthouse's HTTP 404 is read: the call's
+            # final status is the true one (UNIMPLEMENTED).
             code, details = e.code(), e.details() or ""
             try:
                 code, details = await call.code(), await call.details()
@@ -91,14 +87,9 @@ class SessionStream:
 
     async def _open_direct(self) -> DirectStream | None:
         """A connection to the lighthouse's direct lane; None: it has none, or it cannot be
-        reached (the gRPC stream carries the session then).
+        reached (the gRPC stream carries the session then). ``LinkError`` if it cannot be asked.
 
-        The lane's port is asked for at every (re)opening: a restarted lighthouse listens on
-        a new one.
-
-        Raises:
-            LinkError: ``UNIMPLEMENTED`` from a reference lighthouse; the status of a
-                lighthouse that cannot be asked.
+        The port is asked for at every (re)opening: a restarted lighthouse listens on a new one.
         """
         if self._host is None:
             return None
@@ -180,10 +171,8 @@ class SessionStream:
             while True:
                 silent_s = session.silence(loop.time())
                 if silent_s is not None:
-                    # No FIN, no RST, no answer: a partition (or a frozen lighthouse). The
-                    # lighthouse has given this group up by now; a fresh connection gets
-                    # through as soon as the network does, unlike this one's backed-off
-                    # retransmissions.
+                    # A partition or a frozen lighthouse: a fresh connection gets through as
+                    # soon as the network does, unlike this one's backed-off retransmissions.
                     logger.warning(
                         "%s the lighthouse session with %s has been silent for %.1fs; reopening it",
                         self._prefix,

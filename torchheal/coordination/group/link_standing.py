@@ -1,8 +1,7 @@
 """What the link saw of the group's standing with the lighthouse, and the history it holds.
 
-The lighthouse may drop the group while it is stalled or partitioned (``standing.py`` judges
-that, with time passed in); the link feeds it its ticks, its requests, its answers and the
-lighthouse's own word that it dropped the group.
+``standing.py`` judges whether the lighthouse may have dropped the group; the link feeds it its
+ticks, requests, answers and the lighthouse's own word.
 """
 
 from __future__ import annotations
@@ -35,9 +34,8 @@ class StandingWatch:
             return self._standing.doubt(time.monotonic())
 
     async def _tick(self) -> None:
-        """Tell the standing that this loop, which sends the heartbeats, runs (every interval,
-        whether or not the lighthouse can be reached: an outage of the lighthouse is not a
-        stall of this group)."""
+        """Tick the standing every interval, lighthouse reachable or not: an outage of the
+        lighthouse is not a stall of this group."""
         while True:
             with self._standing_lock:
                 gap = self._standing.tick(time.monotonic())
@@ -57,8 +55,7 @@ class StandingWatch:
         if last is not None and lost.quorum_id < last.quorum_id:
             return  # about a quorum before the one we now train in
         if lost.superseded_by:
-            # Left out of a newer quorum while still at work in this one: its build is abandoned,
-            # nothing else. No doubt of the vote, which would make slow start-ups heal for nothing.
+            # Only its build is abandoned: doubting the vote would make slow start-ups heal.
             logger.info(
                 "%s the lighthouse issued quorum %d without this group, still in quorum %d",
                 self._prefix,

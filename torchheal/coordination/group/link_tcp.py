@@ -1,14 +1,9 @@
 """A manager server's session on the lighthouse's direct TCP lane, on its asyncio loop.
 
-:class:`DirectStream` carries the group's own session to the lighthouse's direct lane
-(``lighthouse/tcp.py``) and offers the few methods of a gRPC stream call that ``LighthouseLink``
-uses (``write``, ``read``, ``done_writing``, ``cancel``), so the link speaks the same protocol over
-either: serialized messages, length-delimited here (``rpc/frames.py``).
-
-A write on a broken connection raises :class:`StreamClosed` (a ``RuntimeError``); a read returns
-``grpc.aio.EOF`` once the connection is over. The connection's end is what the lighthouse takes
-for this group's death, as with the stream. The job token travels in the hello
-(:attr:`DirectStream.token`), not as call metadata.
+:class:`DirectStream` offers the few methods of a gRPC stream call that ``LighthouseLink`` uses
+(``write``, ``read``, ``done_writing``, ``cancel``), so the link speaks the same protocol over
+either, length-delimited here (``rpc/frames.py``). A write on a broken connection raises
+:class:`StreamClosed`; a read returns ``grpc.aio.EOF``. The job token travels in the hello.
 """
 
 from __future__ import annotations
@@ -28,8 +23,8 @@ __all__ = ["DirectStream", "StreamClosed"]
 
 logger: logging.Logger = logging.getLogger(__name__)
 
-# The most one read takes, into the connection's own buffer (a buffered protocol): a fresh
-# 256 KiB allocation per read is an mmap/munmap pair (docs/failures.md).
+# The most one read takes, into the connection's own buffer: a large fresh allocation per read
+# is an mmap/munmap pair.
 READ_BYTES = 64 * 1024
 
 
@@ -87,18 +82,8 @@ class DirectStream:
     async def open(
         cls, host: str, port: int, timeout_s: float, security: SecurityEnv
     ) -> DirectStream:
-        """Connect to the lane at ``host:port``.
-
-        Args:
-            host: the lighthouse's host.
-            port: its direct lane's port.
-            timeout_s: how long connecting may take.
-            security: the job token to send in the hello.
-
-        Raises:
-            ValueError: the security settings are malformed.
-            OSError: the lane could not be reached within ``timeout_s`` (``TimeoutError``).
-        """
+        """Connect to the lane at ``host:port``; ``OSError`` (``TimeoutError`` too) if it cannot
+        be reached within ``timeout_s``."""
         token = security.token
         loop = asyncio.get_running_loop()
         transport, protocol = await asyncio.wait_for(
@@ -111,11 +96,7 @@ class DirectStream:
         return cls(transport, protocol, token)
 
     async def write(self, request: bytes) -> None:
-        """Send one serialized ``SessionRequest``.
-
-        Raises:
-            StreamClosed: the connection is over.
-        """
+        """Send one serialized ``SessionRequest`` (:class:`StreamClosed` once it is over)."""
         if self._transport.is_closing():
             raise StreamClosed("the direct session is closed")
         self._transport.write(frame(request))

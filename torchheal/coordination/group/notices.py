@@ -1,10 +1,8 @@
 """A manager server passing the lighthouse's ``MemberLost`` notices on to its group's ranks.
 
-When another group of the current quorum is gone, the lighthouse tells every session; each
-manager server forwards the notice to every rank of its own group, so each can abort the
-collective it has in flight with the lost group at once. Ranks > 0 watch their server over gRPC
-(``torchheal.ManagerNotices/Watch``, a stream of notices); group rank 0 lives in the server's
-process and registers a listener. Everything here runs on the server's event loop.
+Each rank can then abort the collective it has in flight with a lost group at once. Ranks > 0
+watch over gRPC (``torchheal.ManagerNotices/Watch``); group rank 0, in the server's process,
+registers a listener. Runs on the server's event loop.
 """
 
 from __future__ import annotations
@@ -45,8 +43,7 @@ class NoticeFanout:
         """The lighthouse says a group of quorum ``lost.quorum_id`` is gone: tell every rank."""
         notice = convert.notice_from_pb(lost, self._replica_id)
         if notice.kind is NoticeKind.GAVE_UP:
-            # A rank of ours gave that quorum's build up: every rank ends its build or group
-            # for that quorum (the peers end theirs).
+            # A rank of ours gave that quorum's build up: every rank ends its build or group.
             logger.warning(
                 "%s lighthouse: this group gave up building quorum %d (%s)",
                 self._prefix,
@@ -54,9 +51,8 @@ class NoticeFanout:
                 notice.reason,
             )
         elif notice.kind is not NoticeKind.LOST:
-            # About ourselves: the lighthouse dropped this group (the link already made a freeze
-            # a doubt of the vote). The ranks are told too, to abandon a build of that quorum and,
-            # unless only superseded, abort a group built for it (``machine.Connection.on_notice``).
+            # We were dropped (the link already doubts the vote); the ranks abandon that quorum's
+            # build and, unless only superseded, its group (``machine.Connection.on_notice``).
             logger.warning(
                 "%s lighthouse: this group was dropped from quorum %d (%s)",
                 self._prefix,
@@ -64,8 +60,7 @@ class NoticeFanout:
                 notice.reason,
             )
         else:
-            # A group that said goodbye finished its job (INFO, as the lighthouse logs it); one
-            # that vanished is a failure (WARNING).
+            # A group that said goodbye finished its job; one that vanished is a failure.
             logger.log(
                 logging.INFO if notice.reason.startswith("left") else logging.WARNING,
                 "%s lighthouse: replica %s of quorum %d is lost (%s)",

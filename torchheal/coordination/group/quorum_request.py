@@ -1,14 +1,10 @@
 """A replica group's request to the lighthouse for one quorum round, retried as the policy says.
 
-Once every rank of the group has joined a round (``round.QuorumRound``), the manager server asks
-the lighthouse once on the group's behalf, through its link. A failed attempt is retried as the
-pure ``round.RetryPolicy`` decides; when it gives up, the round's ranks all get the failure
-(``DEADLINE_EXCEEDED`` when the lighthouse timed out, else ``INTERNAL``).
-
-A lighthouse that cannot be reached (``UNAVAILABLE``) decided nothing, so the request is sent again
-every :data:`UNAVAILABLE_RETRY_S` until the round's timeout is spent, whatever
-``quorum_retries`` says: a restarted lighthouse costs a pause, not every group's life (the
-reference gives up "after 0 retries").
+A failed attempt is retried as ``round.RetryPolicy`` decides; when it gives up, the round's
+ranks all get the failure (``DEADLINE_EXCEEDED`` when the lighthouse timed out, else
+``INTERNAL``). A lighthouse that cannot be reached decided nothing, so the request is sent again
+every :data:`UNAVAILABLE_RETRY_S` until the round's timeout is spent, whatever ``quorum_retries``
+says: a restarted lighthouse costs a pause, not every group's life (unlike the reference).
 """
 
 from __future__ import annotations
@@ -39,11 +35,10 @@ logger: logging.Logger = logging.getLogger("torchheal.coordination.group.quorum"
 
 # Minimum pause between lighthouse attempts (reference §5).
 MIN_RETRY_SLEEP_S = 0.1
-# Longest lighthouse call. A rank may send any grpc-timeout up to 99999999H (~11,000 years),
-# but the gRPC client overflows past ~7e9 s and fails such a call at once; a year is forever.
+# Longest lighthouse call: the gRPC client overflows past ~7e9 s; a year is forever.
 MAX_LIGHTHOUSE_CALL_S = 365 * 24 * 3600.0
-# Pause between requests while the lighthouse cannot be reached (its session reopens with a
-# backoff of its own; this only bounds how late the request follows a reopened session).
+# Pause between requests while the lighthouse cannot be reached (the session reopens with a
+# backoff of its own; this bounds how late the request follows it).
 UNAVAILABLE_RETRY_S = 0.1
 
 
@@ -61,9 +56,8 @@ class LighthouseFailed(Exception):
         self.details = details
 
 
-# What gRPC core (and our own link) says when nobody answered at all: the lighthouse's process
-# is gone, restarting, or cannot be reached. A lighthouse that answers with a status of its own
-# (even UNAVAILABLE) made a decision, and the retry policy counts it as a failed attempt.
+# What gRPC core (and our link) says when nobody answered at all. A lighthouse that answers with
+# a status of its own (even UNAVAILABLE) made a decision: the retry policy counts it.
 _UNREACHABLE_DETAILS = (
     "the lighthouse session",  # link.py: reopening, or broke under the request
     "failed to connect",
@@ -79,11 +73,7 @@ _UNREACHABLE_DETAILS = (
 
 
 def is_unreachable(error: LinkError) -> bool:
-    """Whether ``error`` means the lighthouse could not be reached (rather than refused).
-
-    Args:
-        error: a failed lighthouse request.
-    """
+    """Whether ``error`` means the lighthouse could not be reached (rather than refused)."""
     if error.code != grpc.StatusCode.UNAVAILABLE:
         return False
     details = error.details.lower()
@@ -93,17 +83,8 @@ def is_unreachable(error: LinkError) -> bool:
 async def request_quorum(
     link: LighthouseLink, start: RoundStart, retry: RetryPolicy, log_prefix: str
 ) -> Quorum:
-    """The group's lighthouse request for the round ``start`` began.
-
-    Args:
-        link: the server's link to the lighthouse.
-        start: the round: the member that speaks for the group, and its timeout.
-        retry: when to try again.
-        log_prefix: prefixes log lines (``[Replica name]``).
-
-    Raises:
-        LighthouseFailed: every attempt the policy allows failed.
-    """
+    """The group's lighthouse request for the round ``start`` began (:class:`LighthouseFailed`
+    once every attempt the policy allows failed)."""
     requester = convert.member_to_pb(start.member)
     timeout_s = min(start.timeout_s, MAX_LIGHTHOUSE_CALL_S)
     deadline = time.monotonic() + timeout_s

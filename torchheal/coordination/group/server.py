@@ -1,11 +1,9 @@
 """The manager server: one per replica group, run by group rank 0 (reference §5).
 
-It gathers the ``Quorum`` calls of all ranks of its group into one lighthouse request per step
-(``round.QuorumRound``/``round.RetryPolicy``), heartbeats the lighthouse, answers each rank with
-its own view of the quorum (``plan.compute_quorum_results``), runs the per-step commit vote
-(``group.vote.GroupVote`` around ``vote.CommitVote``), serves checkpoint metadata to healing
-peers, and can be told to exit. This module only moves requests, time and answers in and out of
-those pure cores. All state is touched only on the server's event-loop thread, so it needs no lock.
+It gathers its ranks' ``Quorum`` calls into one lighthouse request per step (``round.py``),
+heartbeats the lighthouse, answers each rank with its view of the quorum (``plan.py``), runs the
+commit vote (``group/vote.py``), serves checkpoint metadata and can be told to exit. It only moves
+requests, time and answers in and out of those pure cores; state lives on its event-loop thread.
 
 Deliberate differences from the reference:
 
@@ -15,14 +13,9 @@ Deliberate differences from the reference:
   step) are rejected with ``INVALID_ARGUMENT``.
 * ``Kill`` answers before exiting, so the caller learns that the request arrived.
 
-With a torchheal lighthouse the server keeps one session open to it (``link.py``) and forwards
-its ``MemberLost`` notices to every rank of the group (``torchheal.ManagerNotices/Watch``; rank 0
-in-process through :meth:`add_lost_listener`), so each can abort a collective in flight with the
-lost group. With a reference lighthouse it speaks the unary protocol, as a torchft manager does.
-
-Parts of its own: ``in_process.py`` (group rank 0's calls, without gRPC), ``quorum_request.py``
-(the group's lighthouse request and its retries), ``vote.py`` (the commit vote), ``notices.py``
-(passing notices on to the ranks).
+With a torchheal lighthouse it keeps one session open (``link.py``) and forwards its
+``MemberLost`` notices to every rank (``notices.py``), so each can abort a collective in flight
+with the lost group; with a reference lighthouse it speaks the unary protocol, as torchft does.
 """
 
 from __future__ import annotations
@@ -87,12 +80,9 @@ class ManagerServer(InProcessRank):
         heartbeat_interval: pause between heartbeats to the lighthouse.
         connect_timeout: how long to try to reach the lighthouse at start.
         quorum_retries: extra lighthouse attempts per round after a failure.
-        last_quorum_id: the last quorum id an earlier process of this group configured (its
-            store's record, 0: none); a torchheal lighthouse that restarted without a record
-            of its own numbers its quorums above it.
-        security: job token and TLS settings of the server (torchheal's; None: read from the
-            environment here, as a server built directly is an edge; the Manager passes its
-            own). The lighthouse link still reads them itself (``dial.py``, ``link*.py``).
+        last_quorum_id: the last quorum id an earlier process of this group configured (0:
+            none); a restarted torchheal lighthouse without a record numbers quorums above it.
+        security: job token and TLS settings (torchheal's; None: read from the environment).
 
     Raises:
         ValueError: an option is out of range or an address is malformed.
@@ -223,22 +213,14 @@ class ManagerServer(InProcessRank):
 
     @property
     def joined_running_job(self) -> bool:
-        """Whether the lighthouse had already issued a quorum when this group first said hello.
-
-        A group that (re)starts into a running job warms up before it counts (see the
-        Manager). Always False with a reference lighthouse (no session, no welcome).
-        """
+        """Whether the lighthouse had already issued a quorum when this group first said hello
+        (then the group warms up before it counts). Always False with a reference lighthouse."""
         link = self._link
         return bool(link is not None and link.joined_running)
 
     def add_lost_listener(self, listener: Callable[[Notice], None]) -> None:
-        """Also tell ``listener`` about lost members (for a rank living in this process).
-
-        Args:
-            listener: called with each :class:`~torchheal.coordination.types.Notice` as this
-                group hears it, on the server's event-loop thread, so it must be quick and
-                thread-safe.
-        """
+        """Also tell ``listener`` each :class:`~torchheal.coordination.types.Notice` (for a rank
+        in this process); it runs on the event-loop thread, so must be quick and thread-safe."""
 
         async def add() -> None:
             self._notices.add_listener(listener)
@@ -351,12 +333,8 @@ class ManagerServer(InProcessRank):
         return convert.quorum_result_to_pb(result)
 
     async def _join_quorum(self, ask: QuorumAsk, remaining: float) -> QuorumResult:
-        """One rank's part of a quorum round (the gRPC handler and the in-process call).
-
-        Raises:
-            StatusError: the status to answer with.
-            asyncio.CancelledError: the caller's deadline passed (the rank leaves the round).
-        """
+        """One rank's part of a quorum round (gRPC and in-process); raises :class:`StatusError`,
+        or ``CancelledError`` when the caller's deadline passed (the rank leaves the round)."""
         rank, step = ask.group_rank, ask.step
         try:
             self._round.check(rank, step, ask.commit_failures)

@@ -1,15 +1,10 @@
-"""A replica group's commit vote as its manager server runs it: a barrier open to two kinds of
-voters.
+"""A replica group's commit vote as its manager server runs it: one barrier, two kinds of voters.
 
-Every rank votes on each step (``ShouldCommit``); the step commits only if all voted yes (the
-pure ``vote.CommitVote`` decides). Ranks > 0 vote over gRPC on the server's event loop; group rank
-0 votes from its own training thread in the server's process. :class:`GroupVote` lets both cast
-into one round under a lock and hands each voter a thread-safe future, so the vote that completes
-a round answers at once, wherever it was cast: rank 0 voting last never waits on the event loop.
-
-A round that decided to commit is overruled when the group may have been dropped from the step's
-quorum while its ranks worked (``standing.py``): the ``fence`` says so when the last vote
-arrives, after every collective of the step has completed on every rank.
+Ranks > 0 vote over gRPC on the server's event loop; group rank 0 from its training thread.
+:class:`GroupVote` lets both cast into one ``vote.CommitVote`` round under a lock and hands each a
+thread-safe future, so the vote that completes a round answers at once: rank 0 voting last never
+waits on the loop. A commit is overruled when the ``fence`` (``standing.py``), asked once the last
+vote is in, says the group may have been dropped from the step's quorum.
 """
 
 from __future__ import annotations
@@ -72,14 +67,8 @@ class GroupVote:
     def cast(
         self, rank: int, step: int, vote: bool, salvageable: bool = False
     ) -> concurrent.futures.Future[Decision]:
-        """Cast ``rank``'s vote on ``step``; the returned future holds the round's decision.
-
-        The future is already done when this vote completed the round. ``salvageable``: see
-        :meth:`CommitVote.cast`.
-
-        Raises:
-            ValueError: an impossible rank or step, or a stale vote (``StaleVoteError``).
-        """
+        """Cast ``rank``'s vote on ``step``; the returned future holds the round's decision
+        (already done when this vote completed it). ``ValueError`` as :meth:`CommitVote.cast`."""
         with self._lock:
             decision = self._vote.cast(rank, step, vote, salvageable)
             if decision is not None and decision.commit and self._fence is not None:

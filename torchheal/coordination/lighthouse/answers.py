@@ -1,11 +1,8 @@
 """An issued quorum as the lighthouse sends it: its bytes, made once per round from pieces.
 
-Every waiting group receives the same quorum, so it is serialized once per round and each
-answer's envelope (a ``SessionEvent`` or a reference ``LighthouseQuorumResponse``) is built
-around those bytes (``_wire/splice.py``). The quorum's bytes are assembled from each member's
-message, serialized once when it joins (:func:`member_entry`), which is far cheaper than building
-a message of N copied members (docs/failures.md). Tests check every piece against the generated
-classes' own bytes.
+Every waiter gets the same quorum, so it is serialized once per round, from each member's message
+serialized once when it joined, and each answer's envelope is spliced around it (far cheaper than
+building N messages of N copied members). Tests check every piece against the generated classes.
 """
 
 from __future__ import annotations
@@ -21,29 +18,21 @@ __all__ = ["Issued", "member_entry", "quorum_bytes"]
 _EVENT_QUORUM_TAG = varint(2 << 3 | 2)
 _ISSUED_QUORUM = 2
 
-
 # torchft.Quorum: quorum_id = 1, participants = 2, created = 3; google.protobuf.Timestamp:
 # seconds = 1, nanos = 2.
 _QUORUM_ID, _PARTICIPANT, _CREATED = 1, 2, 3
 
 
 def member_entry(raw: pb.QuorumMember) -> bytes:
-    """``raw`` as one entry of a ``torchft.Quorum``'s participants (field and length included).
-
-    Args:
-        raw: the member's message as received (fields unknown to us are kept).
-    """
+    """``raw`` as received (unknown fields kept), as one participant of a ``torchft.Quorum``."""
     return message_field(_PARTICIPANT, raw.SerializeToString())
 
 
 def quorum_bytes(quorum: Quorum, entries: dict[str, bytes]) -> bytes:
-    """The serialized ``torchft.Quorum`` of ``quorum``: the bytes its generated class would
-    make (``convert.quorum_to_pb(quorum, raw).SerializeToString()``), built from pieces.
+    """The serialized ``torchft.Quorum`` of ``quorum``, built from pieces.
 
-    Args:
-        quorum: the issued quorum.
-        entries: replica_id -> :func:`member_entry` of the message it sent; a member without
-            one is converted from the value.
+    ``entries`` maps replica_id -> :func:`member_entry` of its message; a member without one is
+    converted from the value.
     """
     parts = [int_field(_QUORUM_ID, quorum.quorum_id)]
     for member in quorum.participants:
@@ -59,13 +48,7 @@ def quorum_bytes(quorum: Quorum, entries: dict[str, bytes]) -> bytes:
 
 
 class Issued:
-    """An issued quorum as its waiters need it, serialized once for all of them.
-
-    Args:
-        quorum_id: its id.
-        member_ids: the replica ids it includes.
-        quorum_bytes: the serialized ``torchft.Quorum``.
-    """
+    """An issued quorum as its waiters need it, serialized once for all of them."""
 
     __slots__ = ("_heads", "_unary", "issued_tail", "member_ids", "quorum_bytes", "quorum_id")
 
@@ -75,8 +58,7 @@ class Issued:
         self.quorum_bytes = quorum_bytes
         #: The quorum as field 2 of a ``QuorumIssued`` (what follows the request id).
         self.issued_tail = message_field(_ISSUED_QUORUM, quorum_bytes)
-        # What precedes a request id of each encoded length in a session event (the same for
-        # every waiter whose id has that length).
+        # Event head before a request id, by the id's encoded length.
         self._heads: dict[int, bytes] = {}
         self._unary: bytes | None = None
 

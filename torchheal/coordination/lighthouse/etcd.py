@@ -1,16 +1,10 @@
 """High availability: the lighthouse's record in etcd, written only by the lighthouse that leads.
 
-Lighthouses sharing etcd endpoints and a key prefix compete to create ``{prefix}/leader`` under
-a lease; the winner serves, the others stand by and take over when the lease expires. Safety:
-
-* ``{prefix}/quorum`` (the last issued quorum) is written by a transaction that succeeds only
-  while the leader key is still this process's token, so a deposed leader never writes, and an
-  unwritten quorum is never delivered; a new leader starts above every delivered id.
-* A leader that cannot renew its lease stops serving at once (``on_lost``), so two lighthouses
-  never serve one job for longer than it takes the lost one to notice.
-* A standby rides out etcd outages with a bounded backoff (:class:`Outage`).
-
-The client is ``etcd3gw`` (etcd's v3 JSON gateway), optional: ``pip install torchheal[ha]``.
+Lighthouses sharing endpoints and a key prefix compete to create ``{prefix}/leader`` under a
+lease; the others stand by. ``{prefix}/quorum`` is written only while the leader key still holds
+this process's token, so a deposed leader never writes and an unwritten quorum is never
+delivered. A leader that cannot renew its lease stops serving at once (``on_lost``). The client,
+``etcd3gw``, is optional: ``pip install torchheal[ha]``.
 """
 
 from __future__ import annotations
@@ -38,8 +32,7 @@ logger: logging.Logger = logging.getLogger("torchheal.coordination.lighthouse.et
 CALL_TIMEOUT_S = 2.0
 # A standby looks for a vacant leadership this often.
 STANDBY_POLL_S = 0.25
-# While etcd does not answer, a standby's polls back off from STANDBY_POLL_S up to this: a long
-# outage costs one failed call per endpoint every 2 s, and its end is noticed within 2 s.
+# While etcd does not answer, a standby's polls back off from STANDBY_POLL_S up to this.
 OUTAGE_BACKOFF_MAX_S = 2.0
 # An outage that goes on is logged again this often (never once per poll: that fills the disk).
 OUTAGE_REMIND_S = 60.0
@@ -47,26 +40,15 @@ OUTAGE_REMIND_S = 60.0
 
 @dataclass
 class Outage:
-    """A standby's view of an etcd outage: when to poll again and when to say so.
-
-    Pure (the caller passes monotonic time and logs what it is told), so the backoff and the
-    log rate are tested without etcd.
-    """
+    """A standby's view of an etcd outage: when to poll again and when to say so (pure)."""
 
     since: float | None = None  # the first failed poll of the outage; None while etcd answers
     failures: int = 0  # failed polls in this outage
     said_at: float = 0.0  # when the outage was last logged
 
     def failed(self, now: float) -> tuple[float, bool]:
-        """Count a poll that reached no endpoint.
-
-        Args:
-            now: monotonic seconds.
-
-        Returns:
-            (seconds to wait before the next poll, whether to log the outage now: at its start,
-            then once per ``OUTAGE_REMIND_S``).
-        """
+        """Count a poll that reached no endpoint: (seconds to wait, whether to log now: at the
+        start, then once per ``OUTAGE_REMIND_S``)."""
         if self.since is None:
             self.since, self.failures, self.said_at = now, 1, now
             return STANDBY_POLL_S, True
@@ -78,11 +60,7 @@ class Outage:
         return wait, remind
 
     def answered(self, now: float) -> tuple[float, int] | None:
-        """etcd answered a poll: the outage that just ended (seconds, failed polls), or None.
-
-        Args:
-            now: monotonic seconds.
-        """
+        """etcd answered a poll: the outage that just ended (seconds, failed polls), or None."""
         if self.since is None:
             return None
         ended = (now - self.since, self.failures)
@@ -90,11 +68,7 @@ class Outage:
         return ended
 
     def lasted(self, now: float) -> float:
-        """Seconds since the outage began (0 with none).
-
-        Args:
-            now: monotonic seconds.
-        """
+        """Seconds since the outage began (0 with none)."""
         return 0.0 if self.since is None else now - self.since
 
 
@@ -196,17 +170,9 @@ class EtcdLeaderStore:
     # Leadership
 
     def acquire(self, stop: threading.Event) -> bool:
-        """Stand by until this lighthouse leads; then keep its lease alive in the background.
-
-        An etcd outage does not end the wait (a standby that quit would leave nobody to take
-        over); it polls with a bounded backoff (:class:`Outage`).
-
-        Args:
-            stop: set to give up waiting.
-
-        Returns:
-            True once leading; False when ``stop`` was set first.
-        """
+        """Stand by until this lighthouse leads (True), then keep its lease alive in the
+        background; False when ``stop`` was set first. An etcd outage does not end the wait
+        (nobody would be left to take over)."""
         announced = False
         outage = Outage()
         while not stop.is_set():
@@ -262,11 +228,7 @@ class EtcdLeaderStore:
         return False
 
     def _elect(self) -> Any | None:
-        """One election: the lease this lighthouse now leads with, or None (another leads).
-
-        Raises:
-            StoreError: no endpoint answered.
-        """
+        """One election: the lease this lighthouse now leads with, or None (another leads)."""
         lease = self._call("lease grant", lambda c: c.lease(self.lease_s))
         try:
             # The lease must be granted on the client that creates the key (same cluster).
@@ -275,8 +237,7 @@ class EtcdLeaderStore:
                 lambda c: c.create(self.leader_key, self.token, lease=lease),
             )
         except StoreError:
-            # The key may have been created with the answer lost: revoking the lease deletes it,
-            # so nobody waits a lease for a leadership this lighthouse does not know it holds.
+            # The key may exist with the answer lost: revoking the lease deletes it.
             self._revoke(lease)
             raise
         if won:
@@ -344,11 +305,7 @@ class EtcdLeaderStore:
         return decode(values[0], f"etcd key {self.quorum_key}")
 
     def save(self, quorum: Quorum) -> None:
-        """Write ``quorum``'s record, only while this lighthouse still leads.
-
-        Raises:
-            StoreError: etcd cannot be reached, or another lighthouse leads now.
-        """
+        """Write ``quorum``'s record, only while this lighthouse still leads (else StoreError)."""
         leader = self._encode(self.leader_key)
         txn = {
             "compare": [

@@ -1,13 +1,9 @@
 """The groups' live sessions with the lighthouse, and the ``MemberLost`` notices they hear.
 
-A manager server keeps one session with the lighthouse for its life; its end is the group's
-death certificate (``quorum.session_ended``). :class:`SessionRegistry` knows which session speaks
-for which group (a newer one replaces an older) and tells every live session when a member of
-the current quorum is lost, so peers can abort a collective blocked on it: at once when its
-session ends, or at the tick when its heartbeat expired. Each member is announced once per
-quorum id. A group that missed its own notice is told when it reopens a session still in that
-quorum (:meth:`SessionRegistry.missed`); a live member left out of the next quorum is told
-itself (``MemberLost.superseded_by``), so it stops waiting there now. Loop thread only.
+A session's end is its group's death certificate. Every live session is told when a member of the
+current quorum is lost (once per member and quorum id), so peers can abort a collective blocked on
+it. A group that missed its own notice hears it when it reopens a session; a live member left out
+of the next quorum is told too, so it stops waiting. Loop thread only.
 """
 
 from __future__ import annotations
@@ -15,11 +11,11 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import Protocol
 
 from torchheal._wire import session_pb2 as spb
 from torchheal._wire import torchft_pb2 as pb
 from torchheal.coordination.lighthouse.rounds import QuorumRounds
+from torchheal.coordination.lighthouse.session import Peer
 from torchheal.coordination.quorum import (
     GAVE_UP_REASON,
     left_out,
@@ -38,20 +34,8 @@ _REMEMBERED_LOST = 4096
 logger: logging.Logger = logging.getLogger("torchheal.coordination.lighthouse.notices")
 
 
-class Peer(Protocol):
-    """Where to send a session its events (serialized ``SessionEvent`` messages)."""
-
-    def send(self, event: bytes) -> None: ...
-
-
 class SessionRegistry:
-    """Live sessions by group, and the lost-member notices.
-
-    Args:
-        rounds: the lighthouse's rounds (its state and lock).
-        notify: ``notify(event, *args)`` tells the observer.
-        observed: whether there is an observer.
-    """
+    """Live sessions by group (a newer one replaces an older), and the lost-member notices."""
 
     def __init__(self, rounds: QuorumRounds, notify: Callable[..., None], observed: bool) -> None:
         self._rounds = rounds
@@ -62,24 +46,16 @@ class SessionRegistry:
         self._announced: tuple[int, set[str]] = (0, set())
         # Replicas the observer was told expired (so each expiry is told once).
         self._expired: set[str] = set()
-        # Each group announced lost (not for a give-up): the quorum and why, until it opens a
-        # session again (``missed``). Bounded: the oldest go first.
+        # Groups announced lost (not for a give-up): (quorum id, why), until they reopen a
+        # session (``missed``). Bounded: the oldest go first.
         self._lost_from: dict[str, tuple[int, str]] = {}
 
     def __len__(self) -> int:
         return len(self._sessions)
 
     def open(self, replica_id: str, peer: Peer, last_quorum: pb.Quorum | None = None) -> int:
-        """A group opened its session; a newer session replaces an older one.
-
-        Args:
-            replica_id: the group's full id.
-            peer: the session.
-            last_quorum: the last quorum the group received (its Hello's), if it said.
-
-        Returns:
-            The latest quorum id, for the group's Welcome (after adopting ``last_quorum``).
-        """
+        """A group opened its session; returns the latest quorum id (after adopting the
+        ``last_quorum`` its Hello reported), for its Welcome."""
         self._sessions[replica_id] = peer
         self._rounds.restore(last_quorum, f"replica {replica_id}")
         rounds = self._rounds
@@ -90,19 +66,8 @@ class SessionRegistry:
         return quorum_id
 
     def missed(self, replica_id: str, last_quorum: pb.Quorum | None) -> bytes | None:
-        """The notice a group that just opened a session missed about itself, if any.
-
-        A group announced lost from the quorum its Hello says it is still in was dropped while
-        it had no session to hear it on: send it the ``MemberLost`` about itself, after its
-        Welcome. Told once.
-
-        Args:
-            replica_id: the group's full id.
-            last_quorum: the last quorum it received (its Hello's), if it said.
-
-        Returns:
-            the serialized ``SessionEvent``, or None.
-        """
+        """The serialized ``MemberLost`` about itself a group missed while it had no session,
+        if it was lost from the quorum its Hello says it is still in (told once)."""
         lost = self._lost_from.pop(replica_id, None)
         if lost is None or last_quorum is None or last_quorum.quorum_id != lost[0]:
             return None
@@ -120,12 +85,8 @@ class SessionRegistry:
     def end(self, replica_id: str, peer: Peer, reason: str, steps_done: int = 0) -> None:
         """A group's session ended: the group is gone now (unless a newer session replaced it).
 
-        Args:
-            replica_id: the group's full id.
-            peer: the session that ended.
-            reason: why ("connection ended", "left": it said goodbye).
-            steps_done: the steps it had committed when it left between two steps (0: it did
-                not say), passed on in the notice.
+        ``reason``: "connection ended", or "left..." for a goodbye; ``steps_done`` (from the
+        goodbye, 0: not said) is passed on in the notice.
         """
         if self._sessions.get(replica_id) is not peer:
             return  # a newer session of the same group is live; this one was stale
@@ -134,8 +95,7 @@ class SessionRegistry:
         with rounds.lock:
             was_member = session_ended(rounds.state, replica_id)
             prev = rounds.state.prev_quorum
-        # Leaving on purpose (a goodbye: its job is done, or it was asked to exit) is news, not
-        # a warning; a connection that just ended is.
+        # A goodbye is news, not a warning; a connection that just ended is.
         level = logging.INFO if reason.startswith("left") else logging.WARNING
         logger.log(level, "Replica %s is gone: its session ended (%s)", replica_id, reason)
         if was_member and prev is not None:
@@ -159,8 +119,7 @@ class SessionRegistry:
             self._report_expired(now)
 
     def on_issued(self, before: Quorum | None, issued: Quorum) -> None:
-        """A quorum was just issued (and delivered): tell each member of the one ``before`` it
-        that was left out, alive and not asking, that its quorum is over (``left_out``)."""
+        """Tell each live member of ``before`` left out of ``issued`` that its quorum is over."""
         rounds = self._rounds
         with rounds.lock:
             left = left_out(rounds.state, before, issued)
@@ -191,12 +150,9 @@ class SessionRegistry:
             )
 
     def gave_up(self, replica_id: str, peer: Peer, quorum_id: int, reason: str) -> None:
-        """A group gave up building the process group of quorum ``quorum_id`` (``GaveUp``).
-
-        Every member, the group itself included (``MemberLost.gave_up``), is told as if it were
-        lost, so nobody waits in that build or its group until a timeout. Only about the latest
-        quorum and from the group's live session; anything else is stale and ignored.
-        """
+        """A group gave up building quorum ``quorum_id``'s process group: every member, itself
+        included, is told as if it were lost, so nobody waits for a timeout there. Only for the
+        latest quorum, from the group's live session; anything else is stale."""
         if self._sessions.get(replica_id) is not peer:
             return  # a stale session of the group
         with self._rounds.lock:

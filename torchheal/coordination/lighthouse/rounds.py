@@ -1,15 +1,9 @@
 """The lighthouse's quorum rounds: who waits for a quorum, when to decide, and answering a round.
 
-:class:`QuorumRounds` holds the lighthouse's one :class:`~torchheal.coordination.quorum.LighthouseState`
-under a lock and feeds it heartbeats, requests and ticks; who is in a quorum is decided in the
-pure ``quorum.py``. Here live the waiting requests (plain records, answered or put back in one
-pass when a quorum is issued) and the delivery: the quorum is serialized once per round
-(``answers.py``), and the decision runs once per batch of requests read together, not once per
-request, which would make a round O(N^2). With a
-:class:`~torchheal.coordination.lighthouse.store.QuorumStore`, a changed quorum is saved before
-anyone receives it, so a quorum that reached a group is always on record.
-
-Everything here runs on the lighthouse's event-loop thread, except :meth:`QuorumRounds.snapshot`.
+:class:`QuorumRounds` holds the one ``LighthouseState`` under a lock and feeds it heartbeats,
+requests and ticks; the decision itself is the pure ``quorum.py``. It runs once per batch of
+requests read together (once per request would make a round O(N^2)), and a changed quorum is
+saved to the store before anyone receives it. Loop thread only, except ``snapshot``.
 """
 
 from __future__ import annotations
@@ -51,14 +45,7 @@ PRUNE_INTERVAL_S = 1.0
 
 
 class Waiter:
-    """One request waiting for a quorum that includes its member.
-
-    Args:
-        member: the validated requester.
-        entry: its message as received, as a quorum's participant (:func:`member_entry`;
-            echoed, to keep fields unknown to us).
-        deliver: called once with the :class:`Issued` quorum that includes the member.
-    """
+    """One request waiting for a quorum that includes its member; ``deliver`` gets it once."""
 
     __slots__ = ("deadline", "deliver", "entry", "expired", "member", "timer")
 
@@ -68,8 +55,8 @@ class Waiter:
         self.member = member
         self.entry = entry
         self.deliver = deliver
-        # A request with a timeout (QuorumRounds.wait_until): when it expires (monotonic
-        # seconds) and whom to tell; its timer may be set later than the request (arm_timers).
+        # With a timeout (wait_until): its monotonic deadline and whom to tell; the timer may
+        # come later (arm_timers).
         self.deadline: float | None = None
         self.expired: Callable[[], None] | None = None
         self.timer: asyncio.TimerHandle | None = None
@@ -78,15 +65,8 @@ class Waiter:
 class QuorumRounds:
     """The quorum rounds of one lighthouse: state, waiting requests, decisions and answers.
 
-    Args:
-        config: the validated quorum options.
-        notify: ``notify(event, *args)`` tells the observer (no-op without one).
-        observed: whether there is an observer (spares building its arguments when not).
-        store: where issued quorums are recorded before delivery (None: nowhere); what it
-            holds is restored at once.
-
-    Raises:
-        StoreError: the store holds a record it cannot read.
+    ``observed`` spares building the observer's arguments when there is none; what ``store``
+    holds is restored at once (:class:`StoreError` if unreadable).
     """
 
     def __init__(
@@ -115,8 +95,7 @@ class QuorumRounds:
                 )
         self._notify = notify
         self._observed = observed
-        # replica_id -> the requester's message as received (its quorum entry), for
-        # participants of the round.
+        # replica_id -> the participant's message as received (its quorum entry).
         self._entries: dict[str, bytes] = {}
         # Requests waiting for a quorum, in arrival order (a dict used as an ordered set).
         self._waiters: dict[Waiter, None] = {}
@@ -126,14 +105,12 @@ class QuorumRounds:
         self._tick_handle: asyncio.Handle | None = None
         # A request just brought the round to the last quorum's size: decide at run_due().
         self._due = False
-        # Timeouts up to this long get their timer with the request; longer ones at the next
-        # periodic tick (most requests are answered before, and never need one).
+        # Longer timeouts get their timer at the next periodic tick (arm_timers).
         self._timer_at_once_s = 2.0 * config.quorum_tick_ms / 1000.0
         self._last_reason: str | None = None
         self._last_prune = 0.0
         self._loop: asyncio.AbstractEventLoop | None = None
-        #: Called on the loop with (the quorum before, the quorum just issued) once each
-        #: issued quorum was delivered (the lighthouse's sessions, to tell who was left out).
+        #: Called with (quorum before, quorum issued) once it was delivered.
         self.on_issued: Callable[[Quorum | None, Quorum], None] | None = None
 
     # ------------------------------------------------------------------------------------------
@@ -153,8 +130,7 @@ class QuorumRounds:
     ) -> Waiter:
         """Join the round with ``member``; ``deliver`` gets the first quorum that includes it.
 
-        Left out of an issued quorum, the request stays for the next one. The caller takes it
-        back with :meth:`forget` (its caller went away) or :meth:`withdraw` (it timed out).
+        Left out, the request stays for the next one until :meth:`forget` or :meth:`withdraw`.
         ``lineage``: the quorum the group last committed in (0: not said).
         """
         waiter = Waiter(member, member_entry(raw), deliver)
@@ -167,9 +143,7 @@ class QuorumRounds:
                 self._round_started = now
             prev = state.prev_quorum
             if prev is not None and len(state.participants) == len(prev.participants):
-                # As many requests as the last quorum had members: usually the round is
-                # complete (its fast path), so the caller decides as soon as it is done
-                # (run_due) rather than one event-loop turn later.
+                # Likely a complete round: the caller decides at run_due(), a loop turn sooner.
                 self._due = True
         self._waiters[waiter] = None
         if self._observed:
@@ -188,8 +162,8 @@ class QuorumRounds:
     ) -> Waiter:
         """As :meth:`wait`, but after ``timeout_s`` the request is withdrawn and ``expired`` called.
 
-        A longer timeout gets its timer only at the next periodic tick (:meth:`arm_timers`):
-        most requests are answered sooner, and a timer per request is a good part of its cost.
+        Long timeouts get their timer at the next periodic tick (:meth:`arm_timers`): most
+        requests are answered sooner, and a timer is a good part of a request's cost.
         """
         waiter = self.wait(member, raw, deliver, lineage)
         waiter.deadline = time.monotonic() + timeout_s
@@ -199,8 +173,7 @@ class QuorumRounds:
         return waiter
 
     def arm_timers(self) -> None:
-        """Set the timer of every request that waits without one (the periodic tick calls
-        this at least twice before any of their deadlines)."""
+        """Set the timer of every request that waits without one (periodic tick)."""
         now = time.monotonic()
         loop = self._running_loop()
         for waiter in self._waiters:
@@ -215,8 +188,8 @@ class QuorumRounds:
             waiter.expired()
 
     def forget(self, waiter: Waiter) -> None:
-        """Stop waiting, but leave the member registered for the round (a unary call that
-        went away: the reference keeps its request until the round is decided)."""
+        """Stop waiting but leave the member in the round, as the reference does for a unary
+        call that went away."""
         self._waiters.pop(waiter, None)
 
     def withdraw(self, waiter: Waiter) -> bool:
@@ -232,12 +205,8 @@ class QuorumRounds:
         return True
 
     def restore(self, raw: pb.Quorum | None, source: str) -> None:
-        """Learn of a quorum issued before this lighthouse started (see ``quorum.restore``).
-
-        Args:
-            raw: the quorum as a group reported it (None: it reported none).
-            source: who reported it, for the log.
-        """
+        """Learn of a quorum a group (``source``) reports was issued before this lighthouse
+        started (``quorum.restore``)."""
         if raw is None:
             return
         try:
@@ -263,10 +232,8 @@ class QuorumRounds:
     def schedule_tick(self) -> None:
         """Decide once the requests that are ready to be read have joined.
 
-        A decision per request would make a round of N simultaneous requests cost O(N^2), so
-        requests that arrive together share one. It is scheduled twice over
-        (:meth:`_scheduled_tick`) so that what the loop's next look at its sockets finds is read
-        before it.
+        Requests arriving together share one decision; it is scheduled twice over
+        (:meth:`_scheduled_tick`) so what the loop's next socket poll finds is read before it.
         """
         if self._tick_scheduled:
             return
@@ -274,11 +241,8 @@ class QuorumRounds:
         self._tick_handle = self._running_loop().call_soon(self._scheduled_tick, True)
 
     def run_due(self) -> None:
-        """Decide now if a request just completed what is likely a round (see :meth:`wait`).
-
-        Callers call this once they have joined everything one read brought; the decision is
-        the scheduled tick's, only sooner.
-        """
+        """Decide now (the scheduled tick's decision, sooner) if a request likely completed
+        the round; called once everything one read brought has joined."""
         if not self._due:
             return
         handle = self._tick_handle
@@ -329,12 +293,9 @@ class QuorumRounds:
             if quorum is None:
                 return
             if not self._save(quorum):
-                # Nobody may receive a quorum that is not on record: the state is left as it
-                # was, and every request waits for the next tick, which proposes (and tries to
-                # save) it again.
+                # Nobody may receive a quorum not on record: the next tick tries again.
                 return
-            # A member issued below the step it asked at (its history was superseded: it
-            # heals) goes out as issued, not as its message came.
+            # A member issued below the step it asked at (it heals) goes out as issued.
             entries = self._entries
             for member in quorum.participants:
                 asked = self.state.participants.get(member.replica_id)
@@ -352,8 +313,8 @@ class QuorumRounds:
             self._notify("quorum_issued", quorum, reason, round_s, now)
 
     def _save(self, quorum: Quorum) -> bool:
-        """Record ``quorum`` if its id or members changed since the last record; False when the
-        store failed. Under the lock: a save is rare (membership changes) and small."""
+        """Record ``quorum`` if its id or members changed; False when the store failed. Under
+        the lock: saves are rare and small."""
         if self._store is None:
             return True
         key = _record_key(quorum)

@@ -1,15 +1,9 @@
 """The lighthouse server: gRPC (and a direct TCP lane) around the pure quorum decision.
 
-One lighthouse per job collects heartbeats and quorum requests and issues quorums (reference §4).
-It is a shell of three parts: ``rounds.py`` (state, waiting requests, answering a round),
-``notices.py`` (live sessions and ``MemberLost`` notices) and ``session.py`` / ``tcp.py`` (a
-torchheal session's protocol on gRPC and on the direct TCP lane). This module wires them to the
-servers, serves the reference's unary ``Heartbeat``/``Quorum`` and ``Describe``, runs the tick,
-and offers the public API.
-
-Each requester's protobuf ``QuorumMember`` is echoed as it arrived, so fields added by a newer
-peer survive. An optional :class:`LighthouseObserver` hears what happens, so dashboards and
-metrics build on top without this module importing them.
+This module wires ``rounds.py``, ``notices.py`` and ``session.py``/``tcp.py`` to the servers,
+serves the reference's unary ``Heartbeat``/``Quorum`` and ``Describe``, runs the tick, and offers
+the public API. An optional :class:`LighthouseObserver` lets dashboards and metrics build on top
+without this module importing them.
 """
 
 from __future__ import annotations
@@ -32,8 +26,8 @@ from torchheal.coordination.lighthouse.answers import Issued
 from torchheal.coordination.lighthouse.notices import SessionRegistry
 from torchheal.coordination.lighthouse.rounds import QuorumRounds, Waiter
 from torchheal.coordination.lighthouse.session import (
-    MAX_REPLICA_ID_BYTES,
     Peer,
+    check_replica_id,
     session_handler,
     validated_member,
 )
@@ -64,9 +58,6 @@ class LighthouseObserver(Protocol):
 
     Args:
         replica_id: (of the methods) the replica group's full id.
-        member: the requester, as it asked to join.
-        quorum: the issued quorum.
-        reason: the lighthouse's reason string for its decision.
         round_s: seconds from the round's first request to the issued quorum.
         last_seen: when the expired replica's last heartbeat arrived.
         now: when the lighthouse saw the event.
@@ -102,17 +93,13 @@ class LighthouseServer:
         join_timeout_ms: how long to wait for heartbeating replicas that have not asked to
             join before issuing a quorum without them (None: 100).
         quorum_tick_ms: how often to re-evaluate waiting requests (None: 100).
-        heartbeat_timeout_ms: a replica whose last heartbeat is older than this is considered
-            gone (None: 5000).
-        observer: told about heartbeats, requests, issued quorums, expiries and reason changes
-            (see :class:`LighthouseObserver`); None for none.
-        direct_port: TCP port of the direct session lane, on ``bind``'s host (0: any free
-            port; None: no direct lane, torchheal peers use the gRPC session stream).
-        store: where the last issued quorum is kept across restarts (``store.py``:
-            a file, etcd); what it holds is restored before serving. None: nowhere (torchheal
-            groups still report their last quorum when they reconnect).
-        security: job token and TLS settings of both lanes (None: read from the environment
-            here, once; both lanes get the same object).
+        heartbeat_timeout_ms: a replica silent this long is gone (None: 5000).
+        observer: a :class:`LighthouseObserver`, or None.
+        direct_port: TCP port of the direct session lane on ``bind``'s host (0: any free
+            port; None: no lane, sessions use the gRPC stream).
+        store: where the last issued quorum is kept across restarts (a file, etcd), restored
+            before serving; None: nowhere.
+        security: job token and TLS settings of both lanes (None: from the environment).
 
     Raises:
         ValueError: an option is out of range or ``bind`` is malformed.
@@ -158,9 +145,8 @@ class LighthouseServer:
         # The state and its lock, under the names tests and tools have read them by.
         self._state = self._rounds.state
         self._lock = self._rounds.lock
-        # A connection that went silent without a FIN (a partition, a frozen host) is ended by
-        # keep-alive probes within about the heartbeat timeout, never sooner: a session must
-        # not be more eager to declare a group gone than its heartbeats are.
+        # Keep-alive ends a connection silent without a FIN within about the heartbeat timeout,
+        # never sooner: a session must not declare a group gone before its heartbeats would.
         keepalive_ms = max(1000, self._config.heartbeat_timeout_ms // 2)
         self._lane = DirectLane(self, self._config.heartbeat_timeout_ms / 1000.0, security)
         self._created_at = time.monotonic()
@@ -222,14 +208,9 @@ class LighthouseServer:
         self._server.shutdown()
 
     def status(self) -> dict[str, Any]:
-        """A read-only snapshot of the lighthouse, for status views and dashboards.
-
-        Returns:
-            A JSON-able dict: ``quorum_id``; ``reason`` (what a quorum computed now would say);
-            ``prev_quorum`` (None, or its ``quorum_id``, ``age_s``, ``max_step`` and
-            ``participants`` as dicts); ``waiting`` (replica ids with a pending request);
-            ``heartbeats`` (replica id -> seconds since last seen); ``config``.
-        """
+        """A JSON-able snapshot for status views: ``quorum_id``, ``reason`` (what a decision now
+        would say), ``prev_quorum`` (None, or its ``quorum_id``, ``age_s``, ``max_step`` and
+        ``participants``), ``waiting`` (ids), ``heartbeats`` (id -> age in s), ``config``."""
         reason, prev, heartbeats, waiting, quorum_id = self._rounds.snapshot()
         prev_view = None
         if prev is not None:
@@ -291,13 +272,7 @@ class LighthouseServer:
     async def _heartbeat(
         self, request: pb.LighthouseHeartbeatRequest, context: grpc.aio.ServicerContext
     ) -> pb.LighthouseHeartbeatResponse:
-        if not request.replica_id:
-            raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, "missing replica_id")
-        if len(request.replica_id.encode()) > MAX_REPLICA_ID_BYTES:  # as a session's hello
-            raise StatusError(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"replica_id is longer than {MAX_REPLICA_ID_BYTES} bytes",
-            )
+        check_replica_id(request.replica_id, "replica_id", "missing replica_id")
         self.record_heartbeat(request.replica_id)
         return pb.LighthouseHeartbeatResponse()
 
@@ -346,13 +321,11 @@ class LighthouseServer:
     def open_session(
         self, replica_id: str, peer: Peer, last_quorum: pb.Quorum | None = None
     ) -> int:
-        """A group opened its session (its Hello, with the last quorum it received, if any).
-        Returns the latest quorum id."""
+        """A group opened its session; returns the latest quorum id."""
         return self._sessions.open(replica_id, peer, last_quorum)
 
     def missed_notice(self, replica_id: str, last_quorum: pb.Quorum | None) -> bytes | None:
-        """The lost-member notice about itself a group missed while it had no session, if any
-        (``SessionRegistry.missed``)."""
+        """The notice about itself a group missed while it had no session, if any."""
         return self._sessions.missed(replica_id, last_quorum)
 
     def end_session(self, replica_id: str, peer: Peer, reason: str, steps_done: int = 0) -> None:
@@ -372,9 +345,7 @@ class LighthouseServer:
         expired: Callable[[], None],
         lineage: int = 0,
     ) -> Waiter:
-        """A session's quorum request: ``deliver`` gets the quorum, or ``expired`` is called
-        (and the request withdrawn) after ``timeout_s``. ``lineage``: the quorum the group
-        last committed in (``quorum.superseded``)."""
+        """A session's quorum request (``QuorumRounds.wait_until``)."""
         return self._rounds.wait_until(member, raw, deliver, timeout_s, expired, lineage)
 
     def withdraw(self, request: Waiter) -> None:
@@ -382,8 +353,7 @@ class LighthouseServer:
         self._rounds.withdraw(request)
 
     def decide_if_due(self) -> None:
-        """A session's transport joined all it read at once: decide now if a request may have
-        completed the round (``QuorumRounds.run_due``)."""
+        """All one read brought has joined: decide now if due (``QuorumRounds.run_due``)."""
         self._rounds.run_due()
 
 

@@ -1,15 +1,10 @@
 """The lighthouse's end of a torchheal session, whatever carries it (gRPC stream or TCP lane).
 
-A manager server keeps one session with the lighthouse for its life (``session.proto``): up go
-a ``Hello``, heartbeats and quorum requests; down come the ``Welcome``, answers and
-``MemberLost`` notices. Its end is the group's death certificate, so the lighthouse forgets a
-dead group at once instead of after the heartbeat timeout. A *detached* session (a
-``LighthouseClient``'s) speaks for no group and only carries requests.
-
-:class:`SessionProtocol` parses, checks and routes one session's messages for every transport;
-:func:`session_handler` serves it as a gRPC stream (``tcp.py`` on the TCP lane). A session that
-breaks the protocol is ended with ``INVALID_ARGUMENT``; a bad request gets a ``QuorumFailed``
-and the session goes on.
+A manager server keeps one session for its life (``session.proto``); its end tells the lighthouse
+at once that the group is gone. A *detached* session (a ``LighthouseClient``'s) speaks for no
+group and only carries requests. :class:`SessionProtocol` parses, checks and routes one session's
+messages for every transport; :func:`session_handler` serves it as a gRPC stream. Breaking the
+protocol ends a session with ``INVALID_ARGUMENT``; a bad request only gets a ``QuorumFailed``.
 """
 
 from __future__ import annotations
@@ -35,6 +30,7 @@ __all__ = [
     "MAX_REPLICA_ID_BYTES",
     "Peer",
     "SessionProtocol",
+    "check_replica_id",
     "failed_event",
     "session_handler",
     "validated_member",
@@ -98,22 +94,9 @@ class _Lighthouse(Protocol):
 
 
 def validated_member(raw: pb.QuorumMember) -> QuorumMember:
-    """Check a requester for values no honest replica sends; convert it to the value type.
-
-    Args:
-        raw: the requester as received.
-
-    Raises:
-        StatusError: ``INVALID_ARGUMENT`` naming the bad field.
-    """
-    if not raw.replica_id:
-        raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, "missing requester.replica_id")
-    if len(raw.replica_id.encode()) > MAX_REPLICA_ID_BYTES:
-        # Kept for a minute after the last request: unbounded, a few requests fill memory.
-        raise StatusError(
-            grpc.StatusCode.INVALID_ARGUMENT,
-            f"requester.replica_id is longer than {MAX_REPLICA_ID_BYTES} bytes",
-        )
+    """Check a requester for values no honest replica sends (``StatusError`` naming the field);
+    convert it to the value type."""
+    check_replica_id(raw.replica_id, "requester.replica_id", "missing requester.replica_id")
     if raw.step < 0:
         raise StatusError(
             grpc.StatusCode.INVALID_ARGUMENT, f"requester.step must be >= 0, got {raw.step}"
@@ -128,13 +111,7 @@ def validated_member(raw: pb.QuorumMember) -> QuorumMember:
 
 
 def failed_event(request_id: int, code: grpc.StatusCode, message: str) -> bytes:
-    """The serialized ``SessionEvent`` refusing request ``request_id``.
-
-    Args:
-        request_id: the request (or heartbeat ack) id.
-        code: the status.
-        message: what went wrong.
-    """
+    """The serialized ``SessionEvent`` refusing request (or heartbeat ack) ``request_id``."""
     return spb.SessionEvent(
         failed=spb.QuorumFailed(request_id=request_id, code=code.value[0], message=message)
     ).SerializeToString()
@@ -145,10 +122,12 @@ def _ack_event(ack: int) -> bytes:
     return _ACK_TAG + varint(len(inner)) + inner
 
 
-def _check_replica_id(replica_id: str, what: str) -> None:
+def check_replica_id(replica_id: str, what: str, missing: str = "") -> None:
+    """Refuse an empty (``missing``, default "{what} is empty") or overlong replica id."""
     if not replica_id:
-        raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, f"{what} is empty")
+        raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, missing or f"{what} is empty")
     if len(replica_id.encode()) > MAX_REPLICA_ID_BYTES:
+        # Ids are kept for a minute after the last request: unbounded, a few fill memory.
         raise StatusError(
             grpc.StatusCode.INVALID_ARGUMENT,
             f"{what} is longer than {MAX_REPLICA_ID_BYTES} bytes",
@@ -156,12 +135,7 @@ def _check_replica_id(replica_id: str, what: str) -> None:
 
 
 class SessionProtocol:
-    """One session's requests, acted on; its events go out through ``peer``.
-
-    Args:
-        lighthouse: the lighthouse the session talks to.
-        peer: where the session's events go.
-    """
+    """One session's requests, acted on; its events go out through ``peer``."""
 
     def __init__(self, lighthouse: _Lighthouse, peer: Peer) -> None:
         self._lighthouse = lighthouse
@@ -174,11 +148,8 @@ class SessionProtocol:
         self._pending: dict[int, Any] = {}
 
     def handle(self, raw: bytes) -> bool:
-        """Act on one request; False once the group said goodbye.
-
-        Raises:
-            StatusError: the session broke the protocol and must end with this status.
-        """
+        """Act on one request; False once the group said goodbye. A :class:`StatusError` means
+        the session broke the protocol and must end with it."""
         try:
             request = spb.SessionRequest.FromString(raw)
         except DecodeError as e:
@@ -218,7 +189,7 @@ class SessionProtocol:
             self._lighthouse.end_session(self.replica_id, self._peer, self.reason, self.steps_done)
 
     def _hello(self, hello: spb.Hello) -> None:
-        _check_replica_id(hello.replica_id, "hello.replica_id")
+        check_replica_id(hello.replica_id, "hello.replica_id")
         if hello.protocol < 1:
             raise StatusError(
                 grpc.StatusCode.INVALID_ARGUMENT,
@@ -231,9 +202,8 @@ class SessionProtocol:
             quorum_id = 0
             logger.debug("detached session %s opened", self.replica_id)
         else:
-            # The group's last quorum, if it reported one: a restarted lighthouse learns from
-            # it the ids already in use (quorum.restore). A malformed one is ignored: the
-            # report only protects the group that sends it.
+            # A restarted lighthouse learns the ids in use from it (quorum.restore); a
+            # malformed one is ignored: it only protects the group that sends it.
             last = hello.last_quorum if hello.HasField("last_quorum") else None
             quorum_id = self._lighthouse.open_session(self.replica_id, self._peer, last)
             missed = self._lighthouse.missed_notice(self.replica_id, last)
@@ -264,7 +234,7 @@ class SessionProtocol:
         replica_id = heartbeat.replica_id
         try:
             if self.detached:
-                _check_replica_id(replica_id, "heartbeat.replica_id")
+                check_replica_id(replica_id, "heartbeat.replica_id")
             elif replica_id and replica_id != self.replica_id:
                 raise StatusError(
                     grpc.StatusCode.INVALID_ARGUMENT,
@@ -378,11 +348,7 @@ async def _read(
 
 
 def session_handler(lighthouse: _Lighthouse) -> grpc.RpcMethodHandler:
-    """The gRPC handler of ``torchheal.LighthouseSession/Session`` for ``lighthouse``.
-
-    Args:
-        lighthouse: the lighthouse the sessions talk to.
-    """
+    """The gRPC handler of ``torchheal.LighthouseSession/Session`` for ``lighthouse``."""
 
     async def serve(requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> Any:
         peer = _StreamPeer()

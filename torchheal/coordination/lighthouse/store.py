@@ -1,14 +1,10 @@
 """Where a lighthouse keeps the little it must not forget across a restart: its last quorum.
 
-Forget the last quorum's id and a restarted lighthouse would reuse ids the groups already hold,
-so groups keep a process group whose members changed. torchheal groups report their last quorum
-when their session reopens (``quorum.restore``); a store makes a restart safe for reference peers
-too, and an etcd store lets a standby take over (``etcd.py``).
-
-A :class:`QuorumStore` is ``load()`` and ``save(quorum)``, with an in-memory twin. ``save`` runs
-before any group receives a changed quorum (write-ahead); if it raises :class:`StoreError`,
-nothing is delivered and the next tick tries again. :class:`FileStore` writes JSON atomically
-(temporary file, fsync, rename, fsync of the directory).
+A restarted lighthouse that forgot it would reuse quorum ids the groups already hold, so they
+would keep a process group whose members changed. torchheal groups also report their last quorum
+on reconnecting (``quorum.restore``); a store covers reference peers, and etcd a standby.
+``save`` runs before any group receives a changed quorum; if it raises, nothing is delivered and
+the next tick tries again.
 """
 
 from __future__ import annotations
@@ -41,29 +37,14 @@ class QuorumStore(Protocol):
     """Durable home of the lighthouse's last issued quorum."""
 
     def load(self) -> Quorum | None:
-        """The last saved quorum, or None when nothing was ever saved.
-
-        Raises:
-            StoreError: the record exists but cannot be read.
-        """
+        """The last saved quorum, or None; :class:`StoreError` if the record is unreadable."""
 
     def save(self, quorum: Quorum) -> None:
-        """Record ``quorum`` durably before any group receives it.
-
-        Args:
-            quorum: the quorum about to be issued.
-
-        Raises:
-            StoreError: it could not be recorded; the lighthouse must not issue it.
-        """
+        """Record ``quorum`` durably; :class:`StoreError`: not recorded, so not to be issued."""
 
 
 def encode(quorum: Quorum) -> str:
-    """The record for ``quorum``: JSON with its id (readable) and the quorum as protobuf bytes.
-
-    Args:
-        quorum: the quorum to record.
-    """
+    """The record for ``quorum``: JSON with its id (readable) and the quorum as protobuf bytes."""
     raw = convert.quorum_to_pb(quorum).SerializeToString()
     return json.dumps(
         {
@@ -77,15 +58,7 @@ def encode(quorum: Quorum) -> str:
 
 
 def decode(text: str | bytes, where: str) -> Quorum:
-    """Parse a record made by :func:`encode`.
-
-    Args:
-        text: the record.
-        where: names the record in errors (a path, an etcd key).
-
-    Raises:
-        StoreError: the record is not one of ours, or is damaged.
-    """
+    """Parse a record made by :func:`encode` (``where`` names it in a :class:`StoreError`)."""
     try:
         record = json.loads(text)
         if not isinstance(record, dict):
@@ -102,11 +75,7 @@ def decode(text: str | bytes, where: str) -> Quorum:
 
 
 class FileStore:
-    """The record as a JSON file, replaced atomically at every save.
-
-    Args:
-        path: the file (its directory must exist); created at the first save.
-    """
+    """The record as a JSON file (its directory must exist), replaced atomically at every save."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
@@ -150,11 +119,7 @@ class FileStore:
 
 
 class MemoryStore:
-    """An in-memory :class:`QuorumStore` (tests; a lighthouse that forgets on exit).
-
-    Args:
-        quorum: what a first :meth:`load` returns.
-    """
+    """An in-memory :class:`QuorumStore` (tests; a lighthouse that forgets on exit)."""
 
     def __init__(self, quorum: Quorum | None = None) -> None:
         self.quorum = quorum

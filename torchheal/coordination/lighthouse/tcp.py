@@ -1,24 +1,14 @@
 """The lighthouse's direct session lane: torchheal sessions on a plain TCP connection.
 
-The same ``SessionRequest``/``SessionEvent`` messages as the ``torchheal.LighthouseSession/Session``
-gRPC stream, each preceded by its length (``rpc/frames.py``), on a TCP port of their own that the
-lighthouse announces through ``LighthouseSession/Describe``. It exists because gRPC's Python stack
-costs far more CPU per message than a plain asyncio connection, and the lighthouse answers every
-group on every step (``docs/failures.md``). The reference's unary services stay on the gRPC port;
-peers that cannot reach this port use the gRPC stream.
+The gRPC session stream's messages, length-prefixed (``rpc/frames.py``), on a port announced by
+``LighthouseSession/Describe``: gRPC's Python stack costs far more CPU per message, and the
+lighthouse answers every group every step. The connection's end is the session's end; TCP
+keep-alive ends one whose peer vanished within about the heartbeat timeout. A session that breaks
+the protocol is told why (``SessionClosed``) and disconnected.
 
-The connection's end is the session's end, exactly as a stream's. TCP keep-alive probes end a
-connection whose peer vanished without a FIN within about the heartbeat timeout, as HTTP/2 pings
-do on the gRPC lane. A session that breaks the protocol is told why (a ``SessionClosed`` event)
-and disconnected; the lighthouse keeps serving.
-
-Security (``docs/security.md``): with a job token, the session's first message must be a
-``Hello`` carrying it; anything else ends the connection with ``UNAUTHENTICATED`` before the
-lighthouse hears of the session. With TLS on, the lane is not opened (``Describe`` announces
-port 0) and every session takes the encrypted gRPC stream.
-
-Until its ``Hello`` has let it in, a connection is a stranger's, so what strangers can make the
-lighthouse hold is bounded (:class:`LaneLimits`).
+With a job token the first message must be a ``Hello`` carrying it (else ``UNAUTHENTICATED``);
+with TLS on the lane is not opened. Until its ``Hello`` lets it in a connection is a stranger's,
+and what strangers can make the lighthouse hold is bounded (:class:`LaneLimits`).
 """
 
 from __future__ import annotations
@@ -49,21 +39,20 @@ logger: logging.Logger = logging.getLogger("torchheal.coordination.lighthouse.tc
 MAX_UNSENT_BYTES = 256 * 1024 * 1024
 #: How long a session the lighthouse ended may take to read why and close its side.
 LINGER_S = 5.0
-#: The most one read takes from a connection. Reads land in one buffer per lane (a buffered
-#: protocol): a fresh allocation this large per read is an ``mmap``/``munmap`` pair each time.
+#: The most one read takes; reads land in one buffer per lane (a fresh one would be an
+#: ``mmap``/``munmap`` pair per read).
 READ_BYTES = 256 * 1024
 
 
 @dataclass(frozen=True)
 class LaneLimits:
-    """What connections may hold before their ``Hello`` has let them in (see the module's header).
+    """What connections may hold before their ``Hello`` has let them in.
 
     Args:
-        hello_bytes: the largest first frame. A ``Hello`` carries the group's last quorum, about
-            130 bytes a member: 1 MiB holds some 8,000 groups.
+        hello_bytes: the largest first frame (a ``Hello`` of 8,000 groups' last quorum fits).
         hello_s: how long after connecting the ``Hello`` must be complete.
-        waiting: the most connections not let in at once (ended ones included until they
-            close); the oldest is closed to make room for a new one.
+        waiting: the most connections not let in (ended ones until they close); the oldest is
+            closed to make room.
         waiting_bytes: the most their unfinished hellos may hold together.
     """
 
@@ -88,15 +77,8 @@ class _Strangers:
 
 
 def set_keepalive(sock: socket.socket, after_s: float) -> None:
-    """Make the kernel end a connection whose peer stopped answering after about ``after_s``.
-
-    Probes start after ``after_s / 2`` of silence and three unanswered probes spread over the
-    other half end it. Where the options do not exist (not Linux), plain keep-alive.
-
-    Args:
-        sock: a connected TCP socket.
-        after_s: how long an unanswering peer may last (the heartbeat timeout).
-    """
+    """Make the kernel end a connection whose peer stopped answering after about ``after_s``
+    (probes from ``after_s / 2``, three over the other half; plain keep-alive off Linux)."""
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
     idle = max(1, int(after_s / 2))
     interval = max(1, int(after_s / 6))
@@ -127,9 +109,8 @@ class _Peer:
 class _Connection(asyncio.BufferedProtocol):
     """One direct-lane connection: frames in, session events out.
 
-    Args:
-        buffer: where reads land, shared by the lane's connections: asyncio fills it and calls
-            :meth:`buffer_updated` at once, on the loop thread, so one buffer serves them all.
+    ``buffer`` is shared by the lane's connections: asyncio fills it and calls
+    :meth:`buffer_updated` at once, on the loop thread.
     """
 
     def __init__(
@@ -169,9 +150,8 @@ class _Connection(asyncio.BufferedProtocol):
         self._live.add(self)
         strangers = self._strangers
         if len(strangers.waiting) >= self._limits.waiting:
-            # The oldest makes room rather than the newest: a group greets within moments of
-            # connecting, so a crowd of strangers cannot keep it out unless it is renewed
-            # faster than that.
+            # The oldest makes room: a group greets within moments of connecting, so a crowd
+            # cannot keep it out unless renewed faster than that.
             oldest = next(iter(strangers.waiting))
             why = f"{len(strangers.waiting)} connections were waiting for their hello"
             self._crowded.refused("the oldest direct-lane connection", oldest._peername(), why)
@@ -219,11 +199,7 @@ class _Connection(asyncio.BufferedProtocol):
             self._end(StatusError(grpc.StatusCode.INTERNAL, f"session request failed: {e}"))
 
     def _admit(self, message: bytes) -> None:
-        """Check the job token in the session's first message (a ``Hello``).
-
-        Raises:
-            StatusError: ``UNAUTHENTICATED``: not a hello, or a hello without the token.
-        """
+        """Check the job token in the session's first message (``UNAUTHENTICATED`` if not)."""
         assert self._token is not None
         try:
             request = spb.SessionRequest.FromString(message)
@@ -239,11 +215,8 @@ class _Connection(asyncio.BufferedProtocol):
         self._token = None
 
     def _hold(self, pending: int) -> None:
-        """Count what this stranger's unfinished hello holds now.
-
-        Raises:
-            StatusError: ``RESOURCE_EXHAUSTED``: the lane's strangers hold too much with it.
-        """
+        """Count what this stranger's unfinished hello holds (``RESOURCE_EXHAUSTED`` if the
+        lane's strangers hold too much)."""
         strangers = self._strangers
         strangers.held += pending - self._held
         self._held = pending
@@ -297,8 +270,8 @@ class _Connection(asyncio.BufferedProtocol):
         assert transport is not None and self._session is not None
         self._reader = FrameReader(0)  # what was left unread is dropped (nothing more is read)
         if self._stranger:
-            # It keeps its place among the strangers until it closes, so that those ended
-            # cannot pile up lingering either; what it held is let go now.
+            # It keeps its place among the strangers until it closes (lingering ones count
+            # too); what it held is let go now.
             self._let_go()
         if error is not None:
             if self._stranger:  # strangers come by the thousand: rate-limited lines
@@ -311,10 +284,9 @@ class _Connection(asyncio.BufferedProtocol):
             ).SerializeToString()
             transport.write(varint(len(event)) + event)
             if transport.can_write_eof():
-                # Half-close and drop what still comes (buffer_updated ignores it once over):
-                # closing with unread bytes in the socket answers them with a reset, which can
-                # reach the peer before it reads why it was ended. The peer's own close, or
-                # LINGER_S, ends the connection.
+                # Half-close and drop what still comes: closing with unread bytes sends a
+                # reset, which can reach the peer before it reads why. The peer's own close,
+                # or LINGER_S, ends the connection.
                 transport.write_eof()
                 self._linger = asyncio.get_running_loop().call_later(LINGER_S, transport.abort)
                 self._close_session()  # the session is over now, not when the peer closes
@@ -365,12 +337,7 @@ def _listening_socket(host: str, port: int) -> socket.socket:
 class DirectLane:
     """The direct session lane of one lighthouse: a listening socket and its connections.
 
-    Args:
-        lighthouse: what sessions talk to (see ``session._Lighthouse``).
-        keepalive_s: how long a peer that stopped answering keeps its session.
-        security: job token and TLS settings (the lighthouse's); with TLS on, :meth:`start`
-            opens nothing and :attr:`port` stays 0.
-        limits: what connections may hold before their hello (default: :data:`LIMITS`).
+    With TLS on, :meth:`start` opens nothing and :attr:`port` stays 0.
     """
 
     def __init__(
@@ -393,11 +360,7 @@ class DirectLane:
         self.port = 0
 
     async def start(self, host: str, port: int) -> None:
-        """Listen on ``host:port`` (port 0: any free port; ``::``: every address).
-
-        Raises:
-            OSError: the address could not be bound.
-        """
+        """Listen on ``host:port`` (port 0: any free port; ``::``: every address)."""
         if self._security.tls:
             # The lane is plain TCP: with TLS on, sessions take the (encrypted) gRPC stream.
             logger.info("TLS is on: no direct session lane; sessions use the gRPC stream")

@@ -8,6 +8,5 @@
 * ``server.py`` - method handlers and the event-loop server thread.
 * ``in_process.py`` - calling a handler from the server's own process.
 
-Imports flow down that list (``in_process`` needs only ``errors``; ``auth`` and ``tls`` come
-before ``channels``).
+Imports flow down that list.
 """

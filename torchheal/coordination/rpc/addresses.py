@@ -15,19 +15,9 @@ __all__ = ["format_target", "parse_address", "parse_grpc_timeout"]
 def parse_address(addr: str) -> tuple[str, int]:
     """Split an address into host and port.
 
-    Accepts ``http://host:port``, ``host:port`` and ``[v6addr]:port`` (with or without the
-    ``http://`` or ``https://`` scheme; a trailing ``/`` is ignored; whether TLS is used is
-    the security settings' choice, not the scheme's).
-
-    Args:
-        addr: the address.
-
-    Returns:
-        ``(host, port)``; an IPv6 host is returned without brackets.
-
-    Raises:
-        ValueError: the address has another scheme, no host, no port, a port outside
-            0..65535, or an IPv6 host without brackets.
+    Accepts ``host:port`` and ``[v6addr]:port``, with or without ``http://`` or ``https://``
+    (TLS is the security settings' choice, not the scheme's) and a trailing ``/``. Returns an
+    IPv6 host without brackets; ``ValueError`` for anything else.
     """
     if not isinstance(addr, str):
         raise ValueError(f"address must be a string, got {type(addr).__name__}")
@@ -56,12 +46,7 @@ def parse_address(addr: str) -> tuple[str, int]:
 
 
 def format_target(host: str, port: int) -> str:
-    """Join host and port into a gRPC target, bracketing IPv6 hosts.
-
-    Args:
-        host: host name or IP address (an IPv6 address with or without brackets).
-        port: TCP port.
-    """
+    """Join host and port into a gRPC target, bracketing IPv6 hosts."""
     if ":" in host and not host.startswith("["):
         return f"[{host}]:{port}"
     return f"{host}:{port}"
@@ -74,14 +59,8 @@ _GRPC_TIMEOUT_RE = re.compile(r"([0-9]{1,8})([HMSmun])")
 def parse_grpc_timeout(value: str) -> float:
     """Parse a ``grpc-timeout`` header value (at most 8 digits and a unit) into seconds.
 
-    gRPC itself parses the header before our handlers run; this exists for tools and tests that
-    deal with raw headers, and documents the format.
-
-    Args:
-        value: e.g. ``"100m"`` (100 ms), ``"5S"``, ``"1H"``.
-
-    Raises:
-        ValueError: empty value, more than 8 digits, or an unknown unit.
+    E.g. ``"100m"`` (100 ms), ``"5S"``, ``"1H"``. gRPC parses the header before our handlers
+    run; this is for tools and tests that deal with raw headers.
     """
     match = _GRPC_TIMEOUT_RE.fullmatch(value)
     if match is None:

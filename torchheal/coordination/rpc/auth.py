@@ -1,15 +1,11 @@
 """The job token on every call: checked by servers, sent by clients.
 
-A torchheal endpoint with a job token (``TORCHHEAL_TOKEN`` / ``TORCHHEAL_TOKEN_FILE``, read by
-``_base/security.py``) accepts a request only when it carries ``authorization: Bearer <token>``:
-as gRPC call metadata (:class:`TokenGuard` on servers, :func:`client_interceptors` /
-:func:`aio_client_interceptors` on channels), or as the HTTP ``Authorization`` header of the
-checkpoint transport and the dashboard (:func:`bearer_matches`). The direct TCP session lane
-carries it in its ``Hello``. Tokens are compared in constant time (``hmac.compare_digest``).
-
-A refused gRPC call ends with ``UNAUTHENTICATED`` before its handler runs, so it changes no
-state; the refusal is logged with the peer's address. With no token configured none of this is
-installed: the wire is the reference's, byte for byte.
+An endpoint with a job token (``_base/security.py``) accepts a request only when it carries
+``authorization: Bearer <token>``: as gRPC metadata (:class:`TokenGuard`, the client
+interceptors) or as the HTTP header of the checkpoint transport and dashboard
+(:func:`bearer_matches`); the direct lane carries it in its ``Hello``. A refused gRPC call ends
+``UNAUTHENTICATED`` before its handler runs. With no token none of this is installed: the wire
+is the reference's, byte for byte.
 """
 
 from __future__ import annotations
@@ -43,11 +39,7 @@ _LOG_EVERY_S = 5.0
 
 
 def bearer(token: str) -> str:
-    """The header value that carries ``token``: ``Bearer <token>``.
-
-    Args:
-        token: the job token.
-    """
+    """The header value that carries ``token``: ``Bearer <token>``."""
     return f"Bearer {token}"
 
 
@@ -55,10 +47,6 @@ def bearer_matches(header: str | None, token: str) -> bool:
     """Whether an ``Authorization`` header (or metadata value) carries ``token``.
 
     Constant time in the token's contents; the scheme's case is ignored, as HTTP says.
-
-    Args:
-        header: the header's value as received; None when absent.
-        token: the job token.
     """
     if not header:
         return False
@@ -67,12 +55,7 @@ def bearer_matches(header: str | None, token: str) -> bool:
 
 
 def token_matches(given: str | None, token: str) -> bool:
-    """Whether ``given`` is ``token``, compared in constant time in the token's contents.
-
-    Args:
-        given: the token a request carried; None or empty when it carried none.
-        token: the job token.
-    """
+    """Whether ``given`` (None or empty: none) is ``token``, in constant time in its contents."""
     if not given:
         return False
     # Bytes that were not UTF-8 arrive as surrogates: compare the bytes as sent.
@@ -93,13 +76,7 @@ class RefusalLog:
         self._quiet = 0
 
     def refused(self, what: str, peer: Any, why: str) -> None:
-        """Log that ``what`` from ``peer`` was refused because ``why``.
-
-        Args:
-            what: the request (method or path).
-            peer: who sent it.
-            why: the reason (``no job token``, ``wrong job token``).
-        """
+        """Log that ``what`` (a method or path) from ``peer`` was refused because ``why``."""
         now = time.monotonic()
         if now - self._last < _LOG_EVERY_S:
             self._quiet += 1
@@ -220,57 +197,40 @@ class _BlockingAuth(
 
 def client_interceptors(token: str) -> list[Any]:
     """Interceptors that send ``token`` on every call of a blocking channel
-    (``grpc.intercept_channel(channel, *client_interceptors(token))``).
-
-    Args:
-        token: the job token.
-    """
+    (``grpc.intercept_channel(channel, *client_interceptors(token))``)."""
     return [_BlockingAuth(token)]
 
 
-class _AioUnaryUnary(grpc.aio.UnaryUnaryClientInterceptor):
+class _AioAuth:
+    """Adds the token to every call of an asyncio channel. A channel files an interceptor under
+    the first call kind it implements, hence one subclass per kind below."""
+
     def __init__(self, value: str) -> None:
         self._value = value
 
-    async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+    async def _intercept(self, continuation: Any, details: Any, request: Any) -> Any:
         details = details._replace(metadata=_with_token(details.metadata, self._value))
         return await continuation(details, request)
 
-
-class _AioUnaryStream(grpc.aio.UnaryStreamClientInterceptor):
-    def __init__(self, value: str) -> None:
-        self._value = value
-
-    async def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
-        details = details._replace(metadata=_with_token(details.metadata, self._value))
-        return await continuation(details, request)
+    intercept_unary_unary = intercept_unary_stream = _intercept
+    intercept_stream_unary = intercept_stream_stream = _intercept
 
 
-class _AioStreamUnary(grpc.aio.StreamUnaryClientInterceptor):
-    def __init__(self, value: str) -> None:
-        self._value = value
-
-    async def intercept_stream_unary(self, continuation: Any, details: Any, requests: Any) -> Any:
-        details = details._replace(metadata=_with_token(details.metadata, self._value))
-        return await continuation(details, requests)
+class _AioUnaryUnary(_AioAuth, grpc.aio.UnaryUnaryClientInterceptor): ...
 
 
-class _AioStreamStream(grpc.aio.StreamStreamClientInterceptor):
-    def __init__(self, value: str) -> None:
-        self._value = value
+class _AioUnaryStream(_AioAuth, grpc.aio.UnaryStreamClientInterceptor): ...
 
-    async def intercept_stream_stream(self, continuation: Any, details: Any, requests: Any) -> Any:
-        details = details._replace(metadata=_with_token(details.metadata, self._value))
-        return await continuation(details, requests)
+
+class _AioStreamUnary(_AioAuth, grpc.aio.StreamUnaryClientInterceptor): ...
+
+
+class _AioStreamStream(_AioAuth, grpc.aio.StreamStreamClientInterceptor): ...
 
 
 def aio_client_interceptors(token: str) -> list[grpc.aio.ClientInterceptor]:
     """Interceptors that send ``token`` on every call of an asyncio channel
-    (``grpc.aio.insecure_channel(..., interceptors=aio_client_interceptors(token))``).
-
-    Args:
-        token: the job token.
-    """
+    (``grpc.aio.insecure_channel(..., interceptors=aio_client_interceptors(token))``)."""
     value = bearer(token)
     return [
         _AioUnaryUnary(value),

@@ -1,13 +1,8 @@
 """Client side of gRPC: channels with the reference's connection settings, and unary calls.
 
-:func:`connect` and :func:`aio_connect` open a channel and wait until it is ready (a clear
-``RuntimeError`` when the server cannot be reached in time); :class:`UnaryCaller` sends one
-method with a deadline and maps failures through :mod:`torchheal.coordination.rpc.errors`.
-
-Security (``docs/security.md``): a channel sends the job token on every call and speaks TLS when
-its ``security`` settings say so; with neither it is a plain channel. The settings come from the
-caller (built once at an edge); only :func:`aio_connect` still falls back to the environment,
-for the one caller that does not pass them yet.
+:func:`connect` and :func:`aio_connect` wait until the channel is ready (``RuntimeError`` when
+the server cannot be reached in time); channels send the job token and speak TLS as the caller's
+``security`` says (``docs/security.md``). :class:`UnaryCaller` maps failures via ``errors.py``.
 """
 
 from __future__ import annotations
@@ -30,9 +25,8 @@ from torchheal.coordination.rpc.tls import channel_credentials
 
 __all__ = ["CHANNEL_OPTIONS", "UnaryCaller", "aio_connect", "connect", "serialize"]
 
-# Connection settings of the reference (§3.3): HTTP/2 keep-alive every 60 s with a 20 s timeout,
-# also while idle; reconnect backoff starting at 100 ms and capped at 10 s. gRPC's own reconnect
-# loop (multiplier 1.6, jitter 20%) then plays the part of the reference's connect retries.
+# Connection settings of the reference (§3.3); gRPC's own reconnect loop plays the part of the
+# reference's connect retries.
 CHANNEL_OPTIONS: list[tuple[str, Any]] = [
     ("grpc.keepalive_time_ms", 60_000),
     ("grpc.keepalive_timeout_ms", 20_000),
@@ -45,15 +39,7 @@ CHANNEL_OPTIONS: list[tuple[str, Any]] = [
 
 
 def connect(addr: str, connect_timeout: timedelta | float, security: SecurityEnv) -> grpc.Channel:
-    """Open a blocking channel and wait until it is connected.
-
-    Args:
-        addr: server address (see :func:`parse_address`).
-        connect_timeout: how long to keep trying before giving up.
-        security: job token and TLS settings.
-
-    Returns:
-        A ready channel; safe to share between threads.
+    """Open a blocking channel (thread-safe) and wait until it is connected.
 
     Raises:
         ValueError: the address or the security settings are malformed.
@@ -83,17 +69,7 @@ def connect(addr: str, connect_timeout: timedelta | float, security: SecurityEnv
 async def aio_connect(
     addr: str, connect_timeout: timedelta | float, security: SecurityEnv
 ) -> grpc.aio.Channel:
-    """Open an asyncio channel and wait until it is connected.
-
-    Args:
-        addr: server address (see :func:`parse_address`).
-        connect_timeout: how long to keep trying before giving up.
-        security: job token and TLS settings.
-
-    Raises:
-        ValueError: the address or the security settings are malformed.
-        RuntimeError: the server could not be reached within ``connect_timeout``.
-    """
+    """Open an asyncio channel and wait until it is connected (errors as :func:`connect`)."""
     target = format_target(*parse_address(addr))
     timeout_s = to_seconds(connect_timeout)
     interceptors = None if security.token is None else aio_client_interceptors(security.token)
@@ -125,10 +101,10 @@ async def aio_connect(
 
 
 class UnaryCaller:
-    """A blocking unary method bound to a channel, with deadlines and error mapping.
+    """A blocking unary method bound to a channel, with deadlines and error mapping; thread-safe.
 
     Args:
-        channel: a blocking channel (thread-safe; so is this object).
+        channel: a blocking channel.
         method: the method to call.
         target: the server address, for error messages.
     """
@@ -143,11 +119,7 @@ class UnaryCaller:
         )
 
     def __call__(self, request: Message, timeout: timedelta | float) -> Any:
-        """Send ``request`` and wait at most ``timeout`` for the response.
-
-        Args:
-            request: the request message.
-            timeout: the call's deadline, sent to the server as ``grpc-timeout``.
+        """Send ``request``; wait at most ``timeout`` (sent as ``grpc-timeout``) for the response.
 
         Raises:
             TimeoutError: the deadline passed or the call was cancelled.
@@ -163,12 +135,7 @@ class UnaryCaller:
 
 
 def serialize(message: Message | bytes) -> bytes:
-    """A message's wire bytes; bytes pass through.
-
-    Args:
-        message: a message, or bytes a handler serialized once for many callers (a quorum
-            broadcast).
-    """
+    """A message's wire bytes; bytes (serialized once for many callers) pass through."""
     if isinstance(message, bytes):
         return message
     return message.SerializeToString()

@@ -42,26 +42,16 @@ class StatusError(Exception):
 
 
 def status_name(code: grpc.StatusCode) -> str:
-    """The status name as the reference prints it, e.g. ``InvalidArgument``.
-
-    Args:
-        code: the gRPC status code.
-    """
+    """The status name as the reference prints it, e.g. ``InvalidArgument``."""
     return "".join(part.capitalize() for part in code.name.split("_"))
 
 
 def rpc_error_to_exception(error: grpc.RpcError, what: str) -> Exception:
     """Map a failed call to the exception the public API raises (reference §2.4).
 
-    ``DEADLINE_EXCEEDED`` and ``CANCELLED`` become :class:`TimeoutError`; any other status
-    becomes :class:`RPCError` (a ``RuntimeError``) carrying the server's status and message.
-    Messages follow the reference's ``status: <Name>, message: "<details>"`` form; a timeout
-    reads ``status: Cancelled, message: "Timeout expired"`` as the reference's servers answer,
-    followed by what gRPC reported, because users match on the reference's text.
-
-    Args:
-        error: the exception gRPC raised (a ``grpc.Call`` as well).
-        what: the call, for the message, e.g. ``"LighthouseService/Quorum to host:1"``.
+    ``DEADLINE_EXCEEDED`` and ``CANCELLED`` become :class:`TimeoutError` reading ``status:
+    Cancelled, message: "Timeout expired"`` as the reference's servers answer; any other status
+    becomes :class:`RPCError`. ``what`` names the call, e.g. ``"LighthouseService/Quorum to h:1"``.
     """
     code = error.code() if isinstance(error, grpc.Call) else grpc.StatusCode.UNKNOWN
     details = (error.details() if isinstance(error, grpc.Call) else str(error)) or ""
@@ -70,19 +60,11 @@ def rpc_error_to_exception(error: grpc.RpcError, what: str) -> Exception:
             f'{what} failed: status: Cancelled, message: "Timeout expired" '
             f"(gRPC {code.name}: {details})"
         )
-    return RPCError(
-        f'{what} failed: status: {status_name(code)}, message: "{details}"', code, details
-    )
+    return status_error(what, code, details)
 
 
 def status_error(what: str, code: grpc.StatusCode, details: str) -> RPCError:
-    """The :class:`RPCError` a caller gets for ``code`` (the same text as over gRPC).
-
-    Args:
-        what: the call, for the message.
-        code: the gRPC status code.
-        details: the status message.
-    """
+    """The :class:`RPCError` a caller gets for ``code`` (the same text as over gRPC)."""
     return RPCError(
         f'{what} failed: status: {status_name(code)}, message: "{details}"', code, details
     )

@@ -1,10 +1,8 @@
 """Length-delimited protobuf messages on a byte stream: the direct session lane's framing.
 
-Each message travels as its length (a protobuf varint) followed by its bytes, the format
-protobuf's own ``writeDelimitedTo``/``parseDelimitedFrom`` use. :func:`frame` encodes one;
-:class:`FrameReader` is fed whatever bytes arrive and hands back the complete messages, keeping
-a partial one for the next read. Pure: no sockets, so both the lighthouse (asyncio) and the
-blocking client share it and it is tested on plain bytes.
+Each message travels as its varint length and its bytes (protobuf's ``writeDelimitedTo``).
+:class:`FrameReader` is fed whatever bytes arrive and hands back the complete messages. Pure, so
+the lighthouse (asyncio) and the blocking client share it.
 """
 
 from __future__ import annotations
@@ -24,11 +22,7 @@ class FrameError(ValueError):
 
 
 def frame(message: bytes) -> bytes:
-    """``message`` preceded by its length.
-
-    Args:
-        message: a serialized message.
-    """
+    """``message`` preceded by its length."""
     return varint(len(message)) + message
 
 
@@ -37,16 +31,15 @@ class FrameReader:
 
     Args:
         max_frame: the largest message accepted; a longer one is a :class:`FrameError`.
-        first_frame: the largest first message (default: ``max_frame``). A server whose peer
-            must greet it before it knows who speaks (the lighthouse's ``Hello``) keeps an
-            unknown peer from making it hold ``max_frame`` bytes.
+        first_frame: the largest first message (default: ``max_frame``), so that an unknown
+            peer cannot make a server hold ``max_frame`` bytes before its ``Hello``.
     """
 
     def __init__(self, max_frame: int = DEFAULT_MAX_FRAME, first_frame: int | None = None) -> None:
         self._max = max_frame
         self._limit = max_frame if first_frame is None else first_frame
-        # An incomplete message grows in one buffer until ``_need`` bytes are in, so the memory
-        # held is what arrived, however finely split (a list of pieces costs an object per read).
+        # An incomplete message grows in one buffer until ``_need`` bytes are in (a list of
+        # pieces would cost an object per read, however finely the stream is split).
         self._partial = bytearray()
         self._need = 0
 
@@ -56,13 +49,9 @@ class FrameReader:
         return len(self._partial)
 
     def feed(self, data: bytes) -> list[bytes]:
-        """Take ``data`` (the next bytes of the stream); return the messages it completes.
+        """Take the next bytes of the stream; return the messages they complete.
 
-        Args:
-            data: bytes as received, any split.
-
-        Raises:
-            FrameError: a length over the limit, or a malformed length.
+        ``FrameError`` for a length over the limit, or a malformed one.
         """
         if self._partial:
             self._partial += data

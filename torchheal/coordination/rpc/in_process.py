@@ -2,7 +2,7 @@
 
 Group rank 0 runs in the process of its replica group's ManagerServer; :class:`InProcessCaller`
 lets it run the very coroutine a gRPC handler would run, on the server's loop, minus the round
-trip to itself. Deadlines and errors are those a client gets over gRPC.
+trip to itself.
 """
 
 from __future__ import annotations
@@ -36,9 +36,8 @@ class _DeadlineExceeded(Exception):
 
 
 async def _with_deadline(call: Coroutine[Any, Any, T], timeout_s: float) -> T:
-    # Cancel ``call`` at the deadline, as gRPC cancels a handler, and let its clean-up run
-    # before the caller hears of the timeout. A timer rather than asyncio.wait_for spares a task
-    # and a loop turn per call, every training step.
+    # Cancel ``call`` at the deadline, as gRPC cancels a handler, and let its clean-up run first.
+    # A timer rather than asyncio.wait_for spares a task and a loop turn per call.
     task = asyncio.current_task()
     assert task is not None
     expired = False
@@ -63,14 +62,13 @@ class InProcessCaller(Generic[T]):
     """A server handler called from the server's own process, with gRPC's deadline and errors.
 
     The handler coroutine runs on the server's event loop (all server state lives there) and is
-    cancelled when ``timeout`` passes, as gRPC cancels a handler at the client's deadline. Errors
-    are those :class:`UnaryCaller` raises for the same outcome over gRPC: ``TimeoutError`` at the
-    deadline; :class:`RPCError` with the handler's :class:`StatusError` status, with
-    ``UNAVAILABLE`` once the server is shut down, or ``INTERNAL`` for an unexpected exception.
+    cancelled at its deadline, as gRPC cancels a handler. Errors are those ``UnaryCaller`` raises
+    for the same outcome over gRPC: ``TimeoutError`` at the deadline; :class:`RPCError` with the
+    handler's :class:`StatusError` status, ``UNAVAILABLE`` once the server is shut down, or
+    ``INTERNAL`` for an unexpected exception.
 
     Args:
-        submit: runs a coroutine on the server's loop from any thread and returns its future
-            (``AioServerThread.submit``; raises ``RuntimeError`` once the server is shut down).
+        submit: runs a coroutine on the server's loop from any thread (``AioServerThread.submit``).
         method: the method the handler serves, for messages.
         target: the server's address, for messages.
     """
@@ -85,43 +83,14 @@ class InProcessCaller(Generic[T]):
         self._method = method
         self._what = f"{method.service.removeprefix('torchft.')}/{method.name} to {target}"
 
-    def __call__(self, call: Coroutine[Any, Any, T], timeout: timedelta | float) -> T:
-        """Run ``call`` on the server's loop and wait at most ``timeout`` for its result.
-
-        Args:
-            call: the handler coroutine (not yet started).
-            timeout: the call's deadline.
-
-        Raises:
-            TimeoutError: the deadline passed; ``call`` was cancelled.
-            RPCError: the handler answered with an error status, or the server is shut down.
-        """
-        timeout_s = to_seconds(timeout)
-        future = self._start(call, timeout_s)
-        try:
-            return future.result(timeout_s + IN_PROCESS_GRACE_S)
-        except concurrent.futures.TimeoutError:
-            future.cancel()
-            raise TimeoutError(
-                f'{self._what} failed: status: Cancelled, message: "Timeout expired" '
-                f"(the server loop did not answer within {timeout_s:g}s)"
-            ) from None
-        except BaseException as e:
-            raise self._error(e, timeout_s) from None
-
     def start(
         self, call: Coroutine[Any, Any, T], timeout: timedelta | float
     ) -> concurrent.futures.Future[T]:
-        """Start ``call`` on the server's loop without waiting for it.
+        """Start the handler coroutine ``call`` on the server's loop without waiting for it.
 
-        Same deadline as :meth:`__call__`; the returned future fails with the error
-        :meth:`__call__` would raise (except the guard against a loop that never answers,
-        which is the waiter's: wait at most the deadline plus :data:`IN_PROCESS_GRACE_S`).
-        Callbacks added to it run on the server's loop thread: they must be quick.
-
-        Args:
-            call: the handler coroutine (not yet started).
-            timeout: the call's deadline.
+        The returned future fails with the error a gRPC client would get. A waiter guards
+        against a loop that never answers itself: it waits at most the deadline plus
+        :data:`IN_PROCESS_GRACE_S`. Callbacks added to it run on the loop thread: keep them quick.
         """
         timeout_s = to_seconds(timeout)
         out: concurrent.futures.Future[T] = concurrent.futures.Future()

@@ -1,12 +1,8 @@
 """Server side of gRPC: method handlers and a ``grpc.aio`` server on its own event-loop thread.
 
-:func:`unary_handler` parses requests itself (bytes that do not parse get
-``INVALID_ARGUMENT``) and turns a handler's :class:`~torchheal.coordination.rpc.errors.StatusError`
-into that status; :class:`AioServerThread` runs the server on a daemon thread so that it never
-blocks the thread that created it (in a training process: the training thread).
-
-Security (``docs/security.md``): with a job token every call must carry it (``auth.TokenGuard``
-answers ``UNAUTHENTICATED`` before any handler runs); with TLS the port speaks TLS only.
+:class:`AioServerThread` runs the server on a daemon thread so that it never blocks the thread
+that created it (in a training process: the training thread). With a job token every call must
+carry it (``auth.TokenGuard``); with TLS the port speaks TLS only (``docs/security.md``).
 """
 
 from __future__ import annotations
@@ -43,10 +39,9 @@ logger: logging.Logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-# Servers accept the clients' idle keep-alive pings (the default answers GOAWAY
-# "too_many_pings") and refuse SO_REUSEPORT, which would let a second server "bind" a taken port.
-# Handshakes must finish within 10 s and idle connections close after a minute, so nobody can
-# hold connections open by saying nothing; an idle client reconnects on its next call.
+# Accept the clients' idle keep-alive pings (the default answers GOAWAY "too_many_pings"); refuse
+# SO_REUSEPORT, which would let a second server "bind" a taken port. Slow handshakes and idle
+# connections are closed, so nobody holds connections open by saying nothing.
 SERVER_OPTIONS: list[tuple[str, Any]] = [
     ("grpc.so_reuseport", 0),
     ("grpc.keepalive_permit_without_calls", 1),
@@ -64,12 +59,8 @@ def unary_handler(method: Method, handler: Handler) -> grpc.RpcMethodHandler:
     """Build a gRPC method handler that parses requests itself.
 
     Requests arrive as raw bytes so that bytes which do not parse get ``INVALID_ARGUMENT``
-    naming the message type. A :class:`StatusError` raised by ``handler`` becomes that status;
-    any other exception is logged and becomes ``INTERNAL``, and the server keeps serving.
-
-    Args:
-        method: the method served.
-        handler: ``async (request, context) -> response`` (a message, or its serialized bytes).
+    naming the message type. A :class:`StatusError` raised by ``handler`` (``async (request,
+    context) -> message or bytes``) becomes that status; any other exception ``INTERNAL``.
     """
     request_name = method.request.DESCRIPTOR.name
 
@@ -102,13 +93,7 @@ StreamHandler = Callable[[Any, grpc.aio.ServicerContext], AsyncIterator[Message 
 def unary_stream_handler(method: Method, handler: StreamHandler) -> grpc.RpcMethodHandler:
     """Build a handler for a method with one request and a stream of responses.
 
-    As :func:`unary_handler`: the request is parsed here (``INVALID_ARGUMENT`` when its bytes do
-    not parse), and a :class:`StatusError` raised by ``handler`` ends the stream with that
-    status; any other exception is logged and ends it with ``INTERNAL``.
-
-    Args:
-        method: the method served.
-        handler: ``async (request, context)`` generator of responses (messages or bytes).
+    As :func:`unary_handler`, with ``handler`` an async generator of responses.
     """
     request_name = method.request.DESCRIPTOR.name
 
@@ -146,13 +131,10 @@ class AioServerThread:
         name: thread name, also used in log messages.
         bind: address to listen on, e.g. ``"[::]:29510"`` or ``"127.0.0.1:0"``.
         handlers: service name -> {method name -> handler from :func:`unary_handler`}.
-        startup: optional coroutine function run on the loop before the server starts
-            serving (for example, to connect to another server); its exception aborts start-up.
-        cleanup: optional coroutine function run on the loop at shutdown, after the server
-            stopped (for example, to close channels opened by ``startup``).
+        startup: coroutine function run on the loop before serving; its exception aborts.
+        cleanup: coroutine function run on the loop at shutdown, after the server stopped.
         options: gRPC server options (default :data:`SERVER_OPTIONS`).
-        security: job token and TLS settings (keyword-only; built by the server that owns
-            this thread, never read from the environment here).
+        security: job token and TLS settings (built by the owner, never read here).
 
     Raises:
         ValueError: ``bind`` or the security settings are malformed.
@@ -264,9 +246,6 @@ class AioServerThread:
         """Run ``coro`` as a background task on the server loop; it is cancelled at shutdown.
 
         Must be called from the loop thread (from ``startup``, a handler or another task).
-
-        Args:
-            coro: the coroutine to run.
         """
         task = self._loop.create_task(coro)
         self._tasks.add(task)
@@ -278,17 +257,7 @@ class AioServerThread:
             logger.error("%s: background task failed", self._name, exc_info=task.exception())
 
     def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
-        """Run ``coro`` on the server loop from any thread.
-
-        Args:
-            coro: the coroutine to run.
-
-        Returns:
-            A future with its result.
-
-        Raises:
-            RuntimeError: the server was shut down.
-        """
+        """Run ``coro`` on the server loop from any thread (``RuntimeError`` once shut down)."""
         with self._lock:
             if self._stopped:
                 coro.close()
@@ -298,12 +267,8 @@ class AioServerThread:
     def shutdown(self, grace: float | None = None, timeout: float = 10.0) -> None:
         """Stop serving, cancel background tasks, and end the loop thread.
 
-        Calls still in progress are cancelled (after ``grace`` seconds if given).
-        Safe to call more than once and from any thread, including the loop thread.
-
-        Args:
-            grace: seconds to let in-flight calls finish; None cancels them at once.
-            timeout: longest wait for the loop thread to end.
+        Calls in progress are cancelled after ``grace`` seconds (None: at once); waits up to
+        ``timeout`` for the thread. Safe to call more than once, from any thread.
         """
         with self._lock:
             if self._stopped:

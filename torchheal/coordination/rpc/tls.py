@@ -1,10 +1,8 @@
 """TLS for torchheal's servers and clients: gRPC credentials and ``ssl`` contexts for HTTP.
 
-Paths come from :class:`~torchheal._base.security.SecurityEnv` (``TORCHHEAL_TLS_CERT``,
-``TORCHHEAL_TLS_KEY``, ``TORCHHEAL_TLS_CA`` or the CLIs' ``--tls-*`` flags). A server presents
-its certificate chain; a client verifies the server against the configured authorities (the
-system's when none is given) and the host name it dialled. Clients present no certificate: the
-job token is what admits them.
+Paths come from :class:`~torchheal._base.security.SecurityEnv`. A client verifies the server
+against the configured authorities (else the system's) and the host name it dialled; clients
+present no certificate: the job token is what admits them.
 """
 
 from __future__ import annotations
@@ -41,42 +39,21 @@ def _require_certificate(security: SecurityEnv, who: str) -> tuple[str, str]:
 
 
 def server_credentials(security: SecurityEnv, who: str) -> grpc.ServerCredentials:
-    """gRPC server credentials presenting the configured certificate.
-
-    Args:
-        security: the settings (TLS on).
-        who: the server's name, for messages.
-
-    Raises:
-        RuntimeError: no certificate/key is configured, or a file cannot be read.
-    """
+    """gRPC server credentials presenting the configured certificate (``RuntimeError`` if
+    none is configured or a file cannot be read; ``who`` names the server)."""
     cert, key = _require_certificate(security, who)
     return grpc.ssl_server_credentials([(_read(key, "key"), _read(cert, "certificate"))])
 
 
 def channel_credentials(security: SecurityEnv) -> grpc.ChannelCredentials:
-    """gRPC channel credentials trusting the configured authorities (else the system's).
-
-    Args:
-        security: the settings (TLS on).
-
-    Raises:
-        RuntimeError: the authority bundle cannot be read.
-    """
+    """gRPC channel credentials trusting the configured authorities (else the system's)."""
     roots = None if security.tls_ca is None else _read(security.tls_ca, "CA bundle")
     return grpc.ssl_channel_credentials(root_certificates=roots)
 
 
 def server_ssl_context(security: SecurityEnv, who: str) -> ssl.SSLContext:
-    """An ``ssl`` context for an HTTPS server presenting the configured certificate.
-
-    Args:
-        security: the settings (TLS on).
-        who: the server's name, for messages.
-
-    Raises:
-        RuntimeError: no certificate/key is configured, or they cannot be loaded.
-    """
+    """An ``ssl`` context for an HTTPS server presenting the configured certificate (errors
+    as :func:`server_credentials`)."""
     cert, key = _require_certificate(security, who)
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     context.minimum_version = ssl.TLSVersion.TLSv1_2
@@ -88,14 +65,7 @@ def server_ssl_context(security: SecurityEnv, who: str) -> ssl.SSLContext:
 
 
 def client_ssl_context(security: SecurityEnv) -> ssl.SSLContext:
-    """An ``ssl`` context for an HTTPS client: verifies the server's certificate and name.
-
-    Args:
-        security: the settings (TLS on).
-
-    Raises:
-        RuntimeError: the authority bundle cannot be loaded.
-    """
+    """An ``ssl`` context for an HTTPS client: verifies the server's certificate and name."""
     try:
         context = ssl.create_default_context(cafile=security.tls_ca)
     except (OSError, ssl.SSLError) as e:

@@ -1,8 +1,7 @@
 """``torchheal demo``: a lighthouse and three replica groups on this machine, one killed mid-run.
 
-The run shows the whole promise in under a minute on a laptop: the survivors notice the loss,
-agree on a new quorum and keep training; the killed group is restarted, heals live from a
-peer's memory, and every group ends with bit-identical weights.
+The survivors agree on a new quorum and keep training; the killed group is restarted, heals
+live from a peer, and every group ends with bit-identical weights.
 """
 
 from __future__ import annotations
@@ -28,24 +27,20 @@ class DemoConfig:
         kill_at_step: SIGKILL one group when the job reaches this step.
         step_delay_s: simulated compute per step.
         restart_delay_s: how long the killed group stays down.
-        warm_spares: warm spare processes kept for the restart (torch already imported, see
-            ``launcher/spare.py``); 0 restarts the killed group cold, as torchrun would.
+        warm_spares: warm spares kept for the restart (0: restart cold, as torchrun would).
         heartbeat_timeout_ms: lighthouse heartbeat expiry.
         join_timeout_ms: how long the lighthouse waits for stragglers.
         deadline_s: abort the run after this long.
-        dashboard_port: the dashboard's port (0: any free port; None: 29511, or any free port
-            when that is taken).
+        dashboard_port: 0: any free port; None: 29511, else any free port.
         token: the job token the dashboard's kill action needs (None: open).
-        metrics_port: group g's rank 0 serves Prometheus ``/metrics`` on this port plus g
-            (0: any free port; None: no trainer metrics).
-        security: the lighthouse's job token and TLS settings (None: read from the
-            environment).
+        metrics_port: group g's rank 0 serves ``/metrics`` on this port plus g (0: any free
+            port; None: off).
+        security: the lighthouse's token and TLS settings (None: from the environment).
         environ: the environment the groups start from (None: this process's).
     """
 
     replicas: int = 3
-    # Under a minute on a 2-core machine: time to open the dashboard and watch the kill, the
-    # survivors going on, and the heal on the charts.
+    # Under a minute on 2 cores, yet long enough to watch the kill and heal on the dashboard.
     steps: int = 300
     kill_at_step: int = 100
     step_delay_s: float = 0.1
@@ -140,11 +135,8 @@ def run_demo(
 ) -> tuple[RunResult, Summary]:
     """Run the demo and return the raw run and its summary.
 
-    Args:
-        config: the demo's knobs.
-        out: where the commentary goes, one line per call.
-        hold: called with the dashboard's URL after the summary, before the lighthouse and its
-            dashboard stop (``--keep-open`` waits there for Ctrl-C).
+    ``out`` takes the commentary, one line per call; ``hold`` is called with the dashboard's
+    URL after the summary, before the lighthouse stops (``--keep-open`` waits there).
     """
     config = config or DemoConfig()
     config.validate()

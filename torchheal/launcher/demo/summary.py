@@ -19,8 +19,8 @@ class Recovery:
         group: the killed group.
         survivor_stall_s: from the kill to the first step a survivor committed in a new quorum.
         rejoin_s: from the group's restart to its first committed step (None if it never did).
-        healed: whether the restarted group reported that it healed from a peer.
-        warm: whether the restarted group began in a warm spare (torch already imported).
+        healed: the restarted group reported that it healed from a peer.
+        warm: the restarted group began in a warm spare.
     """
 
     group: int
@@ -32,13 +32,8 @@ class Recovery:
 
 @dataclass(frozen=True)
 class SampleCheck:
-    """Whether the committed steps read every sample once, from the groups' own reports.
-
-    Args:
-        steps: committed steps some contributing group reported what it read in.
-        batch: the global batch of a step.
-        problems: what broke the rule (empty when every sample was read once).
-    """
+    """Whether the committed steps read every sample once, from the groups' own reports
+    (``steps``: committed steps with a report; ``problems``: empty when all is well)."""
 
     steps: int
     batch: int
@@ -48,10 +43,9 @@ class SampleCheck:
 def check_samples(events: list[Event]) -> SampleCheck | None:
     """Checks each committed step's reported reads against the data plan (None: none reported).
 
-    Every contributing group of a committed step must have read exactly its slice of the
-    step's batch for that step's quorum, all of the step's groups must agree on the quorum, and
-    no stream position may be read in two committed steps. A group killed between its commit
-    and its report leaves its slice unreported; the plan still says what it read.
+    Each contributing group must have read exactly its slice for the step's quorum, the step's
+    groups must agree on the quorum, and no position may be read in two committed steps. A
+    group killed between its commit and its report leaves its slice unreported.
     """
     reads = [
         e.fields
@@ -100,8 +94,7 @@ class Summary:
         wall_s: duration of the whole run.
         samples: the exactly-once check of the data the groups read (None: not reported).
         comparisons: the divergence guard's ``(comparisons, mismatches)`` summed over the
-            groups' ``done`` events (``divergence_checks``, ``divergence_mismatches``; None:
-            not reported).
+            groups' ``done`` events (None: not reported).
     """
 
     steps_committed: int
@@ -119,8 +112,7 @@ class Summary:
 def _survivor_stall(kill_time: float, survivors: list[list[tuple[float, object]]]) -> float | None:
     """Seconds from the kill to the first survivor commit in a quorum formed after it.
 
-    A commit that lands just after the kill but still in the old quorum is the step that was
-    already in flight, not a recovery, so it does not count.
+    A commit still in the old quorum is the step already in flight, not a recovery.
     """
     firsts = []
     for commits in survivors:

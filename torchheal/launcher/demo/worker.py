@@ -1,12 +1,8 @@
 """One replica group of the demo job: fault-tolerant DDP on a small MLP with synthetic data.
 
-Run by the launcher as ``python -m torchheal.launcher.demo.worker --steps N``, one process per
-replica group, configured by ``REPLICA_GROUP_ID``, ``NUM_REPLICA_GROUPS`` and
-``TORCHHEAL_LIGHTHOUSE`` (or ``TORCHFT_LIGHTHOUSE``); it reports progress as event lines
-(``events.py``). Data follows the data plan (``torchheal.data``, docs/data.md): each step's
-global batch is split over the step's quorum and a failed step is read again, and each step
-event says which positions this group read, so the summary can check every sample was read
-once. A group that joins late must end bit-identical to the others.
+Run by the launcher, one process per replica group; it reports progress as event lines
+(``events.py``). Data follows the data plan (docs/data.md), and each step event says which
+positions this group read, so the summary can check every sample was read once.
 """
 
 from __future__ import annotations
@@ -93,8 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         format=f"[group {group}] %(levelname)s %(name)s: %(message)s",
     )
 
-    # The launcher hosts each group's store, as torchrun's agent does; run alone, the worker
-    # hosts its own.
+    # The launcher hosts each group's store, as torchrun's agent does; alone, host our own.
     torchrun = TorchrunEnv.from_env()
     store = None
     if torchrun.master_addr and torchrun.master_port:
@@ -127,11 +122,9 @@ def main(argv: list[str] | None = None) -> int:
         store_addr=store_addr,
         store_port=store_port,
         replica_id=f"demo_{group}",
-        # The divergence guard: every group compares fingerprints at each new quorum, after
-        # every heal and every 100 steps (docs/divergence.md).
-        divergence_check_interval=100,
-        # Every group builds the same seeded model. (With init_sync at step 0 the groups but one
-        # would heal from it and send zeros while counted: their share of step 0 lost.)
+        divergence_check_interval=100,  # docs/divergence.md
+        # Every group builds the same seeded model; with init_sync all groups but one would
+        # heal at step 0 and send zeros while counted, losing their share of the step.
         init_sync=False,
     )
     ddp = DistributedDataParallel(manager, model)

@@ -7,13 +7,8 @@ Served by the lighthouse process on its own HTTP port (default 29511)::
     dashboard = DashboardServer(lighthouse, recorder, port=29511)
     print("dashboard:", dashboard.url())
 
-Modules, from the bottom: ``events.py`` (what the lighthouse reports, as values),
-``history.py`` (the pure fold of events into quorum history, recovery timeline and charts),
-``view.py`` (the pure status document), ``terminal.py`` (the status document as text),
-``recorder.py`` (the lighthouse observer), ``app.py`` (HTTP routes), ``server.py`` (the
-thread that serves them). The page lives in ``static/``; its chart library in
-``static/vendor/`` is fetched from the npm registry at set-up time (``package.json``/
-``package-lock.json`` beside this file pin it).
+The page lives in ``static/``; its chart library in ``static/vendor/`` is fetched from the npm
+registry at set-up time (pinned by ``package.json``/``package-lock.json`` beside this file).
 """
 
 from torchheal.coordination.lighthouse.dashboard.recorder import LighthouseRecorder

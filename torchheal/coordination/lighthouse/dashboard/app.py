@@ -1,21 +1,9 @@
 """The dashboard's HTTP routes (aiohttp): the page, its JSON, Prometheus, and the kill action.
 
-Routes:
-
-* ``GET /`` — the page (``static/index.html``), which polls ``/api/status`` every second.
-* ``GET /static/{path}`` — the page's script and style, and the chart library in
-  ``static/vendor/`` (fetched from the npm registry by ``scripts/setup_env.sh``).
-* ``GET /api/status[?series_since=T]`` — the status document (``view.py``); with
-  ``series_since``, the chart buckets newer than ``T`` too (``0``: all of them).
-* ``GET /metrics`` — Prometheus metrics of the lighthouse (with ``metrics_auth``,
-  ``TORCHHEAL_METRICS_AUTH``, it needs the job token too).
-* ``POST /api/replicas/{replica_id}/kill`` (and the reference's ``POST
-  /replica/{replica_id}/kill``) — ask that replica group's manager to exit. When a job token is
-  set it must come as ``Authorization: Bearer <token>`` (missing or wrong: 401, logged; the
-  check is ``rpc.auth``'s, the one every torchheal endpoint uses).
-
-Everything here runs on the dashboard's own event loop (``server.py``); the only blocking call,
-the kill RPC, runs in the loop's thread pool.
+``GET /``, ``/static/{path}``, ``/api/status[?series_since=T]`` (with the chart buckets newer
+than ``T``; ``0``: all), ``/metrics``, and ``POST /api/replicas/{replica_id}/kill`` (and the
+reference's ``/replica/{replica_id}/kill``), which needs the job token as a bearer token when
+one is set. Runs on the dashboard's own loop; the kill RPC runs in its thread pool.
 """
 
 from __future__ import annotations
@@ -75,27 +63,16 @@ SECURITY_HEADERS = {
 
 
 def missing_assets(static_dir: Path = STATIC_DIR) -> tuple[str, ...]:
-    """The required page assets that are not installed.
-
-    Args:
-        static_dir: where the assets live.
-    """
+    """The required page assets that are not installed in ``static_dir``."""
     return tuple(name for name in REQUIRED_ASSETS if not (static_dir / name).is_file())
 
 
 class DashboardApp:
     """The routes and the state behind them; used from the dashboard loop only.
 
-    Args:
-        status: returns ``LighthouseServer.status()`` (thread-safe).
-        recorder: the lighthouse's observer.
-        kill: ``(manager address, message) -> None``: asks a manager to exit; raises on failure.
-            Called on a worker thread.
-        token: the job token actions need; None or empty: actions are open.
-        metrics_auth: ``/metrics`` needs the token too (when one is set).
-        address: the lighthouse's gRPC address, shown on the page.
-        history: the history to fold events into (default: a new one).
-        static_dir: where the page's files are.
+    ``kill(manager address, message)`` asks a manager to exit (raises on failure; called on a
+    worker thread); ``token`` None or empty leaves actions open; ``metrics_auth``: ``/metrics``
+    needs the token too.
     """
 
     def __init__(
@@ -241,8 +218,8 @@ class DashboardApp:
         )
 
     def _refuse(self, request: web.Request) -> web.Response | None:
-        # A browser always names the page's origin on a cross-site POST: refuse those, so a
-        # page elsewhere cannot make a visitor's browser kill groups of an open dashboard.
+        # A browser names the origin on a cross-site POST: refuse those, so a page elsewhere
+        # cannot make a visitor's browser kill groups of an open dashboard.
         origin = request.headers.get("Origin")
         if origin is not None and _netloc(origin) != request.host:
             return _error(403, "refused: cross-origin request")

@@ -1,13 +1,8 @@
 """The job's history as the dashboard shows it, folded from lighthouse events (pure).
 
-:class:`History` takes :mod:`events <torchheal.coordination.lighthouse.dashboard.events>` in order
-and keeps, within fixed bounds, the quorum history (who joined or left and why), the recovery
-timeline of each lost member, time series of committed steps/s and quorum size, and each group's
-last divergence-guard report (``verified.py``).
-
-A group's commits between two quorums are ``step - max(its previous step, the job's previous
-step)``, so a heal's jump to the job's step counts as nothing. No I/O, clock or threads: events
-carry their time and views take ``now``.
+Within fixed bounds: who joined or left and why, each lost member's recovery timeline, steps/s
+and quorum size over time. A group's commits between two quorums are ``step - max(its previous
+step, the job's previous step)``, so a heal's jump to the job's step counts as nothing.
 """
 
 from __future__ import annotations
@@ -40,16 +35,7 @@ CAUSE_ABSENT = "did not ask to join"
 
 @dataclass(frozen=True)
 class HistoryLimits:
-    """Bounds on what a :class:`History` keeps.
-
-    Args:
-        bucket_s: width of a time-series bucket in seconds.
-        buckets: how many buckets are kept (default: one hour of 1 s buckets).
-        changes: quorum history rows kept.
-        failures: recovery records kept.
-        divergences: mismatch marks kept.
-        rate_window_s: the window of the "steps/s now" figures.
-    """
+    """Bounds on what a :class:`History` keeps (``rate_window_s``: of "steps/s now")."""
 
     bucket_s: float = 1.0
     buckets: int = 3600
@@ -91,11 +77,7 @@ class _Failure:
 
 
 class History:
-    """Folds lighthouse events into the quorum history, recovery timeline and charts.
-
-    Args:
-        limits: bounds on what is kept.
-    """
+    """Folds lighthouse events into the quorum history, recovery timeline and charts."""
 
     def __init__(self, limits: HistoryLimits | None = None) -> None:
         self.limits = limits or HistoryLimits()
@@ -104,8 +86,8 @@ class History:
         self._tracks: dict[str, _Track] = {}
         self._changes: deque[dict[str, Any]] = deque(maxlen=self.limits.changes)
         self._failures: deque[_Failure] = deque(maxlen=self.limits.failures)
-        # Failures the survivors have not gone on from yet (by replica id), and failures whose
-        # group has not healed yet: the few records every quorum must look at.
+        # The few records every quorum must look at: failures not gone on from yet (by replica
+        # id), and those whose group has not healed yet.
         self._open: dict[str, _Failure] = {}
         self._recovering: list[_Failure] = []
         self._buckets: deque[_Bucket] = deque(maxlen=self.limits.buckets)
@@ -120,22 +102,14 @@ class History:
     # Events
 
     def apply(self, event: Event) -> None:
-        """Fold one event in; events must come in the order they happened.
-
-        Args:
-            event: the event.
-
-        Raises:
-            TypeError: ``event`` is not one of the event types.
-        """
+        """Fold one event in; events must come in the order they happened."""
         if isinstance(event, QuorumIssued):
             self._quorum(event)
         elif isinstance(event, Expired):
             self._notice(event.t, event.replica_id, CAUSE_EXPIRED)
         elif isinstance(event, Lost):
             if event.reason.startswith("left"):
-                # It said goodbye (its job ended, or it was asked to exit): the cause, should
-                # the next quorum lack it, but not a failure by itself.
+                # A goodbye: the cause, should the next quorum lack it, not a failure itself.
                 self._notices.setdefault(event.replica_id, (event.t, event.reason))
             else:
                 self._notice(event.t, event.replica_id, event.reason)
@@ -150,8 +124,7 @@ class History:
             raise TypeError(f"not a dashboard event: {event!r}")
 
     def _notice(self, t: float, replica_id: str, cause: str) -> None:
-        # The first notice wins: a kill is followed by the heartbeat expiring, and the kill is
-        # the cause.
+        # The first notice wins: a kill is followed by the heartbeat expiring.
         self._notices.setdefault(replica_id, (t, cause))
         if len(self._notices) > 4 * self.limits.failures:
             self._notices.pop(next(iter(self._notices)))
@@ -162,9 +135,8 @@ class History:
             self._add(_Failure(group_name(replica_id), replica_id, cause, current.t, noticed=t))
 
     def _killed(self, event: KillRequested) -> None:
-        # The kill is the cause even when the lighthouse saw the group's session end first
-        # (the manager exits as soon as it has answered, which can be before the dashboard
-        # records the accepted kill).
+        # The kill is the cause even when the session end was seen first (the manager exits as
+        # soon as it answers, which can be before the kill is recorded).
         rid = event.replica_id
         earlier = self._notices.get(rid)
         self._notices[rid] = (earlier[0] if earlier else event.t, CAUSE_KILLED)
@@ -304,17 +276,8 @@ class History:
         return self._current
 
     def view(self, now: float) -> dict[str, Any]:
-        """What the page shows besides the charts, as JSON-able data.
-
-        Args:
-            now: wall-clock seconds.
-
-        Returns:
-            ``members`` (of the last quorum, with group, healing flag and steps/s),
-            ``job_step``, ``job_rate``, ``reason``/``reason_since`` (the latest quorum status),
-            ``changes`` and ``failures`` (newest first), ``rounds``, ``guard`` (each group's
-            last divergence-guard report) and ``divergences`` (mismatch marks, newest first).
-        """
+        """What the page shows besides the charts, as JSON-able data (``now``: wall clock);
+        lists are newest first."""
         rates = self._rates(now)
         guard = self._guard.view()
         members = []
@@ -378,16 +341,8 @@ class History:
         return [b for b in self._buckets if b.start + width <= now]
 
     def series(self, now: float, since: float | None = None) -> dict[str, Any]:
-        """Chart data for the complete buckets that start after ``since``, column-wise.
-
-        Args:
-            now: wall-clock seconds.
-            since: start of the newest bucket the caller already has; None for all.
-
-        Returns:
-            ``bucket_s``; ``t`` (bucket starts); ``job`` (committed steps/s); ``groups``
-            (group -> steps/s, None while not a member); ``quorum_size``.
-        """
+        """Chart data, column-wise, for the complete buckets starting after ``since`` (None:
+        all); ``groups`` maps group -> steps/s (None while not a member)."""
         width = self.limits.bucket_s
         buckets = [b for b in self._complete(now) if since is None or b.start > since]
         names = sorted({g for b in buckets for g in b.groups})

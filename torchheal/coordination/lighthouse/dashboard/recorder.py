@@ -1,13 +1,9 @@
 """The lighthouse observer behind the dashboard and the metrics: counters plus an event queue.
 
-:class:`LighthouseRecorder` is handed to ``LighthouseServer(observer=...)``. Its methods run on
-the lighthouse's event-loop thread, so they only count and queue: a heartbeat is one integer
-add; a request, an issued quorum, an expiry or a reason change becomes one
-:mod:`event <torchheal.coordination.lighthouse.dashboard.events>` stamped with wall-clock time. The
-dashboard's own thread drains the queue into the pure :class:`~.history.History`; the metrics
-collector reads the counters when ``/metrics`` is scraped. Nothing is locked: each value has one
-writer (the lighthouse thread), ``collections.deque`` appends and pops are thread-safe, and a
-reader from another thread sees a value at most one update old.
+Its methods run on the lighthouse's event-loop thread, so they only count and queue events; the
+dashboard thread drains the queue and ``/metrics`` reads the counters. Nothing is locked: each
+value has one writer, deque appends and pops are thread-safe, and a reader sees a value at most
+one update old.
 """
 
 from __future__ import annotations
@@ -31,23 +27,18 @@ from torchheal.metrics.stats import Histogram
 
 __all__ = ["LighthouseRecorder"]
 
-# Events wait here until the dashboard thread folds them (every fraction of a second). The bound
-# only matters if that thread stops: the oldest events are then dropped, never the lighthouse.
+# Bounds the queue should the dashboard thread stop: the oldest events are then dropped.
 MAX_QUEUED_EVENTS = 100_000
-# Replica ids already announced as new; cleared when it grows past this (restarts every step of
-# a long job would otherwise grow it forever). Clearing only re-announces some groups.
+# Announced replica ids are forgotten past this (clearing only re-announces some groups).
 MAX_SEEN_IDS = 100_000
 
 
 class LighthouseRecorder:
     """Counts what the lighthouse does and queues events for the dashboard.
 
-    Implements :class:`~torchheal.coordination.lighthouse.server.LighthouseObserver`.
-
-    Args:
-        clock_offset: wall-clock minus monotonic seconds; default: measured now. Events carry
-            wall-clock times computed from the lighthouse's monotonic ones, so they stay
-            ordered if the system clock is stepped.
+    A :class:`~torchheal.coordination.lighthouse.server.LighthouseObserver`. ``clock_offset``
+    (wall-clock minus monotonic, default: measured now) stamps events so they stay ordered if
+    the system clock is stepped.
     """
 
     def __init__(self, clock_offset: float | None = None) -> None:
@@ -75,11 +66,7 @@ class LighthouseRecorder:
         self.max_step = 0
 
     def wall(self, monotonic: float) -> float:
-        """Wall-clock seconds for a ``time.monotonic()`` value.
-
-        Args:
-            monotonic: a monotonic time.
-        """
+        """Wall-clock seconds for a ``time.monotonic()`` value."""
         return monotonic + self._offset
 
     # ------------------------------------------------------------------------------------------
@@ -137,11 +124,7 @@ class LighthouseRecorder:
     # Dashboard side (any thread)
 
     def killed(self, replica_id: str) -> None:
-        """Record that the dashboard had a replica group's manager exit.
-
-        Args:
-            replica_id: the killed replica.
-        """
+        """Record that the dashboard had a replica group's manager exit."""
         self._events.append(KillRequested(self.wall(time.monotonic()), replica_id))
 
     def drain(self) -> list[Event]:

@@ -1,13 +1,8 @@
 """The dashboard's HTTP server: aiohttp on its own event-loop thread, beside the lighthouse.
 
-Its own thread, because the lighthouse's loop decides every quorum and must not wait behind a
-browser, a scrape or a kill RPC; it reads the recorder's queue and ``LighthouseServer.status()``,
-both safe from any thread.
-
-Limits (``docs/security.md``): the read-only pages are open to anyone who reaches the port, so
-:class:`HttpLimits` bounds what a client can make it hold (128 connections, the oldest closed
-first; heads of 32 lines of 8 KiB; 30 s to send a request; 10 s for a TLS handshake), where
-aiohttp's defaults hold about 1.6 MiB per connection for an hour, without a cap.
+Its own thread, because the lighthouse's loop must not wait behind a browser, a scrape or a kill
+RPC. The read-only pages are open to anyone who reaches the port, so :class:`HttpLimits` bounds
+what a client can make it hold (aiohttp's defaults: ~1.6 MiB a connection for an hour, no cap).
 """
 
 from __future__ import annotations
@@ -30,6 +25,7 @@ from aiohttp import web
 from torchheal._base.security import SecurityEnv
 from torchheal.coordination.lighthouse.dashboard.app import STATIC_DIR, DashboardApp
 from torchheal.coordination.lighthouse.dashboard.recorder import LighthouseRecorder
+from torchheal.coordination.rpc.addresses import format_target
 from torchheal.coordination.rpc.auth import RefusalLog
 
 __all__ = ["DEFAULT_DASHBOARD_PORT", "LIMITS", "DashboardServer", "HttpLimits"]
@@ -44,14 +40,12 @@ SYNC_INTERVAL_S = 0.25
 
 @dataclass(frozen=True)
 class HttpLimits:
-    """What clients may make the dashboard hold (see the module's header).
+    """What clients may make the dashboard hold.
 
     Args:
-        connections: the most open connections; a new one closes the oldest (a browser tab
-            keeps one or two; static files take up to six for a moment).
-        idle_s: how long a connection may go without a complete request (from connecting, or
-            since its last answer).
-        header_lines: the most header lines of a request (each at most 8 KiB, aiohttp's limit).
+        connections: the most open connections; a new one closes the oldest.
+        idle_s: how long a connection may go without a complete request.
+        header_lines: the most header lines of a request (each at most 8 KiB).
         handshake_s: how long a TLS handshake may take.
     """
 
@@ -68,10 +62,9 @@ LIMITS = HttpLimits()
 class _Gate(asyncio.Protocol):
     """Keeps at most ``limit`` connections open; a new one closes the oldest to make room.
 
-    The oldest rather than the newest: a page's request is answered within moments of its
-    connection, so a crowd of slow clients cannot keep readers out unless it is renewed faster
-    than that. Counted once connected (after TLS's handshake, which ``handshake_s`` bounds): a
-    handshake that fails never reports its end to the protocol it wraps.
+    The oldest: a page's request is answered within moments, so a crowd of slow clients cannot
+    keep readers out unless renewed faster. Counted once connected (after TLS's handshake): a
+    failed handshake never reports its end to the protocol it wraps.
     """
 
     def __init__(
@@ -121,17 +114,10 @@ class _Gate(asyncio.Protocol):
 
 
 def kill_replica(address: str, message: str, *, security: SecurityEnv | None = None) -> None:
-    """Ask the manager server at ``address`` to exit (its ``Kill`` RPC).
+    """Ask the manager server at ``address`` to exit (its ``Kill`` RPC), logging ``message``.
 
-    Args:
-        address: the manager's URL.
-        message: the reason it logs.
-        security: the job token and TLS settings to call with (the lighthouse's, bound by the
-            program that serves the dashboard; None: the client reads the environment).
-
-    Raises:
-        RuntimeError: the manager could not be reached or refused.
-        TimeoutError: it did not answer in time.
+    ``security``: the token and TLS settings to call with (None: the client reads the
+    environment). Raises RuntimeError (unreachable, refused) or TimeoutError.
     """
     # Imported here: only the kill action needs a gRPC client.
     from torchheal.coordination.clients.manager_client import ManagerClient
@@ -147,16 +133,14 @@ class DashboardServer:
     """Serves the dashboard of a lighthouse; starts in the constructor.
 
     Args:
-        lighthouse: the lighthouse (anything with ``status()`` and ``address()``).
+        lighthouse: anything with ``status()`` and ``address()``.
         recorder: the observer the lighthouse was created with.
-        host: address to listen on; ``"::"`` (default) listens on every IPv6 and IPv4 address.
+        host: address to listen on; ``"::"`` (default): every IPv6 and IPv4 address.
         port: TCP port; 0 picks a free one.
         token: the job token actions need (None or empty: actions are open).
-        kill: replaces :func:`kill_replica` (tests that have no manager to kill).
-        static_dir: where the page's files are (default: the installed ones).
-        metrics_auth: ``/metrics`` needs the token too (``TORCHHEAL_METRICS_AUTH``).
-        ssl_context: serve HTTPS with this context (``rpc.tls.server_ssl_context``); None: HTTP.
-        limits: what clients may make it hold (default: :data:`LIMITS`).
+        kill: replaces :func:`kill_replica` (tests).
+        metrics_auth: ``/metrics`` needs the token too.
+        ssl_context: serve HTTPS with this context; None: HTTP.
 
     Raises:
         RuntimeError: the port could not be bound.
@@ -206,20 +190,12 @@ class DashboardServer:
         return self._port
 
     def url(self, host: str | None = None) -> str:
-        """The page's URL, ``http(s)://{host}:{port}/``.
-
-        Args:
-            host: the host to put in the URL (default: this machine's name).
-        """
+        """The page's URL, ``http(s)://{host}:{port}/`` (default host: this machine's name)."""
         scheme = "http" if self._ssl is None else "https"
         return f"{scheme}://{format_target(host or socket.gethostname(), self._port)}/"
 
     def shutdown(self, timeout: float = 5.0) -> None:
-        """Stop serving and end the thread. Idempotent, thread-safe.
-
-        Args:
-            timeout: longest wait for the thread to end.
-        """
+        """Stop serving and end the thread (waiting up to ``timeout``). Idempotent, thread-safe."""
         if self._stopped.is_set():
             return
         self._stopped.set()
@@ -280,11 +256,6 @@ class DashboardServer:
             except Exception:
                 logger.exception("dashboard: folding lighthouse events failed")
             await asyncio.sleep(SYNC_INTERVAL_S)
-
-
-def format_target(host: str, port: int) -> str:
-    """``host:port``, with an IPv6 host in brackets."""
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def _listen(host: str, port: int) -> socket.socket:

@@ -1,9 +1,4 @@
-"""The status document as one terminal screen, for ``torchheal status`` (pure).
-
-:func:`render` takes the document ``/api/status`` serves (``view.py``) and returns plain text:
-a summary line, the quorum's members, each group's divergence-guard report, groups outside it,
-the last failures and quorum changes.
-"""
+"""The status document as one terminal screen, for ``torchheal status`` (pure)."""
 
 from __future__ import annotations
 
@@ -58,8 +53,7 @@ def _clip(line: str, width: int) -> str:
 
 
 def _guard_lines(doc: dict[str, Any]) -> list[str]:
-    # Each group's last divergence-guard report; none from a lighthouse older than the report
-    # (.get), a reference group, or a group with the guard off.
+    # .get: a lighthouse older than the guard report sends none.
     groups = doc.get("guard") or {}
     if not groups:
         return []
@@ -84,17 +78,8 @@ def _guard_lines(doc: dict[str, Any]) -> list[str]:
 
 
 def render(doc: dict[str, Any], width: int = 120, failures: int = 5, changes: int = 5) -> str:
-    """One screen of text describing the job.
-
-    Args:
-        doc: the status document (``GET /api/status``).
-        width: longest line; longer ones are cut.
-        failures: how many of the latest failures to list.
-        changes: how many of the latest quorum changes to list.
-
-    Returns:
-        The text, lines separated by newlines, without a trailing newline.
-    """
+    """One screen of text describing the job from ``GET /api/status``'s document, lines cut at
+    ``width``, listing the latest ``failures`` failures and ``changes`` quorum changes."""
     q = doc["quorum"]
     job = doc["job"]
     config = doc["config"]

@@ -1,11 +1,8 @@
 """Each replica group's divergence-guard report, and where its mismatches rose (pure).
 
-A group's rank 0 sends its guard's counts with every quorum request (``guard_report.py``), and
-the lighthouse echoes them in the issued quorum. :class:`GuardReports` keeps each group's last
-report (by name, across restarts), and a mark wherever a group's mismatch count rose: the
-quorum's time, the group and its step, drawn red on the page's timeline. A restarted group
-counts from zero again, so a rise is measured against the same replica id's last report (a new
-id's whole count is new).
+Groups send their guard's counts with each quorum request and the lighthouse echoes them in the
+issued quorum. A restarted group counts from zero again, so a rise is measured against the same
+replica id's last report (a new id's whole count is new).
 """
 
 from __future__ import annotations
@@ -29,23 +26,14 @@ class _Last:
 
 
 class GuardReports:
-    """The groups' last guard reports and the mismatch marks, folded from issued quorums.
-
-    Args:
-        marks: how many mismatch marks are kept (the oldest go first).
-    """
+    """The groups' last guard reports (by name) and the last ``marks`` mismatch rises."""
 
     def __init__(self, marks: int = 200) -> None:
         self._last: dict[str, _Last] = {}
         self._marks: deque[dict[str, Any]] = deque(maxlen=marks)
 
     def quorum(self, t: float, members: Iterable[MemberInfo]) -> None:
-        """Take in the reports of an issued quorum's members.
-
-        Args:
-            t: wall-clock seconds of the quorum.
-            members: its members; those without a report change nothing.
-        """
+        """Take in the reports of the members of a quorum issued at ``t`` (wall clock)."""
         for m in members:
             report = m.guard
             if report is None:

@@ -1,9 +1,7 @@
 """The JSON status the dashboard serves: the lighthouse's snapshot joined with its history (pure).
 
-``LighthouseServer.status()`` is the authority on the present (the quorum, who waits, heartbeat
-ages); :class:`~.history.History` adds what only a memory of the past can say (steps/s, why
-members left, the recovery timeline). :func:`build_status` joins them into the one document the
-page, ``torchheal status`` and scripts read; its shape is described in ``docs/dashboard.md``.
+``LighthouseServer.status()`` is the authority on the present; the history adds what only a
+memory of the past can say. The document's shape is described in ``docs/dashboard.md``.
 """
 
 from __future__ import annotations
@@ -23,18 +21,9 @@ def next_quorum(
 ) -> str:
     """What the next quorum waits for, in words that are true between rounds.
 
-    The lighthouse's reason is what a decision taken right now would say. Between the rounds
-    of a healthy job nobody is asking, so it reads "New quorum not ready, only have 0
-    participants" while every group trains: say that instead. A reason seen long after the
-    last quorum (or before any) is shown as it is: then it explains a stall.
-
-    Args:
-        reason: the lighthouse's reason string.
-        quorum_id: the last quorum's id.
-        size: its members.
-        age_s: seconds since it was issued (None: none yet).
-        asking: groups asking for a quorum now.
-        timeout_s: the heartbeat timeout (a quorum older than this is not "between rounds").
+    Between a healthy job's rounds nobody asks, so the reason reads "New quorum not ready" while
+    every group trains: say that instead. Long after the last quorum (older than ``timeout_s``)
+    or before any, the reason explains a stall and is shown as it is.
     """
     recent = age_s is not None and age_s < timeout_s and size > 0
     if not reason.startswith("New quorum not ready") or not recent:
@@ -56,19 +45,7 @@ def build_status(
     token_required: bool = False,
     missing_assets: tuple[str, ...] = (),
 ) -> dict[str, Any]:
-    """Join a lighthouse snapshot and a history view into the status document.
-
-    Args:
-        lighthouse: ``LighthouseServer.status()``.
-        history: ``History.view(now)``.
-        now: wall-clock seconds.
-        address: the lighthouse's gRPC address, for display.
-        token_required: whether actions need the job token.
-        missing_assets: page assets that are not installed (the page says so).
-
-    Returns:
-        The status document (JSON-able).
-    """
+    """Join ``LighthouseServer.status()`` and ``History.view(now)`` into the status document."""
     config = lighthouse["config"]
     timeout_s = config["heartbeat_timeout_ms"] / 1000.0
     ages: dict[str, float] = lighthouse["heartbeats"]
@@ -84,8 +61,7 @@ def build_status(
         rid = m["replica_id"]
         age = ages.get(rid)
         group = group_name(rid)
-        # The group's last guard report, if this start of it sent one (None: no guard report,
-        # as from a reference group or one with the guard off).
+        # The group's last guard report, if this start of it sent one.
         report = guard.get(group)
         if report is not None and report["replica_id"] != rid:
             report = None
@@ -158,8 +134,7 @@ def build_status(
         "job": {"step": max_step, "rate": history["job_rate"], "rounds": history["rounds"]},
         "changes": history["changes"],
         "failures": history["failures"],
-        # Each group's last divergence-guard report (kept after it left the quorum), and where
-        # a group's mismatches rose, newest first.
+        # Kept after a group left the quorum; divergences newest first.
         "guard": guard,
         "divergences": history["divergences"],
     }
